@@ -1,0 +1,28 @@
+"""polyattn: Transformer attention for any array library.
+
+Scaled dot-product attention, multi-head attention and positional encodings,
+written once against the Python Array API standard. NumPy arrays run on the
+CPU, CuPy arrays on an NVIDIA GPU; torch, JAX, Dask and array-api-strict
+arrays work too. See ``python -m polyattn info``.
+"""
+
+from .attention import attention_weights, explain, scaled_dot_product_attention
+from .masks import causal_mask
+from .multihead import MultiHeadAttention, multi_head_attention
+from .positional import sinusoidal_positional_encoding
+from .softmax import logsumexp, softmax
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiHeadAttention",
+    "__version__",
+    "attention_weights",
+    "causal_mask",
+    "explain",
+    "logsumexp",
+    "multi_head_attention",
+    "scaled_dot_product_attention",
+    "sinusoidal_positional_encoding",
+    "softmax",
+]

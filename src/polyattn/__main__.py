@@ -1,0 +1,5 @@
+"""``python -m polyattn``: see :mod:`polyattn.cli`."""
+
+from .cli import main
+
+raise SystemExit(main())

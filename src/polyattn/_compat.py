@@ -1,0 +1,145 @@
+"""The one place that talks to ``array_api_compat``.
+
+Everything else in polyattn asks this module for an array namespace, a device
+or a library's name, so that the way namespaces are resolved stays in one file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import array_api_compat
+from array_api_compat import (
+    is_array_api_obj,
+    is_cupy_namespace,
+    is_dask_namespace,
+    is_jax_namespace,
+    is_numpy_namespace,
+    is_torch_namespace,
+)
+
+__all__ = [
+    "array_namespace",
+    "default_float_dtype",
+    "device_of",
+    "is_array",
+    "library_name",
+    "namespace_of",
+    "resolve_xp",
+    "scalar_like",
+]
+
+Array = Any
+Namespace = Any
+
+
+def is_array(x: object) -> bool:
+    """Whether ``x`` is an array of a library the Array API helpers know."""
+    return bool(is_array_api_obj(x))
+
+
+def array_namespace(*arrays: Array) -> Namespace:
+    """The standard-compatible namespace of ``arrays`` (all from one library)."""
+    return array_api_compat.array_namespace(*arrays)
+
+
+def library_name(xp: Namespace) -> str:
+    """A short, user-facing name for a namespace: ``"numpy"``, ``"torch"``, ..."""
+    if is_numpy_namespace(xp):
+        return "numpy"
+    if is_cupy_namespace(xp):
+        return "cupy"
+    if is_torch_namespace(xp):
+        return "torch"
+    if is_jax_namespace(xp):
+        return "jax"
+    if is_dask_namespace(xp):
+        return "dask"
+    name = getattr(xp, "__name__", type(xp).__name__)
+    return str(name).split(".")[0]
+
+
+def namespace_of(named: dict[str, Array]) -> Namespace:
+    """The common namespace of the named arrays (``None`` values are skipped).
+
+    Raises ``TypeError`` naming the two arguments whose libraries differ.
+    """
+    first_name, first_xp = None, None
+    for name, x in named.items():
+        if x is None:
+            continue
+        if not is_array(x):
+            raise TypeError(
+                f"`{name}` must be an array of a library that follows the Array API "
+                f"(NumPy, CuPy, torch, JAX, Dask, array-api-strict); got {type(x).__name__}"
+            )
+        xp = array_namespace(x)
+        if first_xp is None:
+            first_name, first_xp = name, xp
+        elif xp is not first_xp:
+            raise TypeError(
+                f"`{first_name}` is a {library_name(first_xp)} array but `{name}` is a "
+                f"{library_name(xp)} array; pass arrays of one library"
+            )
+    if first_xp is None:
+        raise TypeError("no array arguments were given")
+    return first_xp
+
+
+def device_of(x: Array) -> Any:
+    """The device an array lives on."""
+    return array_api_compat.device(x)
+
+
+def check_same_device(named: dict[str, Array]) -> Any:
+    """The common device of the named arrays; ``ValueError`` naming both if they differ."""
+    first_name, first_dev = None, None
+    for name, x in named.items():
+        if x is None:
+            continue
+        dev = device_of(x)
+        if first_name is None:
+            first_name, first_dev = name, dev
+        elif dev != first_dev:
+            raise ValueError(
+                f"`{first_name}` is on device {first_dev!r} but `{name}` is on device "
+                f"{dev!r}; move them to one device"
+            )
+    return first_dev
+
+
+def resolve_xp(xp: Namespace | None) -> Namespace:
+    """Turn a user's ``xp`` argument into a standard-compatible namespace.
+
+    ``None`` means NumPy. A library's own module (``numpy``, ``torch``,
+    ``cupy``, ``jax.numpy``, ``dask.array``, ``array_api_strict``) and its
+    ``array_api_compat`` wrapper are both accepted.
+    """
+    if xp is None:
+        import numpy
+
+        xp = numpy
+    asarray = getattr(xp, "asarray", None)
+    if asarray is None:
+        raise TypeError(f"`xp` must be an array namespace such as numpy or torch; got {xp!r}")
+    return array_namespace(asarray(0.0))
+
+
+def default_float_dtype(xp: Namespace, device: Any = None) -> Any:
+    """The namespace's default real floating dtype on ``device``."""
+    info = getattr(xp, "__array_namespace_info__", None)
+    if info is not None:
+        try:
+            return info().default_dtypes(device=device)["real floating"]
+        except Exception:  # pragma: no cover - old namespaces
+            pass
+    return xp.asarray(0.0).dtype  # pragma: no cover
+
+
+def scalar_like(value: float, like: Array, xp: Namespace) -> Array:
+    """A 0-d array holding ``value`` with the dtype and device of ``like``."""
+    return xp.asarray(value, dtype=like.dtype, device=device_of(like))
+
+
+NEG_INF = -math.inf

@@ -1,0 +1,161 @@
+"""Validation and normalisation of an attention call into the implementations' form.
+
+:func:`prepare` checks every argument (names, shapes, dtypes, devices), then
+broadcasts the batch dimensions, casts to the compute dtype and normalises the
+mask, so that every implementation receives the layout documented in
+:mod:`polyattn.implementations`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._compat import Array, Namespace, check_same_device, namespace_of
+from ._validation import (
+    ALIGNMENTS,
+    broadcast_shapes,
+    check_bool,
+    check_choice,
+    check_floating,
+    check_min_ndim,
+    check_scale,
+    shape_str,
+)
+from .masks import causal_offset as _causal_offset
+from .masks import normalise_mask
+
+LAYOUT = "(B…, H, T, E)"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """An attention call after validation, in the implementations' layout."""
+
+    xp: Namespace
+    q: Array                      # (B…, H, Tq, E), compute dtype
+    k: Array                      # (B…, Hkv, Tk, E)
+    v: Array | None               # (B…, Hkv, Tk, Ev)
+    mask: Array | None            # len(B…) + 4 dims, each 1 or full
+    causal_offset: int | None
+    scale: float
+    result_dtype: Any             # dtype of the output
+    compute_dtype: Any            # float32 or float64
+    squeeze: bool                 # inputs were (T, E): drop the (1,) head axis again
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[:-3])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.q.shape[-3])
+
+    @property
+    def tq(self) -> int:
+        return int(self.q.shape[-2])
+
+    @property
+    def tk(self) -> int:
+        return int(self.k.shape[-2])
+
+    @property
+    def score_elements(self) -> int:
+        """Number of entries of the (B…, H, Tq, Tk) score matrix."""
+        return math.prod(self.batch) * self.num_heads * self.tq * self.tk
+
+    def finish(self, x: Array, trailing: int) -> Array:
+        """Undo the (1,) head axis added for (T, E) inputs; ``trailing`` axes follow it."""
+        if not self.squeeze:
+            return x
+        return self.xp.reshape(x, tuple(x.shape[-trailing:]) if trailing else ())
+
+
+def _shapes_error(what: str, a: str, x: Array, b: str, y: Array, detail: str) -> ValueError:
+    return ValueError(f"{what} ({a} {shape_str(x)}, {b} {shape_str(y)}); {detail}")
+
+
+def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array | None,
+            is_causal: bool, causal_alignment: str, scale: float | None,
+            enable_gqa: bool) -> Problem:
+    """Validate an attention call and bring it to the implementations' layout."""
+    arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
+    xp = namespace_of(arrays)
+    check_same_device(arrays)
+    check_bool("is_causal", is_causal)
+    check_bool("enable_gqa", enable_gqa)
+    causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
+    min_ndim = 3 if enable_gqa else 2
+    layout = "(B…, H, T, E)" if enable_gqa else "(…, T, E)"
+    named = {"query": query, "key": key, "value": value}
+    for name, x in named.items():
+        if x is None:
+            continue
+        check_floating(name, x, xp)
+        check_min_ndim(name, x, min_ndim, layout)
+    if key.shape[-1] != query.shape[-1]:
+        raise _shapes_error(
+            f"`key` has {key.shape[-1]} features but `query` has {query.shape[-1]}",
+            "query", query, "key", key, "the last axes must match")
+    if value is not None and value.shape[-2] != key.shape[-2]:
+        raise _shapes_error(
+            f"`value` has {value.shape[-2]} positions but `key` has {key.shape[-2]}",
+            "key", key, "value", value, "axis -2 (Tk) must match")
+    kv = [("key", key)] + ([("value", value)] if value is not None else [])
+
+    # --- leading dimensions: batch B… and heads H / Hkv
+    if enable_gqa:
+        heads = {name: x.shape[-3] for name, x in kv}
+        hkv = heads["key"]
+        if value is not None and heads["value"] != hkv:
+            raise _shapes_error(
+                f"`key` has {hkv} heads but `value` has {heads['value']}",
+                "key", key, "value", value, "with enable_gqa=True they must match")
+        h = query.shape[-3]
+        if hkv == 0 or h % hkv:
+            raise _shapes_error(
+                f"`query` has {h} heads, not a multiple of the {hkv} key/value heads",
+                "query", query, "key", key, "enable_gqa=True needs H % Hkv == 0")
+        batch = broadcast_shapes(
+            ("query", *[n for n, _ in kv]),
+            (tuple(query.shape[:-3]), *[tuple(x.shape[:-3]) for _, x in kv]),
+            "batch dimensions")
+        squeeze = False
+    else:
+        lead = broadcast_shapes(
+            ("query", *[n for n, _ in kv]),
+            (tuple(query.shape[:-2]), *[tuple(x.shape[:-2]) for _, x in kv]),
+            "leading (batch and head) dimensions")
+        squeeze = len(lead) == 0
+        lead = lead or (1,)
+        batch, h = lead[:-1], lead[-1]
+        kv_heads = {x.shape[-3] if x.ndim >= 3 else 1 for _, x in kv}
+        hkv = kv_heads.pop() if len(kv_heads) == 1 else h
+        hkv = hkv if hkv in (1, h) else h
+
+    # --- dtypes: the standard's promotion; float16 is computed in float32
+    floats = [x for x in named.values() if x is not None]
+    result_dtype = xp.result_type(*floats)
+    compute_dtype = result_dtype if result_dtype in (xp.float32, xp.float64) else xp.float32
+
+    def to_layout(x: Array, heads: int) -> Array:
+        shape = (*batch, heads, *x.shape[-2:])
+        if tuple(x.shape) != shape:
+            x = xp.broadcast_to(x, shape)
+        return x if x.dtype == compute_dtype else xp.astype(x, compute_dtype)
+
+    tq, tk = query.shape[-2], key.shape[-2]
+    mask = normalise_mask(attn_mask, (*batch, h, tq, tk), compute_dtype, xp)
+    return Problem(
+        xp=xp,
+        q=to_layout(query, h),
+        k=to_layout(key, hkv),
+        v=None if value is None else to_layout(value, hkv),
+        mask=mask,
+        causal_offset=_causal_offset(tq, tk, causal_alignment) if is_causal else None,
+        scale=check_scale(scale, int(query.shape[-1])),
+        result_dtype=result_dtype,
+        compute_dtype=compute_dtype,
+        squeeze=squeeze,
+    )

@@ -1,0 +1,114 @@
+"""Shape, dtype and device checks shared by the public functions.
+
+Only ``.shape``, ``.dtype`` and ``.device`` are looked at here, never values,
+so every check is cheap and works on lazy (Dask) and traced (JAX) arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from ._compat import Array, Namespace, library_name
+
+IMPLEMENTATIONS = ("auto", "reference", "chunked", "numba_cuda")
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def shape_str(x: Array) -> str:
+    """``(2, 8, 16, 4)`` for an array's shape, as used in error messages."""
+    return str(tuple(int(n) if n is not None else n for n in x.shape))
+
+
+def check_floating(name: str, x: Array, xp: Namespace) -> None:
+    """``TypeError`` unless ``x`` has a real floating dtype."""
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(
+            f"`{name}` must have a real floating dtype (float16, float32 or float64); "
+            f"got {x.dtype} ({library_name(xp)} array of shape {shape_str(x)})"
+        )
+
+
+def check_min_ndim(name: str, x: Array, ndim: int, layout: str) -> None:
+    """``ValueError`` unless ``x`` has at least ``ndim`` dimensions."""
+    if x.ndim < ndim:
+        raise ValueError(
+            f"`{name}` must have at least {ndim} dimensions {layout}; "
+            f"got shape {shape_str(x)}"
+        )
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``ValueError`` unless ``value`` is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{name}` must be one of {options}; got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``TypeError`` unless ``value`` is a Python bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False; got {value!r}")
+    return value
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale: ``1/sqrt(E)`` by default, else a finite real number."""
+    if scale is None:
+        if head_dim == 0:
+            raise ValueError(
+                "`query` and `key` have 0 features, so the default scale 1/sqrt(E) is "
+                "undefined; pass `scale` explicitly"
+            )
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"`scale` must be a real number or None; got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"`scale` must be finite; got {scale!r}")
+    return float(scale)
+
+
+def check_nonnegative_int(name: str, value: object, *, minimum: int = 0) -> int:
+    """``TypeError`` for a non-integer, ``ValueError`` below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an integer; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be at least {minimum}; got {value}")
+    return int(value)
+
+
+def broadcast_shapes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...],
+                     what: str) -> tuple[int, ...]:
+    """Broadcast ``shapes`` by the standard's rules, naming the culprits on failure."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out: list[int] = []
+    for axis in range(-ndim, 0):
+        size = 1
+        for s in shapes:
+            n = s[axis] if -axis <= len(s) else 1
+            if n != 1:
+                if size not in (1, n):
+                    detail = ", ".join(f"{nm} {tuple(sh)}" for nm, sh in zip(names, shapes))
+                    raise ValueError(f"the {what} of {', '.join(names)} do not broadcast ({detail})")
+                size = n
+        out.append(size)
+    return tuple(out)
+
+
+def check_broadcastable_to(name: str, x: Array, target: tuple[int, ...], target_desc: str) -> None:
+    """``ValueError`` unless ``x`` broadcasts to ``target`` without growing it."""
+    ok = x.ndim <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(x.shape), reversed(target))
+    )
+    if not ok:
+        raise ValueError(
+            f"`{name}` of shape {shape_str(x)} does not broadcast to {target_desc} "
+            f"{tuple(target)}"
+        )
+
+
+def dtype_name(dtype: Any) -> str:
+    """``"float32"`` for any library's float32 dtype."""
+    return str(dtype).rsplit(".", 1)[-1].replace("dtype(", "").strip("')\"")

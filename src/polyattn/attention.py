@@ -1,0 +1,185 @@
+"""Scaled dot-product attention: validate, choose an implementation, run it.
+
+Shape letters used throughout: ``B…`` any leading batch dimensions, ``H``
+query heads, ``Hkv`` key/value heads, ``Tq``/``Tk`` query/key lengths, ``E``
+query/key features, ``Ev`` value features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _dispatch
+from ._compat import Array, device_of
+from ._problem import Problem, prepare
+from ._validation import IMPLEMENTATIONS, check_bool, check_choice
+from .implementations import reference
+from .implementations._common import NEG_INF
+
+
+def _empty_keys(problem: Problem) -> tuple[Array, Array]:
+    """Tk = 0: every row is fully masked, so out = 0 and lse = -inf."""
+    xp, q, v = problem.xp, problem.q, problem.v
+    dev = device_of(q)
+    ev = v.shape[-1] if v is not None else 0
+    out = xp.zeros((*q.shape[:-1], ev), dtype=problem.compute_dtype, device=dev)
+    lse = xp.full(tuple(q.shape[:-1]), NEG_INF, dtype=problem.compute_dtype, device=dev)
+    return out, lse
+
+
+def scaled_dot_product_attention(
+    query: Array, key: Array, value: Array, /, *, attn_mask: Array | None = None,
+    is_causal: bool = False, causal_alignment: str = "top_left", scale: float | None = None,
+    enable_gqa: bool = False, return_lse: bool = False, implementation: str = "auto",
+) -> Array | tuple[Array, Array]:
+    """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
+
+    Parameters
+    ----------
+    query : array (B…, H, Tq, E)
+        Queries. Leading dimensions broadcast against ``key`` and ``value``;
+        a plain (Tq, E) matrix is accepted too.
+    key : array (B…, Hkv, Tk, E)
+        Keys.
+    value : array (B…, Hkv, Tk, Ev)
+        Values.
+    attn_mask : array, optional
+        Broadcastable to (B…, H, Tq, Tk). Boolean: True where a query may
+        attend to a key. Floating: added to the scaled scores.
+    is_causal : bool
+        Apply a causal mask (combined with ``attn_mask`` if both are given).
+    causal_alignment : {"top_left", "bottom_right"}
+        ``"top_left"``: query i sees keys ``j <= i``. ``"bottom_right"``:
+        query i sees keys ``j <= i + (Tk - Tq)`` (KV-cache decoding).
+    scale : float, optional
+        Multiplies the scores; default ``1 / sqrt(E)``.
+    enable_gqa : bool
+        Grouped-query attention: ``H % Hkv == 0`` and query head ``h`` uses
+        key/value head ``h // (H // Hkv)``.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scores, which lets partial
+        results over disjoint key sets be merged exactly.
+    implementation : {"auto", "reference", "chunked", "numba_cuda"}
+        Which implementation runs; :func:`explain` tells what ``"auto"`` picks.
+
+    Returns
+    -------
+    out : array (B…, H, Tq, Ev)
+        In the inputs' namespace, on their device, with dtype
+        ``result_type(query, key, value)``. Fully masked rows are 0.
+    lse : array (B…, H, Tq)
+        Only with ``return_lse=True``; ``-inf`` for fully masked rows. Kept in
+        the compute dtype (float32 for float16 inputs).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn import scaled_dot_product_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 8, 16))   # (B, H, Tq, E)
+    >>> k = rng.standard_normal((2, 4, 10, 16))  # (B, H, Tk, E)
+    >>> v = rng.standard_normal((2, 4, 10, 32))  # (B, H, Tk, Ev)
+    >>> scaled_dot_product_attention(q, k, v).shape
+    (2, 4, 8, 32)
+    >>> out, lse = scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    >>> lse.shape
+    (2, 4, 8)
+    """
+    check_choice("implementation", implementation, IMPLEMENTATIONS)
+    check_bool("return_lse", return_lse)
+    problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa)
+    choice = _dispatch.choose(problem, implementation)
+    if problem.tk == 0:
+        out, lse = _empty_keys(problem)
+    else:
+        out, lse = _dispatch.run(problem, choice.implementation)
+    xp = problem.xp
+    if out.dtype != problem.result_dtype:
+        out = xp.astype(out, problem.result_dtype)
+    out = problem.finish(out, 2)
+    if return_lse:
+        return out, problem.finish(lse, 1)
+    return out
+
+
+def attention_weights(
+    query: Array, key: Array, /, *, attn_mask: Array | None = None, is_causal: bool = False,
+    causal_alignment: str = "top_left", scale: float | None = None, enable_gqa: bool = False,
+) -> Array:
+    """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
+
+    Row ``i`` says how much query ``i`` attends to every key; it sums to 1
+    (to 0 for a fully masked row). The arguments mean what they mean in
+    :func:`scaled_dot_product_attention`. This materialises the
+    (B…, H, Tq, Tk) matrix.
+
+    Returns
+    -------
+    array (B…, H, Tq, Tk)
+        dtype ``result_type(query, key)``, in the inputs' namespace and device.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn import attention_weights
+    >>> q = np.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> k = np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    >>> w = attention_weights(q, k, scale=10.0)
+    >>> w.round(3)
+    array([[1., 0., 0.],
+           [0., 1., 0.]])
+    >>> w.sum(axis=-1)
+    array([1., 1.])
+    """
+    problem = prepare(query, key, None, attn_mask=attn_mask, is_causal=is_causal,
+                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa)
+    xp = problem.xp
+    if problem.tk == 0:
+        alpha = xp.zeros((*problem.q.shape[:-1], 0), dtype=problem.compute_dtype,
+                         device=device_of(problem.q))
+    else:
+        alpha = reference.weights(problem.q, problem.k, mask=problem.mask,
+                                  causal_offset=problem.causal_offset, scale=problem.scale, xp=xp)
+    if alpha.dtype != problem.result_dtype:
+        alpha = xp.astype(alpha, problem.result_dtype)
+    return problem.finish(alpha, 2)
+
+
+def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispatch.Explanation:
+    """Which implementation ``scaled_dot_product_attention`` runs for these inputs, and why.
+
+    Takes the same arguments as :func:`scaled_dot_product_attention`
+    (``return_lse`` is accepted and ignored). Nothing is computed.
+
+    Returns
+    -------
+    Explanation
+        ``.implementation`` and ``.reason``, plus the details behind them
+        (library, device, dtypes, shapes, score-matrix size and budget,
+        whether the CUDA kernel is usable); ``str()`` gives a readable report.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn import explain
+    >>> q = np.zeros((1, 2, 8, 4), dtype=np.float32)
+    >>> e = explain(q, q, q)
+    >>> e.implementation
+    'reference'
+    >>> print(e.reason)
+    the 0.0 MiB score matrix fits the 64.0 MiB budget, so materialising it is fastest
+    """
+    allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
+               "return_lse", "implementation"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
+    implementation = options.pop("implementation", "auto")
+    check_choice("implementation", implementation, IMPLEMENTATIONS)
+    options.pop("return_lse", None)
+    problem = prepare(query, key, value, attn_mask=options.get("attn_mask"),
+                      is_causal=options.get("is_causal", False),
+                      causal_alignment=options.get("causal_alignment", "top_left"),
+                      scale=options.get("scale"), enable_gqa=options.get("enable_gqa", False))
+    return _dispatch.choose(problem, implementation)

@@ -1,0 +1,68 @@
+"""Small numerical helpers shared by the Array-API implementations."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+Array = Any
+NEG_INF = -math.inf
+
+
+def stable_shift(m: Array, xp: Any) -> Array:
+    """The row maximum, with ``-inf`` (an all ``-inf`` row) replaced by 0.
+
+    Shifting a fully masked row by 0 instead of ``-inf`` turns its
+    ``exp(-inf - (-inf)) = NaN`` into ``exp(-inf) = 0``.
+    """
+    return xp.where(m == NEG_INF, 0.0, m)
+
+
+def log_of_sum(total: Array, m: Array, xp: Any) -> Array:
+    """``m + log(total)``, and ``-inf`` where ``total`` is 0 (without a warning)."""
+    positive = total > 0
+    return xp.where(positive, m + xp.log(xp.where(positive, total, 1.0)), NEG_INF)
+
+
+def safe_divide(num: Array, den: Array, xp: Any) -> Array:
+    """``num / den`` with 0 where ``den`` is 0 (fully masked rows give 0)."""
+    positive = den > 0
+    return xp.where(positive, num / xp.where(positive, den, 1.0), 0.0)
+
+
+def group_heads(x: Array, hkv: int, xp: Any) -> Array:
+    """Split the head axis (-3) into (Hkv, G): (B…, H, T, F) -> (B…, Hkv, G, T, F).
+
+    A head axis of size 1 (a mask broadcast over heads) becomes (1, 1).
+    """
+    *batch, h, t, f = x.shape
+    if h == 1:
+        return xp.reshape(x, (*batch, 1, 1, t, f))
+    return xp.reshape(x, (*batch, hkv, h // hkv, t, f))  # (B…, Hkv, G, T, F)
+
+
+def ungroup_heads(x: Array, xp: Any) -> Array:
+    """Merge (Hkv, G) back into one head axis: (B…, Hkv, G, T, F) -> (B…, H, T, F)."""
+    *batch, hkv, g, t, f = x.shape
+    return xp.reshape(x, (*batch, hkv * g, t, f))  # (B…, H, T, F)
+
+
+def causal_allowed(q_start: int, q_stop: int, k_start: int, k_stop: int, offset: int,
+                   xp: Any, device: Any) -> Array:
+    """Boolean (q_stop - q_start, k_stop - k_start): key j visible to query i."""
+    i = xp.arange(q_start, q_stop, device=device)
+    j = xp.arange(k_start, k_stop, device=device)
+    return j[None, :] <= i[:, None] + offset  # (Tq, Tk)
+
+
+def apply_masks(s: Array, mask: Array | None, causal: Array | None, xp: Any) -> Array:
+    """Add a float mask, or set ``-inf`` where a bool mask or ``causal`` is False.
+
+    ``s`` and ``mask`` have the grouped layout (B…, Hkv, G, Tq, Tk) (the mask
+    with size-1 axes where it broadcasts); ``causal`` is (Tq, Tk).
+    """
+    if mask is not None:
+        s = xp.where(mask, s, NEG_INF) if mask.dtype == xp.bool else s + mask
+    if causal is not None:
+        s = xp.where(causal, s, NEG_INF)
+    return s

