@@ -39,7 +39,8 @@ def similarity_table(sentences: list[str], sims) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sentences", nargs="*", help="sentences to compare (default: a few examples)")
+    parser.add_argument("sentences", nargs="*",
+                        help="sentences to compare (default: a few examples)")
     parser.add_argument("--backend", default="numpy", choices=BACKENDS,
                         help="array library to run the model on (default: numpy)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))

@@ -243,12 +243,14 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
         v_tile = cuda.shared.array((BK, HEAD), acc_t)
 
         # Load the scaled query row (zero-padded to HEAD) and clear the state.
+        # Feature loops run to the constant HEAD so q_row and acc can live in
+        # registers once the loops are unrolled.
         for d in range(HEAD):
-            q_row[d] = ZERO
+            x = ZERO
+            if row_ok and d < e:
+                x = q[b, h, i, d] * scale
+            q_row[d] = x
             acc[d] = ZERO
-        if row_ok:
-            for d in range(e):
-                q_row[d] = q[b, h, i, d] * scale
         m = NEG_INF
         l = ZERO
 
@@ -311,15 +313,15 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
 
         # Normalise and write; a row with no visible key gives 0 and -inf.
         if row_ok:
+            inv_l = ZERO
+            lse_i = NEG_INF
             if l > ZERO:
                 inv_l = ONE / l
-                for d in range(ev):
+                lse_i = m + math.log(l)
+            for d in range(HEAD):
+                if d < ev:
                     out[b, h, i, d] = acc[d] * inv_l
-                lse[b, h, i] = m + math.log(l)
-            else:
-                for d in range(ev):
-                    out[b, h, i, d] = ZERO
-                lse[b, h, i] = NEG_INF
+            lse[b, h, i] = lse_i
 
     name = f"attention_{dtype}_head{bucket}_{mask_kind}_q{block_q}_k{block_k}"
     attention_kernel.__name__ = attention_kernel.__qualname__ = name
@@ -447,9 +449,9 @@ class _Device:
         return self.cuda.to_device(a)
 
     def view(self, x: Array) -> Any:
-        """A Numba device array over ``x`` without copying (simulator: a device copy)."""
+        """A Numba device array over ``x`` without copying (simulator: a contiguous copy)."""
         if self.simulated:
-            return self.cuda.to_device(np.asarray(x))
+            return self.cuda.to_device(np.ascontiguousarray(x))
         if self.lib == "torch":
             x = x.detach()
         return self.cuda.as_cuda_array(x, sync=False)

@@ -248,7 +248,7 @@ def gelu(x: Array, /) -> Array:
     >>> import numpy as np
     >>> from polyattn.models.minilm import gelu
     >>> gelu(np.array([-1.0, 0.0, 1.0, 3.0])).round(6)
-    array([-0.158655,  0.      ,  0.841345,  2.995950])
+    array([-0.158655,  0.      ,  0.841345,  2.99595 ])
     """
     xp = array_api_compat.array_namespace(x)
     return 0.5 * x * (1.0 + _erf(x * (1.0 / math.sqrt(2.0)), xp))
@@ -405,7 +405,7 @@ class MiniLM:
         return layer_norm(x, p["ln_g"], p["ln_b"], eps=self.config.layer_norm_eps)
 
     def layer(self, index: int, x: Array, keep: Array, /) -> Array:
-        """Encoder layer ``index``: attention + residual + LayerNorm, GELU MLP + residual + LayerNorm."""
+        """Encoder layer ``index``: attention, add and LayerNorm; GELU MLP, add and LayerNorm."""
         lp = self.params["layers"][index]
         eps = self.config.layer_norm_eps
         b, t = keep.shape
@@ -528,14 +528,14 @@ def format_heatmap(tokens: Sequence[str], weights: Any, *, width: int = 6) -> st
     >>> from polyattn.models.minilm import format_heatmap
     >>> print(format_heatmap(["a", "b"], np.array([[1.0, 0.0], [0.25, 0.75]])))
     query \\ key      a      b
-    a             █1.00   0.00
-    b             ░0.25  ▓0.75
+    a            █1.00   0.00
+    b            ░0.25  ▓0.75
     """
     labels = [tok[: width + 2] for tok in tokens]
     left = max(len("query \\ key"), *(len(s) for s in labels))
     header = "query \\ key".ljust(left) + "".join(s.rjust(width + 1) for s in labels)
     lines = [header]
-    for label, row in zip(labels, weights):
+    for label, row in zip(labels, weights, strict=True):
         cells = "".join(f"{_shade(float(w))}{float(w):.2f}".rjust(width + 1) for w in row)
         lines.append(label.ljust(left) + cells)
     return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Test helpers: backends, conversions, the float64 oracle and tolerances."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import math
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+
+class Backend(enum.Enum):
+    """The array libraries polyattn is tested on."""
+
+    NUMPY = "numpy"
+    ARRAY_API_STRICT = "array_api_strict"
+    TORCH = "torch"
+    JAX = "jax"
+    DASK = "dask"
+    CUPY = "cupy"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self is not Backend.CUPY
+
+    @property
+    def module_name(self) -> str:
+        return {"jax": "jax.numpy", "dask": "dask.array"}.get(self.value, self.value)
+
+
+@cache
+def available_backends() -> dict[Backend, bool]:
+    """Installed backends -> whether they can run (CuPy needs a GPU)."""
+    found = {}
+    for b in Backend:
+        try:
+            importlib.import_module(b.module_name)
+        except Exception:
+            continue
+        ok = True
+        if b is Backend.CUPY:
+            try:
+                import cupy
+
+                ok = cupy.cuda.runtime.getDeviceCount() > 0
+            except Exception:
+                ok = False
+        if b is Backend.JAX:
+            import jax
+
+            jax.config.update("jax_enable_x64", True)
+        found[b] = ok
+    return found
+
+
+def backend_namespace(backend: Backend) -> Any:
+    """The standard-compatible namespace of ``backend``."""
+    import array_api_compat
+
+    module = importlib.import_module(backend.module_name)
+    if backend is Backend.JAX:
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    return array_api_compat.array_namespace(module.asarray(0.0))
+
+
+def default_device(backend: Backend, xp: Any) -> Any:
+    """A non-default device where the backend has one (array-api-strict), else default."""
+    if backend is Backend.ARRAY_API_STRICT:
+        return xp.Device("device1")
+    return None
+
+
+def dtype_of(xp: Any, name: str) -> Any:
+    return getattr(xp, name)
+
+
+def to_xp(a: np.ndarray, xp: Any, *, dtype: str | None = None, device: Any = None) -> Any:
+    """A NumPy array in ``xp`` (optionally cast to dtype ``name``) on ``device``."""
+    a = np.asarray(a)
+    target = None if dtype is None else dtype_of(xp, dtype)
+    if target is None and a.dtype == np.float64:
+        target = xp.float64
+    return xp.asarray(a, dtype=target, device=device) if target is not None else \
+        xp.asarray(a, device=device)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Any backend's array as a NumPy array (computing lazy ones)."""
+    mod = type(x).__module__
+    if hasattr(x, "compute") and mod.startswith("dask"):
+        x = x.compute()
+    if mod.startswith("torch"):
+        return x.detach().cpu().numpy()
+    if mod.startswith("cupy"):
+        return x.get()
+    if mod.startswith("array_api_strict"):
+        import array_api_strict
+
+        x = x.to_device(array_api_strict.Device("CPU_DEVICE"))
+        return np.asarray(x)
+    return np.asarray(x)
+
+
+# --- the float64 oracle, written without polyattn ----------------------------------------
+
+def ref_attention(q, k, v, *, mask=None, is_causal=False, alignment="top_left", scale=None,
+                  enable_gqa=False):
+    """float64 attention with the semantics of DESIGN §4: returns (out, lse, weights)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    if enable_gqa:
+        g = q.shape[-3] // k.shape[-3]
+        k = np.repeat(k, g, axis=-3)
+        v = np.repeat(v, g, axis=-3)
+    tq, tk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("...qe,...ke->...qk", q, k) * scale
+    if mask is not None:
+        mask = np.asarray(mask)
+        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(np.float64)
+    if is_causal:
+        off = 0 if alignment == "top_left" else tk - tq
+        allowed = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + off
+        s = np.where(allowed, s, -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = np.max(s, axis=-1, keepdims=True) if tk else np.full((*s.shape[:-1], 1), -np.inf)
+        m_safe = np.where(np.isneginf(m), 0.0, m)
+        p = np.exp(s - m_safe)
+        l = p.sum(-1, keepdims=True)
+        w = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
+    out = np.einsum("...qk,...kf->...qf", w, v)
+    return out, lse, w
+
+
+TOLERANCE = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
+
+
+def rel_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """‖out − ref‖ / ‖ref‖ (absolute error when ref is 0)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(out - ref)
+    return float(num / den) if den > 0 else float(num)
+
+
+def assert_close(out: Any, ref: np.ndarray, dtype: str, *, what: str = "out") -> None:
+    """Relative error within the numerical contract for ``dtype``."""
+    got = to_numpy(out)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert not np.isnan(got).any() or np.isnan(ref).any(), f"{what}: unexpected NaN"
+    err = rel_error(got, ref)
+    assert err <= TOLERANCE[dtype], f"{what}: relative error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+def assert_lse_close(lse: Any, ref: np.ndarray, dtype: str) -> None:
+    """lse equal where -inf, relatively close elsewhere."""
+    got = to_numpy(lse)
+    assert got.shape == ref.shape
+    inf = np.isneginf(ref)
+    assert np.array_equal(np.isneginf(got), inf), "lse: -inf pattern differs"
+    assert_close(np.where(inf, 0, got), np.where(inf, 0, ref), dtype, what="lse")
+
+
+def assert_namespace_device(out: Any, xp: Any, device: Any, dtype: Any) -> None:
+    """Output in namespace ``xp``, on ``device`` (when given), with ``dtype``."""
+    import array_api_compat
+
+    assert array_api_compat.array_namespace(out) is xp
+    assert out.dtype == dtype, f"dtype {out.dtype} != {dtype}"
+    if device is not None:
+        assert array_api_compat.device(out) == device
+
+
+def random_inputs(rng, shape_q, shape_k, shape_v):
+    return rng.standard_normal(shape_q), rng.standard_normal(shape_k), rng.standard_normal(shape_v)

@@ -1,0 +1,451 @@
+"""Tests of the fused Numba CUDA kernel (``implementations/numba_cuda.py``).
+
+With ``NUMBA_ENABLE_CUDASIM=1`` the kernel runs on Numba's CPU simulator on
+NumPy arrays, with small shapes and small tiles so that every case spans
+several query blocks and key tiles. Where CuPy and a CUDA GPU are present
+(and the simulator is off), the same cases run on CuPy arrays, followed by
+larger shapes with the production tile sizes. Every result is compared with a
+float64 NumPy reference written here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+def _gpu_reason() -> str | None:
+    """None when CuPy and a CUDA GPU are usable, else why not."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    try:
+        import cupy
+
+        if not cupy.cuda.is_available():
+            return "no CUDA GPU"
+    except Exception as exc:  # CUDA driver errors come in many types
+        return f"CUDA is not usable ({exc})"
+    return None
+
+
+if importlib.util.find_spec("numba_cuda") is None:
+    pytest.skip("numba-cuda is not installed", allow_module_level=True)
+if not SIMULATOR and _gpu_reason() is not None:
+    pytest.skip(
+        f"needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU with CuPy ({_gpu_reason()})",
+        allow_module_level=True,
+    )
+
+from polyattn.implementations import numba_cuda  # noqa: E402
+
+# Small tiles: small shapes then cover several query blocks and key tiles.
+SMALL_TILES = {"block_q": 8, "block_k": 4}
+TOL = {"float32": 1e-5, "float64": 1e-12}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_thread_switching():
+    """The simulator polls its block threads; a short switch interval speeds it up."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(previous)
+
+
+# --------------------------------------------------------------------------- #
+# Float64 NumPy reference
+# --------------------------------------------------------------------------- #
+
+def reference(q, k, v, mask, causal_offset, scale):
+    """(out, lse) in float64 from the materialised score matrix."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    group = q.shape[-3] // k.shape[-3]
+    k = np.repeat(k, group, axis=-3)  # (B…, H, Tk, E)
+    v = np.repeat(v, group, axis=-3)  # (B…, H, Tk, Ev)
+    s = scale * (q @ np.swapaxes(k, -1, -2))  # (B…, H, Tq, Tk)
+    if mask is not None:
+        mask = np.asarray(mask)
+        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(np.float64)
+    if causal_offset is not None:
+        tq, tk = s.shape[-2:]
+        visible = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + causal_offset
+        s = np.where(visible, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = np.sum(p, axis=-1, keepdims=True)
+    seen = l > 0
+    out = np.where(seen, (p @ v) / np.where(seen, l, 1.0), 0.0)
+    lse = np.where(seen, np.log(np.where(seen, l, 1.0)) + m, -np.inf)[..., 0]
+    return out, lse
+
+
+def rel_error(x, ref):
+    """‖x − ref‖ / ‖ref‖ (the absolute error when ref is 0)."""
+    x = np.asarray(x, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(x - ref)
+    return num / den if den > 0 else num
+
+
+def assert_matches(out, lse, ref_out, ref_lse, dtype):
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert str(out.dtype) == dtype and str(lse.dtype) == dtype
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert rel_error(out, ref_out) <= TOL[dtype]
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), ~finite)
+    assert rel_error(lse[finite], ref_lse[finite]) <= TOL[dtype]
+
+
+# --------------------------------------------------------------------------- #
+# Arrays: NumPy on the simulator, CuPy on a GPU
+# --------------------------------------------------------------------------- #
+
+def namespace():
+    if SIMULATOR:
+        return np
+    import array_api_compat.cupy as cp_compat
+
+    return cp_compat
+
+
+def to_library(a):
+    if SIMULATOR:
+        return a
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def to_numpy(a):
+    if SIMULATOR:
+        return np.asarray(a)
+    import cupy
+
+    return cupy.asnumpy(a)
+
+
+def run(q, k, v, *, mask=None, causal_offset=None, scale=None, dtype="float64",
+        tiles=None, convert=to_library):
+    """Kernel result and float64 reference for float64 NumPy inputs cast to ``dtype``."""
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    if mask is not None and mask.dtype != bool:
+        mask = mask.astype(dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    ref = reference(q, k, v, mask, causal_offset, scale)
+    out, lse = numba_cuda.attention(
+        convert(q), convert(k), convert(v),
+        mask=None if mask is None else convert(mask),
+        causal_offset=causal_offset, scale=scale, xp=namespace(),
+        **(SMALL_TILES if tiles is None else tiles),
+    )
+    return (out, lse), ref
+
+
+# --------------------------------------------------------------------------- #
+# Cases
+# --------------------------------------------------------------------------- #
+
+def make_inputs(rng, batch, h, hkv, tq, tk, e, ev):
+    q = rng.standard_normal((*batch, h, tq, e))
+    k = rng.standard_normal((*batch, hkv, tk, e))
+    v = rng.standard_normal((*batch, hkv, tk, ev))
+    return q, k, v
+
+
+def make_mask(rng, kind, shape):
+    """A bool (about 70 % True) or float mask (normal, some -inf) of ``shape``."""
+    keep = rng.random(shape) < 0.7
+    if kind == "bool":
+        return keep
+    return np.where(keep, rng.standard_normal(shape), -np.inf)
+
+
+# (batch, H, Hkv, Tq, Tk, E, Ev)
+SHAPES = {
+    "plain": ((2,), 2, 2, 9, 13, 4, 4),
+    "tq_gt_tk": ((1,), 2, 2, 17, 6, 4, 4),
+    "ev_ne_e": ((1,), 1, 1, 7, 11, 3, 7),
+    "head_1": ((1,), 1, 1, 6, 10, 1, 1),
+    "head_80": ((1,), 1, 1, 3, 5, 80, 72),
+    "head_256": ((), 1, 1, 2, 3, 256, 200),
+    "rank_3": ((), 3, 3, 5, 9, 4, 4),
+    "two_batch_dims": ((2, 3), 2, 1, 5, 7, 4, 4),
+    "gqa": ((1,), 4, 2, 6, 9, 4, 4),
+    "mqa": ((2,), 3, 1, 5, 8, 4, 4),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_shapes(name, dtype):
+    rng = np.random.default_rng(len(name))
+    got, ref = run(*make_inputs(rng, *SHAPES[name]), dtype=dtype)
+    assert_matches(*got, *ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("scale", [0.0, 0.37, 2.5])
+def test_scale(scale, dtype):
+    rng = np.random.default_rng(1)
+    got, ref = run(*make_inputs(rng, (1,), 2, 2, 6, 9, 4, 4), scale=scale, dtype=dtype)
+    assert_matches(*got, *ref, dtype)
+
+
+# Mask shapes in terms of (B, H, Tq, Tk); 1 where the mask broadcasts.
+B, H, TQ, TK = 2, 3, 9, 11
+MASK_SHAPES = {
+    "full": (B, H, TQ, TK),
+    "padding": (B, 1, 1, TK),
+    "square": (1, 1, TQ, TK),
+    "per_head": (1, H, 1, 1),
+    "per_query": (B, 1, TQ, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("pattern", list(MASK_SHAPES))
+def test_mask(pattern, kind, dtype):
+    rng = np.random.default_rng(2)
+    q, k, v = make_inputs(rng, (B,), H, H, TQ, TK, 4, 5)
+    mask = make_mask(rng, kind, MASK_SHAPES[pattern])
+    got, ref = run(q, k, v, mask=mask, dtype=dtype)
+    assert_matches(*got, *ref, dtype)
+
+
+@pytest.mark.parametrize("mask_batch", [(1, 3), (2, 1), (1, 1), (2, 3)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_broadcast_over_batch_dims(mask_batch, kind):
+    rng = np.random.default_rng(3)
+    q, k, v = make_inputs(rng, (2, 3), 2, 2, 5, 6, 4, 4)
+    mask = make_mask(rng, kind, (*mask_batch, 1, 5, 6))
+    got, ref = run(q, k, v, mask=mask, dtype="float64")
+    assert_matches(*got, *ref, "float64")
+
+
+# (Tq, Tk, causal_offset): top-left, bottom-right, negative, past the end, none visible
+CAUSAL = {
+    "top_left": (13, 13, 0),
+    "bottom_right": (5, 18, 13),
+    "bottom_right_tq_gt_tk": (12, 5, -7),
+    "negative": (10, 12, -3),
+    "beyond_tk": (6, 9, 50),
+    "nothing_visible": (6, 9, -6),
+    "tile_skipping": (6, 20, 0),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(CAUSAL))
+def test_causal(name, dtype):
+    tq, tk, offset = CAUSAL[name]
+    rng = np.random.default_rng(4)
+    got, ref = run(*make_inputs(rng, (1,), 2, 1, tq, tk, 4, 3), causal_offset=offset,
+                   dtype=dtype)
+    assert_matches(*got, *ref, dtype)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_causal_with_mask_and_gqa(kind):
+    rng = np.random.default_rng(5)
+    q, k, v = make_inputs(rng, (2,), 4, 2, 7, 12, 4, 6)
+    mask = make_mask(rng, kind, (2, 1, 7, 12))
+    got, ref = run(q, k, v, mask=mask, causal_offset=5, scale=0.8, dtype="float32")
+    assert_matches(*got, *ref, "float32")
+
+
+def test_key_tiles_beyond_the_causal_window_are_skipped():
+    # NaN keys and values in tiles that no query may see: any tile that were
+    # loaded and computed (rather than skipped) would turn the output into NaN.
+    tq, tk, offset, block_k = 6, 20, 1, SMALL_TILES["block_k"]
+    rng = np.random.default_rng(6)
+    q, k, v = make_inputs(rng, (1,), 2, 2, tq, tk, 4, 4)
+    first_hidden_tile = -(-(tq + offset) // block_k) * block_k
+    assert first_hidden_tile < tk
+    _, ref = run(q, k, v, causal_offset=offset)
+    k[..., first_hidden_tile:, :] = np.nan
+    v[..., first_hidden_tile:, :] = np.nan
+    (out, lse), _ = run(q, k, v, causal_offset=offset)
+    assert_matches(out, lse, *ref, "float64")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_rows(kind, dtype):
+    rng = np.random.default_rng(7)
+    q, k, v = make_inputs(rng, (2,), 2, 2, 6, 9, 4, 4)
+    mask = make_mask(rng, kind, (2, 2, 6, 9))
+    hidden = False if kind == "bool" else -np.inf
+    mask[0, 1, 2, :] = hidden
+    mask[1, :, 4:, :] = hidden
+    (out, lse), ref = run(q, k, v, mask=mask, dtype=dtype)
+    assert_matches(out, lse, *ref, dtype)
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert np.all(out[0, 1, 2] == 0) and np.isneginf(lse[0, 1, 2])
+    assert np.all(out[1, :, 4:] == 0) and np.all(np.isneginf(lse[1, :, 4:]))
+
+
+def test_no_keys():
+    rng = np.random.default_rng(8)
+    (out, lse), ref = run(*make_inputs(rng, (1,), 2, 2, 5, 0, 4, 3))
+    assert_matches(out, lse, *ref, "float64")
+    assert np.all(to_numpy(out) == 0) and np.all(np.isneginf(to_numpy(lse)))
+
+
+def test_no_queries():
+    rng = np.random.default_rng(9)
+    (out, lse), _ = run(*make_inputs(rng, (1,), 2, 2, 0, 5, 4, 3))
+    assert to_numpy(out).shape == (1, 2, 0, 3) and to_numpy(lse).shape == (1, 2, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_non_contiguous_inputs(dtype):
+    rng = np.random.default_rng(10)
+    # q as (B, Tq, H, E) seen as (B, H, Tq, E); k every other key; v in Fortran order;
+    # a mask with a transposed layout.
+    q = np.swapaxes(rng.standard_normal((2, 7, 3, 4)), 1, 2)
+    k = rng.standard_normal((2, 3, 18, 4))[:, :, ::2, :]
+    v = np.asfortranarray(rng.standard_normal((2, 3, 9, 5)))
+    mask = np.swapaxes(rng.random((2, 3, 9, 7)) < 0.7, -1, -2)
+
+    def convert(a):
+        if SIMULATOR:
+            return a
+        import cupy
+
+        # Same strides on the device: build the base array, then the same view.
+        if a is q:
+            return cupy.swapaxes(cupy.asarray(np.ascontiguousarray(np.swapaxes(a, 1, 2))), 1, 2)
+        if a is k:
+            base = np.repeat(a, 2, axis=2)
+            return cupy.asarray(base)[:, :, ::2, :]
+        if a is mask:
+            return cupy.swapaxes(cupy.asarray(np.ascontiguousarray(np.swapaxes(a, -1, -2))),
+                                 -1, -2)
+        return cupy.asfortranarray(cupy.asarray(a))
+
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    ref = reference(q, k, v, mask, 2, 0.5)
+    out, lse = numba_cuda.attention(convert(q), convert(k), convert(v), mask=convert(mask),
+                                    causal_offset=2, scale=0.5, xp=namespace(),
+                                    **SMALL_TILES)
+    assert_matches(out, lse, *ref, dtype)
+
+
+def test_inputs_are_not_modified():
+    rng = np.random.default_rng(11)
+    q, k, v = make_inputs(rng, (1,), 2, 2, 5, 6, 4, 4)
+    mask = make_mask(rng, "float", (1, 2, 5, 6))
+    copies = [a.copy() for a in (q, k, v, mask)]
+    if SIMULATOR:
+        for a in (q, k, v, mask):
+            a.flags.writeable = False
+    numba_cuda.attention(to_library(q), to_library(k), to_library(v), mask=to_library(mask),
+                         causal_offset=None, scale=0.5, xp=namespace(), **SMALL_TILES)
+    for a, c in zip((q, k, v, mask), copies, strict=True):
+        np.testing.assert_array_equal(a, c)
+
+
+# --------------------------------------------------------------------------- #
+# Errors, limits and bookkeeping
+# --------------------------------------------------------------------------- #
+
+def test_head_size_above_limit_names_sizes_and_chunked():
+    rng = np.random.default_rng(12)
+    q, k, v = make_inputs(rng, (1,), 1, 1, 2, 2, 257, 4)
+    with pytest.raises(ValueError, match=r"257.*chunked"):
+        numba_cuda.attention(to_library(q), to_library(k), to_library(v), mask=None,
+                             causal_offset=None, scale=1.0, xp=namespace())
+
+
+def test_unsupported_dtypes():
+    rng = np.random.default_rng(13)
+    q, k, v = make_inputs(rng, (1,), 1, 1, 2, 2, 4, 4)
+    with pytest.raises(TypeError, match="float16"):
+        numba_cuda.attention(*(to_library(a.astype(np.float16)) for a in (q, k, v)),
+                             mask=None, causal_offset=None, scale=1.0, xp=namespace())
+    with pytest.raises(TypeError, match="mask"):
+        numba_cuda.attention(*(to_library(a) for a in (q, k, v)),
+                             mask=to_library(np.zeros((1, 1, 2, 2), np.float32)),
+                             causal_offset=None, scale=1.0, xp=namespace())
+
+
+def test_head_buckets():
+    assert numba_cuda.head_bucket(1, 1) == numba_cuda.HEAD_DIM_BUCKETS[0]
+    assert numba_cuda.head_bucket(64, 64) == 64
+    assert numba_cuda.head_bucket(65, 3) == 128
+    assert numba_cuda.head_bucket(3, 256) == numba_cuda.MAX_HEAD_DIM == 256
+
+
+def test_specializations_cover_every_combination():
+    specs = list(numba_cuda.specializations())
+    expected = (len(numba_cuda.DTYPES) * len(numba_cuda.HEAD_DIM_BUCKETS)
+                * len(numba_cuda.MASK_KINDS))
+    assert len(specs) == expected
+    assert len({fn.__name__ for fn, _ in specs}) == expected
+
+
+def test_availability_reports_a_reason():
+    usable, reason = numba_cuda.availability(namespace(), (to_library(np.zeros((1, 1, 1))),))
+    assert usable and reason
+
+
+# --------------------------------------------------------------------------- #
+# A real GPU: production tiles, larger shapes, torch tensors
+# --------------------------------------------------------------------------- #
+
+gpu_only = pytest.mark.skipif(SIMULATOR, reason="larger shapes need a real GPU")
+
+# (batch, H, Hkv, Tq, Tk, E, Ev, mask kind, mask shape, causal offset)
+GPU_CASES = {
+    "plain": ((2,), 4, 4, 300, 257, 64, 64, None, None, None),
+    "causal_top_left": ((2,), 4, 2, 333, 333, 64, 64, None, None, 0),
+    "causal_bottom_right": ((1,), 8, 1, 100, 700, 128, 128, None, None, 600),
+    "padding_mask": ((3,), 4, 4, 200, 300, 32, 48, "bool", (3, 1, 1, 300), None),
+    "float_mask_causal": ((1,), 2, 2, 150, 150, 80, 80, "float", (1, 1, 150, 150), 0),
+    "head_256": ((1,), 2, 2, 70, 90, 256, 256, None, None, None),
+    "head_1": ((1,), 2, 2, 300, 400, 1, 1, None, None, 0),
+    "many_heads": ((64,), 32, 8, 65, 65, 16, 16, None, None, None),
+}
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_production_tiles(name, dtype):
+    batch, h, hkv, tq, tk, e, ev, kind, mshape, offset = GPU_CASES[name]
+    rng = np.random.default_rng(14)
+    q, k, v = make_inputs(rng, batch, h, hkv, tq, tk, e, ev)
+    mask = None if kind is None else make_mask(rng, kind, mshape)
+    got, ref = run(q, k, v, mask=mask, causal_offset=offset, dtype=dtype, tiles={})
+    assert_matches(*got, *ref, dtype)
+
+
+@gpu_only
+def test_gpu_torch_tensors():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    import array_api_compat.torch as torch_compat
+
+    rng = np.random.default_rng(15)
+    q, k, v = make_inputs(rng, (2,), 4, 2, 130, 170, 64, 32)
+    mask = make_mask(rng, "bool", (2, 1, 130, 170))
+    ref = reference(q, k, v, mask, 40, 0.125)
+    tq, tk, tv, tm = (torch.as_tensor(a, device="cuda") for a in (q, k, v, mask))
+    tq.requires_grad_(True)
+    out, lse = numba_cuda.attention(tq, tk, tv, mask=tm, causal_offset=40, scale=0.125,
+                                    xp=torch_compat)
+    assert isinstance(out, torch.Tensor) and out.device == tq.device
+    torch.cuda.synchronize()
+    assert_matches(out.cpu().numpy(), lse.cpu().numpy(), *ref, "float64")
