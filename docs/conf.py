@@ -54,12 +54,17 @@ html_css_files = ["polyattn.css"]
 html_show_sourcelink = False
 html_theme_options = {
     "navigation_depth": 2,
+    "header_links_before_dropdown": 8,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
     "footer_end": [],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+# The top-level pages have no sub-pages: no left sidebar there; the API pages keep it.
+html_sidebars = {
+    name: [] for name in ("index", "getting_started", "tutorial", "backends", "semantics",
+                          "minilm", "performance")
+}
 
 # -- autodoc / numpydoc -------------------------------------------------------
 autodoc_typehints = "none"
@@ -101,7 +106,7 @@ def write_api_pages() -> None:
     wanted = {}
     for name in _public_names():
         obj = getattr(polyattn, name)
-        title = f"polyattn.{name}"
+        title = name
         if inspect.isclass(obj):
             body = (f".. currentmodule:: polyattn\n\n.. autoclass:: {name}\n"
                     "   :members:\n   :special-members: __call__\n")

@@ -23,9 +23,9 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
     pytest.skip("the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) cannot compile PTX",
                 allow_module_level=True)
 
-from numba import cuda  # noqa: E402
+from numba import cuda
 
-from polyattn.implementations import numba_cuda  # noqa: E402
+from polyattn.implementations import numba_cuda
 
 
 def _nvvm_problem() -> str | None:
@@ -62,7 +62,7 @@ def _instructions(ptx: str) -> list[str]:
     return [line for line in lines if line]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ptx_for(index: int, cc: tuple[int, int]) -> str:
     fn, sig = SPECS[index]
     ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)

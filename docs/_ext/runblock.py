@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import traceback
-from typing import Any
+from typing import Any, ClassVar
 
 from docutils import nodes
 from docutils.parsers.rst import directives
@@ -24,7 +24,7 @@ _NAMESPACES: dict[str, dict[str, Any]] = {}
 
 class RunBlock(SphinxDirective):
     has_content = True
-    option_spec = {"hide-output": directives.flag}
+    option_spec: ClassVar[dict[str, Any]] = {"hide-output": directives.flag}
 
     def run(self) -> list[nodes.Node]:
         code = "\n".join(self.content)

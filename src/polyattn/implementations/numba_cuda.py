@@ -71,6 +71,7 @@ MAX_BLOCK_K = 64  # most key rows per shared-memory tile
 SHARED_MEMORY_BYTES = 32 * 1024  # budget for one K tile plus one V tile
 HEAD_DIM_BUCKETS = (8, 16, 32, 64, 128, 256)  # compile-time sizes of q row and acc
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+MAX_GRID_BLOCKS = 2**31 - 1  # one flat grid of B·H·ceil(Tq / BLOCK_Q) blocks
 MASK_KINDS = ("none", "bool", "float")
 DTYPES = ("float32", "float64")
 
@@ -190,7 +191,7 @@ def _signature(dtype: str, mask_kind: str) -> Any:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
                          block_q: int = BLOCK_Q, block_k: int | None = None) -> Any:
     """The Python kernel function for one specialisation (not yet compiled)."""
@@ -328,12 +329,16 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
     return attention_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_kernel(dtype: str, bucket: int, mask_kind: str,
                     block_q: int = BLOCK_Q, block_k: int | None = None) -> Any:
-    """The jitted kernel for one specialisation (compiled at first launch, then cached)."""
+    """The kernel for one specialisation, compiled on first use and cached.
+
+    It is compiled for exactly one signature, so a launch skips type dispatch:
+    the launcher checks dtypes, and allocates ``out`` and ``lse`` contiguous.
+    """
     fn = make_kernel_function(dtype, bucket, mask_kind, block_q, block_k)
-    return _cuda().jit([_signature(dtype, mask_kind)])(fn)
+    return _cuda().jit(_signature(dtype, mask_kind))(fn)
 
 
 def specializations() -> Iterator[tuple[Any, Any]]:
@@ -523,6 +528,11 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
         kernel = compiled_kernel(dtype, bucket, mask_kind, bq,
                                  None if block_k is None else int(block_k))
         n_blocks = n_batch * n_heads * ((tq + bq - 1) // bq)
+        if n_blocks > MAX_GRID_BLOCKS:
+            raise ValueError(
+                f"B·H·ceil(Tq/{bq}) = {n_blocks} thread blocks exceed the CUDA grid limit "
+                f"{MAX_GRID_BLOCKS} (query {tuple(q.shape)}); split the batch"
+            )
         args = [dev.view(a) for a in (q4, k4, v4, mask4, dev.from_numpy(table))]
         out_d, lse_d = dev.view(out), dev.view(lse)
         np_t = np.dtype(dtype).type

@@ -1,0 +1,126 @@
+"""The polyattn test matrix: one test suite, run on every array library.
+
+``nox`` runs every session that needs no GPU; ``nox -t gpu`` the GPU ones;
+``nox -l`` lists them. Arguments after ``--`` go to pytest.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import nox
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.error_on_missing_interpreters = False
+
+CONSTRAINTS = ("-c", "constraints.txt")
+#: What each backend's session installs besides polyattn[test].
+BACKEND_DEPS = {
+    "numpy": ["torch"],               # torch as the external oracle
+    "array_api_strict": [],
+    "torch": ["torch"],
+    "jax": ["jax"],
+    "dask": ["dask[array]"],
+    "cupy": ["cupy-cuda13x", "numba-cuda[cu13]"],
+}
+CPU_BACKENDS = ["numpy", "array_api_strict", "torch", "jax", "dask"]
+
+
+def has_cuda_gpu() -> bool:
+    """Whether an NVIDIA GPU is visible (checked without importing any GPU library)."""
+    return shutil.which("nvidia-smi") is not None
+
+
+def install(session: nox.Session, *packages: str) -> None:
+    session.install(*CONSTRAINTS, *packages)
+
+
+@nox.session
+@nox.parametrize(
+    "backend",
+    [nox.param(b, id=b, tags=["cpu"]) for b in CPU_BACKENDS] + [nox.param("cupy", id="cupy",
+                                                                         tags=["gpu"])],
+)
+def tests(session: nox.Session, backend: str) -> None:
+    """Run the test suite on one array library."""
+    if backend == "cupy" and not has_cuda_gpu():
+        session.skip("no CUDA GPU on this machine (nvidia-smi not found): cupy tests skipped")
+    install(session, "-e", ".[test]", *BACKEND_DEPS[backend])
+    session.env["POLYATTN_TEST_BACKENDS"] = backend
+    args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider"]
+    session.run("python", "-m", "pytest", *args)
+
+
+@nox.session(tags=["kernel"])
+def kernel_sim(session: nox.Session) -> None:
+    """Run the Numba CUDA kernel on the CUDA simulator (CPU, small shapes)."""
+    install(session, "-e", ".[test]", "numba-cuda[cu13]")
+    session.env["NUMBA_ENABLE_CUDASIM"] = "1"
+    session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
+    args = session.posargs or ["-q", "-p", "no:cacheprovider", "tests/test_kernel_sim.py"]
+    session.run("python", "-m", "pytest", *args)
+
+
+@nox.session(tags=["kernel"])
+def kernel_ptx(session: nox.Session) -> None:
+    """Compile every kernel specialisation to PTX for sm_80 and sm_90 (no GPU needed)."""
+    install(session, "-e", ".[test]", "numba-cuda[cu13]")
+    args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", "tests/test_kernel_ptx.py"]
+    session.run("python", "-m", "pytest", *args)
+
+
+@nox.session(tags=["style"])
+def lint(session: nox.Session) -> None:
+    """Lint with ruff."""
+    install(session, "ruff")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+@nox.session(tags=["style"])
+def typecheck(session: nox.Session) -> None:
+    """Type-check the package with mypy."""
+    install(session, "-e", ".", "mypy")
+    session.run("mypy", "src/polyattn")
+
+
+@nox.session(tags=["docs"])
+def docs(session: nox.Session) -> None:
+    """Build the documentation (warnings are errors) and run the docstring examples."""
+    install(session, "-e", ".[test]", "-r", "docs/requirements.txt")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--doctest-modules",
+                "src/polyattn", "--ignore=src/polyattn/implementations/numba_cuda.py")
+
+
+@nox.session(tags=["docs"])
+def example(session: nox.Session) -> None:
+    """Run the MiniLM sentence-embedding example and check it against transformers."""
+    install(session, "-e", ".[test]", "-r", "examples/requirements.txt")
+    session.env["HF_HUB_OFFLINE"] = "1"
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples")
+
+
+@nox.session(default=False, tags=["fuzz"])
+def fuzz(session: nox.Session) -> None:
+    """Long property-based run (hypothesis 'fuzz' profile) on NumPy and torch."""
+    install(session, "-e", ".[test]", "torch")
+    session.env["POLYATTN_HYPOTHESIS_PROFILE"] = "fuzz"
+    session.env["POLYATTN_TEST_BACKENDS"] = "numpy,torch"
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "tests/test_properties.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["bench"])
+def bench(session: nox.Session) -> None:
+    """CPU benchmark: polyattn vs torch SDPA vs naive NumPy, side by side."""
+    install(session, "-e", ".", "torch", "threadpoolctl", "matplotlib")
+    session.run("python", "benchmarks/cpu.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["gpu", "bench"])
+def bench_gpu(session: nox.Session) -> None:
+    """GPU benchmark: the Numba CUDA kernel vs the CuPy reference path vs torch SDPA."""
+    if not has_cuda_gpu():
+        session.skip("no CUDA GPU on this machine (nvidia-smi not found)")
+    install(session, "-e", ".", "cupy-cuda13x", "numba-cuda[cu13]")
+    session.run("python", "benchmarks/gpu.py", *session.posargs)
