@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="JSON output path")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per method (>= 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed calls before timing (after the correctness call)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="float32 peak of this GPU, if not H100/H200")
     parser.add_argument("--quick", action="store_true",

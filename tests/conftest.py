@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from helpers import Backend, available_backends, backend_namespace, default_device
 
 

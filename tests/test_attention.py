@@ -187,7 +187,7 @@ def test_inputs_not_modified(xp, device, implementation):
     m = to_xp(mask, xp, device=device)
     polyattn.scaled_dot_product_attention(*xs, attn_mask=m, is_causal=True,
                                           implementation=implementation)
-    for a, x in zip([*arrays, mask], [*xs, m]):
+    for a, x in zip([*arrays, mask], [*xs, m], strict=True):
         np.testing.assert_array_equal(to_numpy(x), a)
 
 

@@ -30,7 +30,7 @@ def test_demo_shows_movie_attention(capsys):
     out = capsys.readouterr().out
     assert "这 部 电影 很 好看" in out
     assert "(5, 8)" in out and "(5, 5)" in out
-    last = [line for line in out.splitlines() if line.startswith("好看 good-looking")][0]
+    last = next(line for line in out.splitlines() if line.startswith("好看 good-looking"))
     cells = last.split()[2:]
     starred = [i for i, c in enumerate(cells) if c.endswith("*")]
     assert starred == [2], last   # the strongest weight of 好看 is on 电影

@@ -90,8 +90,10 @@ def broadcast_shapes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]
             n = s[axis] if -axis <= len(s) else 1
             if n != 1:
                 if size not in (1, n):
-                    detail = ", ".join(f"{nm} {tuple(sh)}" for nm, sh in zip(names, shapes))
-                    raise ValueError(f"the {what} of {', '.join(names)} do not broadcast ({detail})")
+                    detail = ", ".join(
+                        f"{nm} {tuple(sh)}" for nm, sh in zip(names, shapes, strict=True))
+                    raise ValueError(
+                        f"the {what} of {', '.join(names)} do not broadcast ({detail})")
                 size = n
         out.append(size)
     return tuple(out)
@@ -100,7 +102,7 @@ def broadcast_shapes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]
 def check_broadcastable_to(name: str, x: Array, target: tuple[int, ...], target_desc: str) -> None:
     """``ValueError`` unless ``x`` broadcasts to ``target`` without growing it."""
     ok = x.ndim <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(x.shape), reversed(target))
+        s in (1, t) for s, t in zip(reversed(x.shape), reversed(target), strict=False)
     )
     if not ok:
         raise ValueError(

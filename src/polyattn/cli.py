@@ -129,7 +129,7 @@ def format_weights(weights: np.ndarray, rows: Sequence[str], cols: Sequence[str]
     label_w = max(_width(r) for r in rows) + 2
     cell_w = max(8, *(_width(c) + 2 for c in cols))
     lines = [_pad("", label_w) + "".join(_pad(c, cell_w, right=True) for c in cols)]
-    for label, row in zip(rows, weights):
+    for label, row in zip(rows, weights, strict=True):
         best = int(np.argmax(row))
         cells = [f"{w:.3f}{'*' if j == best else ' '}" for j, w in enumerate(row)]
         lines.append(_pad(label, label_w) + "".join(_pad(c, cell_w, right=True) for c in cells))
@@ -172,7 +172,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     xp = _backend_namespace(args.backend)
     m = demo_matrices()
     print('Self-attention on "这 部 电影 很 好看" ("this movie is good-looking")')
-    print("tokens: " + " | ".join(f"{t} ({g})" for t, g in zip(TOKENS, GLOSSES)))
+    print("tokens: " + " | ".join(f"{t} ({g})" for t, g in zip(TOKENS, GLOSSES, strict=True)))
     print(f"backend: {args.backend}")
     print()
     pe = sinusoidal_positional_encoding(len(TOKENS), D_MODEL, xp=xp, dtype=xp.float64)
@@ -184,11 +184,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Q = X W_Q, K = X W_K, V = X W_V              shape {tuple(q.shape)} each")
     print(f"scores = Q Kᵀ / sqrt(d_k), d_k = {D_K}             shape {tuple(scores.shape)}")
     print("weights = softmax of each row of the scores   (each row sums to 1)")
-    print("output_i = sum_j weights[i, j] * v_j           "
-          f"shape {tuple(scaled_dot_product_attention(q, k, v).shape)}")
+    out: Any = scaled_dot_product_attention(q, k, v)
+    print(f"output_i = sum_j weights[i, j] * v_j           shape {tuple(out.shape)}")
     print()
     alpha = _to_numpy(attention_weights(q, k))
-    rows = [f"{t} {g}" for t, g in zip(TOKENS, GLOSSES)]
+    rows = [f"{t} {g}" for t, g in zip(TOKENS, GLOSSES, strict=True)]
     print("Attention weights (row: the query token; column: the key token it attends to)")
     print(format_weights(alpha, rows, TOKENS))
     print("* marks the strongest weight of each row.")
@@ -255,7 +255,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "naive numpy": lambda: _naive(q, k, v, args.causal),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, fn in runs.items():
+    for fn in runs.values():
         fn()  # warm-up
     for _ in range(args.repeat):  # interleaved, so machine noise hits both alike
         for name, fn in runs.items():

@@ -152,17 +152,20 @@ def multi_head_attention(
     q = _project(query, params["w_q"], params.get("b_q"), h, xp)      # (B…, H, Tq, E)
     k = _project(key, params["w_k"], params.get("b_k"), hkv, xp)      # (B…, Hkv, Tk, E)
     v = _project(value, params["w_v"], params.get("b_v"), hkv, xp)    # (B…, Hkv, Tk, Ev)
-    options = dict(attn_mask=attn_mask, is_causal=is_causal, causal_alignment=causal_alignment,
-                   enable_gqa=hkv != h)
+    gqa = hkv != h
     if need_weights:
-        alpha = attention_weights(q, k, **options)                      # (B…, H, Tq, Tk)
+        alpha = attention_weights(q, k, attn_mask=attn_mask, is_causal=is_causal,
+                                  causal_alignment=causal_alignment,
+                                  enable_gqa=gqa)                     # (B…, H, Tq, Tk)
         if hkv != h:
             vv = _repeat_heads(v, h // hkv, xp)
         else:
             vv = v
         heads = xp.matmul(alpha, xp.astype(vv, alpha.dtype))            # (B…, H, Tq, Ev)
     else:
-        heads = scaled_dot_product_attention(q, k, v, implementation=implementation, **options)
+        heads = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                             causal_alignment=causal_alignment, enable_gqa=gqa,
+                                             implementation=implementation)
     nd = heads.ndim
     heads = xp.permute_dims(heads, (*range(nd - 3), nd - 2, nd - 3, nd - 1))  # (B…, Tq, H, Ev)
     heads = xp.reshape(heads, (*heads.shape[:-2], heads.shape[-2] * heads.shape[-1]))

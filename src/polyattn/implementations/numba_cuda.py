@@ -49,6 +49,19 @@ input library and returned as its arrays. The kernel runs on the library's
 current stream. Leading batch axes are merged with ``reshape`` (a copy only
 when their strides cannot be merged). With ``NUMBA_ENABLE_CUDASIM=1``, NumPy
 arrays run on Numba's CPU simulator (slow; for testing the kernel logic).
+
+Limits and costs
+----------------
+* Head sizes up to ``MAX_HEAD_DIM`` (256); larger ones raise ``ValueError``
+  (the ``chunked`` implementation has no limit).
+* One thread per query row means one shared-memory load per multiply-add and
+  no tensor cores. ptxas (sm_90) keeps ``q_row`` and ``acc`` in registers for
+  float32 head sizes up to 64 (about 220 registers, no spills); the 128 and
+  256 buckets, and float64 from 64 up, keep part of them in local memory.
+* The K and V tiles use at most ``SHARED_MEMORY_BYTES`` of static shared
+  memory (Numba's static limit is 48 KiB).
+* Leading batch axes whose strides cannot be merged, and a mask whose batch
+  axes cannot be merged, are copied once (never broadcast).
 """
 
 from __future__ import annotations
