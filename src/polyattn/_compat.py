@@ -6,7 +6,6 @@ or a library's name, so that the way namespaces are resolved stays in one file.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import array_api_compat
@@ -21,13 +20,13 @@ from array_api_compat import (
 
 __all__ = [
     "array_namespace",
+    "check_same_device",
     "default_float_dtype",
     "device_of",
     "is_array",
     "library_name",
     "namespace_of",
     "resolve_xp",
-    "scalar_like",
 ]
 
 Array = Any
@@ -135,11 +134,3 @@ def default_float_dtype(xp: Namespace, device: Any = None) -> Any:
         except Exception:  # pragma: no cover - old namespaces
             pass
     return xp.asarray(0.0).dtype  # pragma: no cover
-
-
-def scalar_like(value: float, like: Array, xp: Namespace) -> Array:
-    """A 0-d array holding ``value`` with the dtype and device of ``like``."""
-    return xp.asarray(value, dtype=like.dtype, device=device_of(like))
-
-
-NEG_INF = -math.inf

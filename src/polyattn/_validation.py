@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
 
 from ._compat import Array, Namespace, library_name
 
@@ -109,8 +108,3 @@ def check_broadcastable_to(name: str, x: Array, target: tuple[int, ...], target_
             f"`{name}` of shape {shape_str(x)} does not broadcast to {target_desc} "
             f"{tuple(target)}"
         )
-
-
-def dtype_name(dtype: Any) -> str:
-    """``"float32"`` for any library's float32 dtype."""
-    return str(dtype).rsplit(".", 1)[-1].replace("dtype(", "").strip("')\"")
