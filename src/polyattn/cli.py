@@ -165,7 +165,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.model == "minilm":
         from .models import minilm
 
-        minilm.run_demo(args.sentence, args.layer, args.head, args.backend, args.save_png)
+        layer = 3 if args.layer is None else args.layer
+        head = 1 if args.head is None else args.head
+        minilm.run_demo(args.sentence, layer, head, args.backend, args.save_png)
         return 0
     from . import attention_weights, scaled_dot_product_attention, sinusoidal_positional_encoding
 
@@ -283,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=("toy", "minilm"), default="toy",
                       help="'minilm': a real sentence encoder's weights (polyattn[demo])")
     demo.add_argument("--sentence", help="sentence for --model minilm")
-    demo.add_argument("--layer", type=int, default=0, help="layer for --model minilm (0-5)")
-    demo.add_argument("--head", type=int, default=0, help="head for --model minilm (0-11)")
+    demo.add_argument("--layer", type=int, help="layer for --model minilm (0-5, default 3)")
+    demo.add_argument("--head", type=int, help="head for --model minilm (0-11, default 1)")
     bench = sub.add_parser("bench", help="quick timing: polyattn vs the naive formula")
     bench.add_argument("--shape", default="1,8,1024,64", help="B,H,T,E (default 1,8,1024,64)")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
