@@ -57,8 +57,15 @@ def kernel_sim(session: nox.Session) -> None:
     install(session, "-e", ".[test]", "numba-cuda[cu13]")
     session.env["NUMBA_ENABLE_CUDASIM"] = "1"
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
-    args = session.posargs or ["-q", "-p", "no:cacheprovider", "tests/test_kernel_sim.py"]
-    session.run("python", "-m", "pytest", *args)
+    if session.posargs:
+        session.run("python", "-m", "pytest", *session.posargs)
+        return
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "tests/test_kernel_sim.py")
+    # the public API's tests, with implementation="numba_cuda" on the simulator
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests",
+                "-k", "numba_cuda", "--ignore=tests/test_kernel_sim.py",
+                "--ignore=tests/test_kernel_ptx.py")
 
 
 @nox.session(tags=["kernel"])

@@ -9,6 +9,7 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+import pytest
 
 
 class Backend(enum.Enum):
@@ -72,6 +73,44 @@ def default_device(backend: Backend, xp: Any) -> Any:
     if backend is Backend.ARRAY_API_STRICT:
         return xp.Device("device1")
     return None
+
+
+def kernel_mode() -> str | None:
+    """How the Numba CUDA kernel can be tested here: "simulator", "gpu" or None."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("numba") is None or importlib.util.find_spec("numba.cuda") is None:
+        return None
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return "simulator"
+    if available_backends().get(Backend.CUPY):
+        return "gpu"
+    return None
+
+
+def implementations_under_test() -> list[str]:
+    """The implementations tests run: the CPU ones, plus the kernel where it can run."""
+    names = ["reference", "chunked", "auto"]
+    if kernel_mode() is not None:
+        names.append("numba_cuda")
+    return names
+
+
+def skip_unless_kernel_runs_on(request: Any, implementation: str) -> None:
+    """Skip a ``numba_cuda`` test whose arrays the kernel cannot take.
+
+    On the simulator the kernel takes NumPy arrays; on a GPU, CuPy arrays.
+    Tests without a ``backend`` parameter use NumPy arrays.
+    """
+    if implementation != "numba_cuda":
+        return
+    wanted = Backend.NUMPY if kernel_mode() == "simulator" else Backend.CUPY
+    params = getattr(request.node, "callspec", None)
+    backend = params.params.get("backend", Backend.NUMPY) if params else Backend.NUMPY
+    if backend is not wanted:
+        pytest.skip(f"the numba_cuda kernel runs on {wanted.value} arrays here, "
+                    f"not {backend.value}")
 
 
 def dtype_of(xp: Any, name: str) -> Any:

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from helpers import (
     Backend,
+    implementations_under_test,
+    skip_unless_kernel_runs_on,
     assert_close,
     assert_lse_close,
     assert_namespace_device,
@@ -17,14 +19,15 @@ from helpers import (
 import polyattn
 from polyattn.implementations import chunked
 
-IMPLEMENTATIONS = ["reference", "chunked", "auto"]
+IMPLEMENTATIONS = implementations_under_test()
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
 def implementation(request, monkeypatch):
-    """Each CPU implementation; small chunked blocks so test shapes span several."""
+    """Each implementation; small chunked blocks so test shapes span several."""
     monkeypatch.setattr(chunked, "BLOCK_Q", 3)
     monkeypatch.setattr(chunked, "BLOCK_K", 4)
+    skip_unless_kernel_runs_on(request, request.param)
     return request.param
 
 
@@ -240,6 +243,8 @@ def test_empty_keys_and_queries(xp, device, implementation):
 
 
 def test_jax_jit(implementation):
+    if implementation == "numba_cuda":
+        pytest.skip("the numba_cuda kernel takes CUDA arrays, not traced JAX arrays")
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
@@ -258,6 +263,8 @@ def test_jax_jit(implementation):
 
 
 def test_dask_stays_lazy(implementation):
+    if implementation == "numba_cuda":
+        pytest.skip("the numba_cuda kernel takes CUDA arrays, not Dask arrays")
     da = pytest.importorskip("dask.array")
     import dask
 
