@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from helpers import (
     Backend,
-    implementations_under_test,
-    skip_unless_kernel_runs_on,
     assert_close,
     assert_lse_close,
     assert_namespace_device,
+    implementations_under_test,
     ref_attention,
+    skip_unless_kernel_runs_on,
     to_numpy,
     to_xp,
 )

@@ -8,6 +8,7 @@ arrays work too. See ``python -m polyattn info``.
 
 from .attention import attention_weights, explain, scaled_dot_product_attention
 from .masks import causal_mask
+from .merge import merge_attention
 from .multihead import MultiHeadAttention, multi_head_attention
 from .positional import sinusoidal_positional_encoding
 from .softmax import logsumexp, softmax
@@ -21,6 +22,7 @@ __all__ = [
     "causal_mask",
     "explain",
     "logsumexp",
+    "merge_attention",
     "multi_head_attention",
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding",

@@ -2,7 +2,16 @@
 
 The rule (DESIGN §5): arrays on a CUDA device with a working Numba CUDA
 kernel go to ``"numba_cuda"``; otherwise ``"reference"`` while the score
-matrix fits :data:`SCORE_BUDGET_BYTES`, else ``"chunked"``.
+matrix fits the score budget, else ``"chunked"``.
+
+The budget is :data:`SCORE_BUDGET_BYTES` (64 MiB, a memory bound) for every
+namespace but NumPy. On NumPy arrays ``"chunked"`` runs
+:mod:`polyattn.implementations.numpy_chunked`, the multi-threaded blocked
+path, which was measured faster than materialising the scores from a score
+matrix of about 32 KiB on (2-core x86-64, OpenBLAS; see ``benchmarks/``), so
+NumPy uses :data:`NUMPY_SCORE_BUDGET_BYTES`. The environment variable
+``POLYATTN_SCORE_BUDGET`` (bytes) overrides both: a large value keeps the
+reference path, ``0`` always streams.
 """
 
 from __future__ import annotations
@@ -20,17 +29,35 @@ from ._problem import Problem
 #: reference path materialise; above it the chunked path runs. Override with the
 #: ``POLYATTN_SCORE_BUDGET`` environment variable (bytes).
 SCORE_BUDGET_BYTES = 64 * 2**20
+#: The same for NumPy arrays, where ``"chunked"`` is the NumPy fast path: the
+#: measured crossover (float32 and float64, 2 cores) lies between score matrices of
+#: 16 KiB (reference 0.14 ms, blocked 0.19 ms) and 64 KiB (reference 24 ms once
+#: OpenBLAS splits its product over threads, blocked 0.22 ms).
+NUMPY_SCORE_BUDGET_BYTES = 32 * 2**10
 
 
-def score_budget() -> int:
-    """The score-matrix budget in bytes (environment override included)."""
+def score_budget(xp: Any = None) -> int:
+    """The score-matrix budget in bytes for namespace ``xp`` (environment override included).
+
+    ``POLYATTN_SCORE_BUDGET`` wins when set; otherwise NumPy arrays get
+    :data:`NUMPY_SCORE_BUDGET_BYTES` and every other namespace (or ``xp=None``)
+    :data:`SCORE_BUDGET_BYTES`.
+    """
     env = os.environ.get("POLYATTN_SCORE_BUDGET")
     if env:
         try:
             return int(float(env))
         except ValueError as exc:
-            raise ValueError(f"POLYATTN_SCORE_BUDGET must be a number of bytes; got {env!r}") from exc
+            raise ValueError(
+                f"POLYATTN_SCORE_BUDGET must be a number of bytes; got {env!r}") from exc
+    if xp is not None and is_numpy(xp):
+        return NUMPY_SCORE_BUDGET_BYTES
     return SCORE_BUDGET_BYTES
+
+
+def is_numpy(xp: Any) -> bool:
+    """Whether ``xp`` is NumPy (where "chunked" runs the NumPy fast path)."""
+    return library_name(xp) == "numpy"
 
 
 @dataclass(frozen=True)
@@ -51,6 +78,7 @@ class Explanation:
     score_budget: int = 0
     kernel_available: bool = False
     kernel_reason: str = ""
+    module: str = ""
 
     def __str__(self) -> str:
         shapes = ", ".join(f"{k} {v}" for k, v in self.shape.items())
@@ -63,11 +91,14 @@ class Explanation:
             f"numba_cuda kernel: {'usable' if self.kernel_available else 'not usable'}"
             f" ({self.kernel_reason})",
         ]
+        if self.module:
+            lines.insert(1, f"module: {self.module}")
         return "\n".join(lines)
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """A byte count for people: KiB below 1 MiB, else MiB."""
+    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def is_cuda(problem: Problem) -> bool:
@@ -96,18 +127,26 @@ def kernel_status(problem: Problem) -> tuple[bool, str]:
     return module.availability(problem.xp, (problem.q, problem.k, problem.v))
 
 
-def load(name: str) -> ModuleType:
-    """The module of implementation ``name``."""
+def module_name(name: str, xp: Any = None) -> str:
+    """The module that runs implementation ``name`` on namespace ``xp``."""
+    if name == "chunked" and xp is not None and is_numpy(xp):
+        name = "numpy_chunked"
+    return f"polyattn.implementations.{name}"
+
+
+def load(name: str, xp: Any = None) -> ModuleType:
+    """The module of implementation ``name``; on NumPy, "chunked" is the NumPy fast path."""
     if name == "numba_cuda":
         return load_kernel_module()
-    return importlib.import_module(f"polyattn.implementations.{name}")
+    return importlib.import_module(module_name(name, xp))
 
 
 def choose(problem: Problem, requested: str) -> Explanation:
     """Decide which implementation runs; raise if a requested one cannot."""
     score_bytes = problem.score_elements * (8 if problem.compute_dtype == problem.xp.float64
                                             else 4)
-    budget = score_budget()
+    budget = score_budget(problem.xp)
+    numpy = is_numpy(problem.xp)
     usable, kernel_reason = (False, "not considered")
     if requested in ("auto", "numba_cuda"):
         usable, kernel_reason = kernel_status(problem)
@@ -121,14 +160,26 @@ def choose(problem: Problem, requested: str) -> Explanation:
         name, reason = requested, "requested by the caller"
     elif usable and is_cuda(problem):
         name, reason = "numba_cuda", "CUDA arrays and a working Numba CUDA kernel"
+    elif score_bytes <= budget and numpy:
+        name = "reference"
+        reason = (f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget "
+                  "for NumPy arrays, below which materialising it was measured fastest")
     elif score_bytes <= budget:
         name = "reference"
         reason = (f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget, "
                   "so materialising it is fastest")
+    elif numpy:
+        name = "chunked"
+        reason = (f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget "
+                  "for NumPy arrays, above which the multi-threaded blocked NumPy path "
+                  "(numpy_chunked) was measured faster; keys are streamed in blocks with "
+                  "an online softmax")
     else:
         name = "chunked"
         reason = (f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget, "
                   "so keys are streamed in blocks with an online softmax")
+    if name == "chunked" and numpy and requested != "auto":
+        reason += "; on NumPy arrays it runs the multi-threaded blocked path (numpy_chunked)"
     shape = {"query": tuple(problem.q.shape), "key": tuple(problem.k.shape)}
     if problem.v is not None:
         shape["value"] = tuple(problem.v.shape)
@@ -144,11 +195,13 @@ def choose(problem: Problem, requested: str) -> Explanation:
         score_budget=budget,
         kernel_available=usable,
         kernel_reason=kernel_reason,
+        module=module_name(name, problem.xp) if name != "numba_cuda"
+        else "polyattn.implementations.numba_cuda",
     )
 
 
 def run(problem: Problem, name: str) -> tuple[Any, Any]:
     """Call implementation ``name`` on a prepared problem."""
-    return load(name).attention(problem.q, problem.k, problem.v, mask=problem.mask,
+    return load(name, problem.xp).attention(problem.q, problem.k, problem.v, mask=problem.mask,
                                 causal_offset=problem.causal_offset, scale=problem.scale,
                                 xp=problem.xp)

@@ -1,0 +1,240 @@
+"""The NumPy fast path (implementations/numpy_chunked.py) against the oracle and the Array-API path.
+
+Tile sizes are shrunk so that the small shapes here span several query and
+key tiles; every test runs with the thread pool on and off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close, ref_attention
+
+import polyattn
+from polyattn import _dispatch
+from polyattn.implementations import chunked, numpy_chunked
+
+
+@pytest.fixture(params=[1, 2], ids=["serial", "threads"])
+def tiles(request, monkeypatch):
+    """Small tiles (several per test shape), with the thread pool off or on."""
+    monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 6)
+    monkeypatch.setattr(numpy_chunked, "BLOCK_K", 4)
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", request.param)
+    return request.param
+
+
+def run(q, k, v, dtype_name, mask=None, **kw):
+    """polyattn's "chunked" on NumPy arrays (the NumPy fast path), with out and lse."""
+    args = [np.asarray(a, dtype=dtype_name) for a in (q, k, v)]
+    if mask is not None and mask.dtype != bool:
+        mask = mask.astype(dtype_name)
+    return polyattn.scaled_dot_product_attention(*args, attn_mask=mask, return_lse=True,
+                                                 implementation="chunked", **kw)
+
+
+def check(got, ref, dtype_name):
+    out, lse = got
+    ref_out, ref_lse, _ = ref
+    assert out.dtype == np.dtype(dtype_name)
+    assert_close(out, ref_out, dtype_name)
+    assert_lse_close(lse, ref_lse, dtype_name)
+
+
+def test_dispatch_uses_numpy_path():
+    q = np.zeros((1, 2, 256, 16), dtype=np.float32)
+    e = polyattn.explain(q, q, q)
+    assert e.implementation == "chunked"
+    assert e.module == "polyattn.implementations.numpy_chunked"
+    assert "numpy_chunked" in e.reason and "numpy_chunked" in str(e)
+    assert _dispatch.load("chunked", polyattn._compat.array_namespace(q)).__name__.endswith(
+        "numpy_chunked")
+    small = polyattn.explain(q[:, :, :8], q[:, :, :8], q[:, :, :8])
+    assert small.implementation == "reference"
+    assert small.score_budget == _dispatch.NUMPY_SCORE_BUDGET_BYTES
+
+
+def test_dispatch_budget_override(monkeypatch):
+    q = np.zeros((1, 2, 256, 16), dtype=np.float32)
+    monkeypatch.setenv("POLYATTN_SCORE_BUDGET", str(2**30))
+    assert polyattn.explain(q, q, q).implementation == "reference"
+    monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "0")
+    assert polyattn.explain(q[..., :1, :], q, q).implementation == "chunked"
+    monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "lots")
+    with pytest.raises(ValueError, match="POLYATTN_SCORE_BUDGET"):
+        polyattn.explain(q, q, q)
+
+
+@pytest.mark.parametrize(("tq", "tk"), [(13, 13), (7, 17), (17, 7), (1, 9)])
+def test_matches_oracle(dtype_name, tiles, tq, tk):
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((2, 3, tq, 5)), rng.standard_normal((2, 3, tk, 5)), \
+        rng.standard_normal((2, 3, tk, 6))
+    check(run(q, k, v, dtype_name, scale=0.7), ref_attention(q, k, v, scale=0.7), dtype_name)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize(("tq", "tk"), [(14, 14), (5, 19), (19, 5), (11, 23)])
+def test_causal(dtype_name, tiles, alignment, tq, tk):
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 2, t, 4)) for t in (tq, tk, tk))
+    got = run(q, k, v, dtype_name, is_causal=True, causal_alignment=alignment)
+    check(got, ref_attention(q, k, v, is_causal=True, alignment=alignment), dtype_name)
+
+
+@pytest.mark.parametrize("mask_shape", [(11, 15), (1, 1, 11, 15), (2, 1, 1, 15), (3, 11, 1),
+                                        (15,), (2, 3, 11, 15)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks_broadcast(dtype_name, tiles, mask_shape, kind):
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 3, 11, 4)), rng.standard_normal((2, 3, 15, 4)), \
+        rng.standard_normal((2, 3, 15, 3))
+    mask = rng.random(mask_shape) < 0.7 if kind == "bool" else rng.standard_normal(mask_shape)
+    for causal in (False, True):
+        got = run(q, k, v, dtype_name, mask, is_causal=causal)
+        check(got, ref_attention(q, k, v, mask=mask, is_causal=causal), dtype_name)
+
+
+def test_fully_masked_rows(dtype_name, tiles):
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((2, 9, 4)), rng.standard_normal((2, 10, 4)), \
+        rng.standard_normal((2, 10, 3))
+    mask = rng.random((2, 9, 10)) < 0.5
+    mask[0, 1] = False
+    mask[1, 7] = False
+    mask[:, :, :4] = False                    # the first key tile is hidden from every row
+    out, lse = run(q, k, v, dtype_name, mask)
+    assert not np.isnan(out).any()
+    assert np.all(out[0, 1] == 0) and np.all(out[1, 7] == 0)
+    assert np.isneginf(lse[0, 1]) and np.isneginf(lse[1, 7])
+    check((out, lse), ref_attention(q, k, v, mask=mask), dtype_name)
+
+
+def test_float_mask_neg_inf(dtype_name, tiles):
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((3, 9, 4)) for _ in range(3))
+    mask = rng.standard_normal((3, 9, 9))
+    mask[:, :, 2:6] = -np.inf
+    mask[1, 3, :] = -np.inf
+    check(run(q, k, v, dtype_name, mask), ref_attention(q, k, v, mask=mask), dtype_name)
+
+
+def test_causal_rows_with_no_keys(dtype_name, tiles):
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((1, 2, 12, 4)), rng.standard_normal((1, 2, 5, 4)), \
+        rng.standard_normal((1, 2, 5, 4))
+    out, lse = run(q, k, v, dtype_name, is_causal=True, causal_alignment="bottom_right")
+    assert np.all(out[..., :7, :] == 0) and np.all(np.isneginf(lse[..., :7]))
+    check((out, lse), ref_attention(q, k, v, is_causal=True, alignment="bottom_right"),
+          dtype_name)
+
+
+@pytest.mark.parametrize(("h", "hkv"), [(4, 2), (6, 1), (3, 3)])
+def test_gqa(dtype_name, tiles, h, hkv):
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, h, 9, 4))
+    k, v = rng.standard_normal((2, hkv, 13, 4)), rng.standard_normal((2, hkv, 13, 3))
+    mask = rng.random((h, 9, 13)) < 0.8
+    got = run(q, k, v, dtype_name, mask, enable_gqa=True, is_causal=True,
+              causal_alignment="bottom_right")
+    ref = ref_attention(q, k, v, mask=mask, enable_gqa=True, is_causal=True,
+                        alignment="bottom_right")
+    check(got, ref, dtype_name)
+
+
+def test_growing_and_shrinking_scores(dtype_name, tiles):
+    """Row maxima that rise by far more than RESCALE_LIMIT, and scores that underflow."""
+    rng = np.random.default_rng(8)
+    q, k, v = rng.standard_normal((2, 10, 4)), rng.standard_normal((2, 21, 4)), \
+        rng.standard_normal((2, 21, 3))
+    k[0, :, 0] = np.linspace(-40, 120, 21)   # each key tile outweighs the previous one
+    k[1, :, 0] = np.linspace(90, -200, 21)   # later tiles underflow against the first
+    q[..., 0] = np.abs(q[..., 0]) + 0.5
+    check(run(q, k, v, dtype_name, scale=1.0), ref_attention(q, k, v, scale=1.0), dtype_name)
+    big = q * 300.0                         # every row far above exp's range unless shifted
+    check(run(big, k, v, dtype_name), ref_attention(big, k, v), dtype_name)
+
+
+def test_nan_confined_to_its_row(tiles):
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((2, 11, 4)) for _ in range(3))
+    q[1, 4, 2] = np.nan
+    out, lse = run(q, k, v, "float64")
+    ref, ref_lse, _ = ref_attention(np.where(np.isnan(q), 0.0, q), k, v)
+    rows = np.ones((2, 11), dtype=bool)
+    rows[1, 4] = False
+    np.testing.assert_allclose(out[rows], ref[rows], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse[rows], ref_lse[rows], rtol=1e-12)
+    expected, expected_lse = polyattn.scaled_dot_product_attention(
+        q, k, v, return_lse=True, implementation="reference")
+    np.testing.assert_array_equal(np.isnan(out[1, 4]), np.isnan(expected[1, 4]))
+    assert np.isnan(lse[1, 4]) == np.isnan(expected_lse[1, 4])
+
+
+def test_empty_queries_and_keys(tiles):
+    q, k = np.ones((2, 0, 4)), np.ones((2, 5, 4))
+    out, lse = polyattn.scaled_dot_product_attention(q, k, k, return_lse=True,
+                                                     implementation="chunked")
+    assert out.shape == (2, 0, 4) and lse.shape == (2, 0)
+    out, lse = numpy_chunked.attention(np.ones((1, 2, 0, 4)), np.ones((1, 2, 5, 4)),
+                                       np.ones((1, 2, 5, 3)), mask=None, causal_offset=None,
+                                       scale=0.5, xp=np)
+    assert out.shape == (1, 2, 0, 3) and lse.shape == (1, 2, 0)
+
+
+def test_against_array_api_path(dtype_name, tiles, monkeypatch):
+    monkeypatch.setattr(chunked, "BLOCK_Q", 5)
+    monkeypatch.setattr(chunked, "BLOCK_K", 3)
+    import array_api_compat.numpy as xp
+
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((2, 4, 12, 6)).astype(dtype_name)
+    k = rng.standard_normal((2, 2, 17, 6)).astype(dtype_name)
+    v = rng.standard_normal((2, 2, 17, 5)).astype(dtype_name)
+    mask = rng.random((1, 4, 12, 17)) < 0.8
+    kw = {"mask": mask, "causal_offset": 3, "scale": 0.4}
+    out, lse = numpy_chunked.attention(q, k, v, xp=xp, **kw)
+    ref_out, ref_lse = chunked.attention(q, k, v, xp=xp, **kw)
+    assert out.dtype == ref_out.dtype and lse.dtype == ref_lse.dtype
+    tol = 1e-5 if dtype_name == "float32" else 1e-12
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+
+
+def test_threads_bitwise_identical(dtype_name, monkeypatch):
+    monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
+    monkeypatch.setattr(numpy_chunked, "BLOCK_K", 16)
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 4, 67, 8)).astype(dtype_name) for _ in range(3))
+    results = []
+    for n in (1, 2, 3):
+        monkeypatch.setattr(numpy_chunked, "NUM_THREADS", n)
+        results.append(run(q, k, v, dtype_name, is_causal=True))
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+
+
+def test_default_tiles_and_strided_read_only_inputs(dtype_name):
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 2, 600, 16))
+    kt = rng.standard_normal((1, 2, 16, 700))
+    k = np.swapaxes(kt, -1, -2)                     # a transposed view, not BLAS-ready
+    v = rng.standard_normal((700, 1, 2, 8)).transpose(1, 2, 0, 3)
+    for a in (q, kt, v):
+        a.flags.writeable = False
+    got = run(q, k, v, dtype_name, is_causal=True, causal_alignment="bottom_right")
+    check(got, ref_attention(q, k, v, is_causal=True, alignment="bottom_right"), dtype_name)
+
+
+def test_blas_limit_is_restored():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    before = [i["num_threads"] for i in threadpoolctl.threadpool_info()
+              if i["user_api"] == "blas"]
+    with numpy_chunked.single_threaded_blas(), numpy_chunked.single_threaded_blas():
+        inside = [i["num_threads"] for i in threadpoolctl.threadpool_info()
+                  if i["user_api"] == "blas"]
+    after = [i["num_threads"] for i in threadpoolctl.threadpool_info()
+             if i["user_api"] == "blas"]
+    assert all(n == 1 for n in inside)
+    assert after == before
