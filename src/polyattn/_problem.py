@@ -76,6 +76,17 @@ def _shapes_error(what: str, a: str, x: Array, b: str, y: Array, detail: str) ->
     return ValueError(f"{what} ({a} {shape_str(x)}, {b} {shape_str(y)}); {detail}")
 
 
+def _gqa_hint(query: Array, kv: list[Array]) -> str:
+    """A pointer to ``enable_gqa`` when the head axes look like grouped-query attention."""
+    if query.ndim < 3 or any(x.ndim < 3 for x in kv):
+        return ""
+    h, kv_heads = query.shape[-3], {x.shape[-3] for x in kv}
+    if len(kv_heads) == 1 and 1 < (hkv := kv_heads.pop()) < h and h % hkv == 0:
+        return (f"for grouped-query attention ({h} query heads sharing {hkv} key/value "
+                "heads) pass enable_gqa=True")
+    return ""
+
+
 def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array | None,
             is_causal: bool, causal_alignment: str, scale: float | None,
             enable_gqa: bool) -> Problem:
@@ -120,13 +131,15 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
         batch = broadcast_shapes(
             ("query", *[n for n, _ in kv]),
             (tuple(query.shape[:-3]), *[tuple(x.shape[:-3]) for _, x in kv]),
-            "batch dimensions")
+            "batch dimensions", full=(tuple(query.shape), *[tuple(x.shape) for _, x in kv]))
         squeeze = False
     else:
         lead = broadcast_shapes(
             ("query", *[n for n, _ in kv]),
             (tuple(query.shape[:-2]), *[tuple(x.shape[:-2]) for _, x in kv]),
-            "leading (batch and head) dimensions")
+            "leading (batch and head) dimensions",
+            full=(tuple(query.shape), *[tuple(x.shape) for _, x in kv]),
+            hint=_gqa_hint(query, [x for _, x in kv]))
         squeeze = len(lead) == 0
         lead = lead or (1,)
         batch, h = lead[:-1], lead[-1]

@@ -79,8 +79,13 @@ def check_nonnegative_int(name: str, value: object, *, minimum: int = 0) -> int:
 
 
 def broadcast_shapes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...],
-                     what: str) -> tuple[int, ...]:
-    """Broadcast ``shapes`` by the standard's rules, naming the culprits on failure."""
+                     what: str, *, full: tuple[tuple[int, ...], ...] | None = None,
+                     hint: str = "") -> tuple[int, ...]:
+    """Broadcast ``shapes`` by the standard's rules, naming the culprits on failure.
+
+    ``full`` are the arguments' whole shapes, quoted in the message; ``hint``
+    is appended to it.
+    """
     ndim = max((len(s) for s in shapes), default=0)
     out: list[int] = []
     for axis in range(-ndim, 0):
@@ -89,10 +94,15 @@ def broadcast_shapes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]
             n = s[axis] if -axis <= len(s) else 1
             if n != 1:
                 if size not in (1, n):
-                    detail = ", ".join(
-                        f"{nm} {tuple(sh)}" for nm, sh in zip(names, shapes, strict=True))
+                    parts = ", ".join(f"{nm} {tuple(sh)}"
+                                      for nm, sh in zip(names, shapes, strict=True))
+                    detail = ", ".join(f"{nm} {tuple(sh)}"
+                                       for nm, sh in zip(names, full or shapes, strict=True))
+                    what_of = f"the {what} of {', '.join(names)}"
                     raise ValueError(
-                        f"the {what} of {', '.join(names)} do not broadcast ({detail})")
+                        f"{what_of} do not broadcast: {parts}"
+                        + (f" (shapes {detail})" if full is not None else "")
+                        + (f"; {hint}" if hint else ""))
                 size = n
         out.append(size)
     return tuple(out)

@@ -19,6 +19,7 @@ from typing import Any
 from ._compat import Array, Namespace, check_same_device, namespace_of, resolve_xp
 from ._validation import (
     IMPLEMENTATIONS,
+    broadcast_shapes,
     check_bool,
     check_choice,
     check_floating,
@@ -32,12 +33,15 @@ WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
 
 
-def _check_heads(embed_dim: int, num_heads: object, num_kv_heads: object) -> tuple[int, int]:
+def _check_heads(embed_dim: int, num_heads: object, num_kv_heads: object,
+                 source: str = "`embed_dim` ({d})") -> tuple[int, int]:
+    """H and Hkv after checking them; ``source`` says where ``embed_dim`` came from."""
     h = check_nonnegative_int("num_heads", num_heads, minimum=1)
     hkv = h if num_kv_heads is None else check_nonnegative_int("num_kv_heads", num_kv_heads,
                                                                 minimum=1)
     if embed_dim % h:
-        raise ValueError(f"`embed_dim` ({embed_dim}) must be divisible by `num_heads` ({h})")
+        raise ValueError(f"{source.format(d=embed_dim)} must be divisible by "
+                         f"`num_heads` ({h})")
     if h % hkv:
         raise ValueError(f"`num_heads` ({h}) must be a multiple of `num_kv_heads` ({hkv})")
     return h, hkv
@@ -70,8 +74,8 @@ def _check_params(params: Mapping[str, Array], d_model: int, kdim: int, vdim: in
         p = params.get(name)
         if p is not None and tuple(p.shape) != shape:
             raise ValueError(f"params `{name}` has shape {shape_str(p)}; expected {shape} "
-                             f"(d_model={d_model}, kdim={kdim}, vdim={vdim}, num_heads={h}, "
-                             f"num_kv_heads={hkv})")
+                             f"(d_model={d_model}, kdim={kdim}, vdim={vdim}: the features of "
+                             f"query, key and value; num_heads={h}, num_kv_heads={hkv})")
     return ev
 
 
@@ -142,8 +146,12 @@ def multi_head_attention(
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(f"`value` has {value.shape[-2]} positions but `key` has "
                          f"{key.shape[-2]} (key {shape_str(key)}, value {shape_str(value)})")
+    named = (("query", query), ("key", key), ("value", value))
+    broadcast_shapes(tuple(n for n, _ in named), tuple(tuple(x.shape[:-2]) for _, x in named),
+                     "batch dimensions", full=tuple(tuple(x.shape) for _, x in named))
     d_model = int(query.shape[-1])
-    h, hkv = _check_heads(d_model, num_heads, num_kv_heads)
+    h, hkv = _check_heads(d_model, num_heads, num_kv_heads,
+                          f"d_model = {{d}} (the features of `query` {shape_str(query)})")
     _check_params(params, d_model, int(key.shape[-1]), int(value.shape[-1]), h, hkv)
     for name in (*WEIGHTS, *BIASES):
         if params.get(name) is not None:
@@ -268,6 +276,14 @@ class MultiHeadAttention:
         """
         key = query if key is None else key
         value = key if value is None else value
+        expected = (("query", query, self.embed_dim, "embed_dim"),
+                    ("key", key, self.kdim, "kdim"), ("value", value, self.vdim, "vdim"))
+        for name, x, size, attr in expected:
+            shape = getattr(x, "shape", None)
+            if shape is not None and len(shape) >= 1 and shape[-1] != size:
+                raise ValueError(f"`{name}` has {shape[-1]} features but this module has "
+                                 f"{attr}={size} ({name} {shape_str(x)}, expected "
+                                 f"(…, T, {size}))")
         return multi_head_attention(query, key, value, self.params, num_heads=self.num_heads,
                                     num_kv_heads=self.num_kv_heads, **options)
 

@@ -9,6 +9,7 @@ of ``pos + k`` is a fixed linear function of that of ``pos``.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -54,8 +55,10 @@ def sinusoidal_positional_encoding(num_positions: int, d_model: int, /, *, base:
     n = check_nonnegative_int("num_positions", num_positions)
     d = check_nonnegative_int("d_model", d_model, minimum=1)
     offset = check_nonnegative_int("offset", offset)
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 0:
-        raise ValueError(f"`base` must be a positive number; got {base!r}")
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise TypeError(f"`base` must be a real number; got {base!r}")
+    if not 0 < base < math.inf:
+        raise ValueError(f"`base` must be a positive finite number; got {base!r}")
     xp = resolve_xp(xp)
     if dtype is None:
         dtype = default_float_dtype(xp, device)
@@ -73,8 +76,6 @@ def sinusoidal_positional_encoding(num_positions: int, d_model: int, /, *, base:
 
 
 def _log(x: float) -> float:
-    import math
-
     return math.log(float(x))
 
 

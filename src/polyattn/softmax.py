@@ -8,9 +8,9 @@ zeros and a log-sum-exp of ``-inf`` rather than NaN.
 
 from __future__ import annotations
 
-from ._compat import Array, namespace_of
-from ._validation import check_floating
-from .implementations._common import log_of_sum, stable_shift
+from ._compat import Array, device_of, namespace_of
+from ._validation import check_bool, check_floating
+from .implementations._common import NEG_INF, log_of_sum, stable_shift
 
 
 def _compute_dtype(x: Array, xp):
@@ -18,6 +18,11 @@ def _compute_dtype(x: Array, xp):
     if x.dtype in (xp.float32, xp.float64):
         return x.dtype
     return xp.float32
+
+
+def _is_empty(x: Array) -> bool:
+    """Whether ``x`` has no elements (its reductions are answered without reducing)."""
+    return any(n == 0 for n in x.shape)
 
 
 def _check_axis(axis: object, ndim: int) -> int:
@@ -58,6 +63,8 @@ def softmax(x: Array, /, *, axis: int = -1) -> Array:
     if x.ndim == 0:
         raise ValueError("`x` must have at least one dimension; got a 0-d array")
     axis = _check_axis(axis, x.ndim)
+    if _is_empty(x):
+        return xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
     xc = xp.astype(x, _compute_dtype(x, xp))
     m = stable_shift(xp.max(xc, axis=axis, keepdims=True), xp)
     e = xp.exp(xc - m)
@@ -82,7 +89,7 @@ def logsumexp(x: Array, /, *, axis: int = -1, keepdims: bool = False) -> Array:
     -------
     array
         The reduction, in ``x``'s dtype, namespace and device. Slices that are
-        all ``-inf`` give ``-inf``.
+        all ``-inf`` (or empty) give ``-inf``; slices holding a NaN give NaN.
 
     Examples
     --------
@@ -98,10 +105,16 @@ def logsumexp(x: Array, /, *, axis: int = -1, keepdims: bool = False) -> Array:
     if x.ndim == 0:
         raise ValueError("`x` must have at least one dimension; got a 0-d array")
     axis = _check_axis(axis, x.ndim)
+    check_bool("keepdims", keepdims)
+    if _is_empty(x):  # a sum over no terms is 0, its log -inf
+        shape = tuple(1 if i == axis % x.ndim else n for i, n in enumerate(x.shape))
+        if not keepdims:
+            shape = shape[:axis % x.ndim] + shape[axis % x.ndim + 1:]
+        return xp.full(shape, NEG_INF, dtype=x.dtype, device=device_of(x))
     xc = xp.astype(x, _compute_dtype(x, xp))
     m = stable_shift(xp.max(xc, axis=axis, keepdims=True), xp)
     total = xp.sum(xp.exp(xc - m), axis=axis, keepdims=True)
-    out = log_of_sum(total, m, xp)
+    out = log_of_sum(total, m, xp)                      # -inf for all -inf, NaN for NaN
     if not keepdims:
         out = xp.squeeze(out, axis=axis)
     return xp.astype(out, x.dtype)

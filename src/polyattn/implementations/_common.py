@@ -19,15 +19,18 @@ def stable_shift(m: Array, xp: Any) -> Array:
 
 
 def log_of_sum(total: Array, m: Array, xp: Any) -> Array:
-    """``m + log(total)``, and ``-inf`` where ``total`` is 0 (without a warning)."""
-    positive = total > 0
-    return xp.where(positive, m + xp.log(xp.where(positive, total, 1.0)), NEG_INF)
+    """``m + log(total)``, and ``-inf`` where ``total`` is 0 (without a warning).
+
+    A NaN ``total`` (from a NaN input) gives NaN.
+    """
+    empty = total == 0
+    return xp.where(empty, NEG_INF, m + xp.log(xp.where(empty, 1.0, total)))
 
 
 def safe_divide(num: Array, den: Array, xp: Any) -> Array:
-    """``num / den`` with 0 where ``den`` is 0 (fully masked rows give 0)."""
-    positive = den > 0
-    return xp.where(positive, num / xp.where(positive, den, 1.0), 0.0)
+    """``num / den`` with 0 where ``den`` is 0 (fully masked rows give 0; NaN stays NaN)."""
+    empty = den == 0
+    return xp.where(empty, 0.0, num / xp.where(empty, 1.0, den))
 
 
 def group_heads(x: Array, hkv: int, xp: Any) -> Array:

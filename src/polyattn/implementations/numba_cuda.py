@@ -308,10 +308,13 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
                     elif FLOAT_MASK:
                         x += mask[mb, mh, mi, j * mj_step]
                     s[jj] = x
-                    m_tile = max(m_tile, x)
+                    if x > m_tile or x != x:  # a larger score, or NaN (which then sticks)
+                        m_tile = x
 
                 # Online softmax: rescale l and acc to the new maximum, add the tile.
-                m_new = max(m, m_tile)
+                m_new = m
+                if m_tile > m or m_tile != m_tile:
+                    m_new = m_tile
                 if m_new != NEG_INF:
                     alpha = math.exp(m - m_new)
                     l *= alpha
@@ -325,11 +328,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
                     m = m_new
             cuda.syncthreads()
 
-        # Normalise and write; a row with no visible key gives 0 and -inf.
+        # Normalise and write; a row with no visible key gives 0 and -inf
+        # (a NaN in l, from a NaN input, propagates to out and lse).
         if row_ok:
             inv_l = ZERO
             lse_i = NEG_INF
-            if l > ZERO:
+            if l != ZERO:
                 inv_l = ONE / l
                 lse_i = m + math.log(l)
             for d in range(HEAD):

@@ -295,7 +295,8 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         # --- cheap path: p = exp(s - m) in place; l_blk = p·1, a matrix-vector product
         np.exp(s, out=s)
         np.matmul(s, p.ones[:k1 - k0], out=l_blk)
-        if not (np.any(l_blk > p.limit) or np.any((lr == 0) & (l_blk < p.tiny))):
+        need = (l_blk > p.limit) | ((lr == 0) & (l_blk < p.tiny))
+        if not need.any():
             np.matmul(_flat(s), vb[k0:k1], out=_flat(pv))  # (G·r, Ev)
             accr += pv
             lr += l_blk
@@ -308,6 +309,9 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         has_mass = lr > 0
         np.maximum(d, 0.0, out=d, where=has_mass)     # rows with mass never lower m
         np.copyto(d, 0.0, where=np.isneginf(d))       # still fully masked: keep m
+        # rows that did not need it keep their shift, so each row's bits depend on its
+        # own scores only (not on whether another row of the block was redone)
+        np.copyto(d, 0.0, where=~need)
         np.subtract(s, d[..., None], out=s)
         np.exp(s, out=s)
         np.matmul(s, p.ones[:k1 - k0], out=l_blk)
@@ -324,12 +328,13 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         np.negative(mr, out=qr[..., e])
 
     # --- normalise: out = acc / l, lse = m + log l; l == 0 (fully masked): 0, -inf
-    positive = l > 0
-    safe_l = np.where(positive, l, 1.0)
+    # (a NaN in l, from a NaN input, propagates to out and lse)
+    empty = l == 0
+    safe_l = np.where(empty, 1.0, l)
     o = acc / safe_l[..., None]
-    o[~positive] = 0.0
+    o[empty] = 0.0
     out_slice[...] = o
-    lse_slice[...] = np.where(positive, m + np.log(safe_l), -np.inf)
+    lse_slice[...] = np.where(empty, -np.inf, m + np.log(safe_l))
 
 
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,

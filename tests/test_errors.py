@@ -1,0 +1,536 @@
+"""Bad input: every public function raises TypeError or ValueError naming what is wrong.
+
+Each case states the exception and the pieces its message must contain, in
+order: the argument's name, and what was received and expected (shapes,
+dtypes, values). Cases built from ``xp`` run on every backend, so the checks
+work with every library's dtypes and shape objects; the rest use NumPy.
+
+``docs/errors_table.rst`` lists these cases with the library's actual
+messages; :func:`test_errors_table_is_current` keeps it in step
+(``python tests/test_errors.py`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import Backend, available_backends
+
+import polyattn
+
+Call = Callable[[Any, Any], object]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A call that must fail: ``call(xp, device)`` raises ``error`` whose message has ``pieces``."""
+
+    name: str
+    function: str
+    call: Call
+    error: type[Exception]
+    pieces: tuple[str, ...]
+
+    @property
+    def pattern(self) -> str:
+        return ".*".join(re.escape(p) for p in self.pieces)
+
+
+def z(xp, device, *shape, dtype="float64"):
+    """Zeros of ``shape`` in ``xp``; ``dtype`` by name."""
+    return xp.zeros(shape, dtype=getattr(xp, dtype), device=device)
+
+
+def qkv(xp, device, dtype="float64"):
+    """query (2, 3, 4, 5), key (2, 3, 6, 5), value (2, 3, 6, 7)."""
+    return z(xp, device, 2, 3, 4, 5, dtype=dtype), z(xp, device, 2, 3, 6, 5, dtype=dtype), \
+        z(xp, device, 2, 3, 6, 7, dtype=dtype)
+
+
+sdpa = polyattn.scaled_dot_product_attention
+
+
+def _sdpa(**kw) -> Call:
+    return lambda xp, dev: sdpa(*qkv(xp, dev), **kw)
+
+
+def _mha(xp, dev, *, params=None, x=None, key=None, value=None, **kw):
+    mha = polyattn.MultiHeadAttention(8, 2, xp=xp, device=dev, dtype=xp.float64, seed=0)
+    p = dict(mha.params)
+    p.update(params or {})
+    x = z(xp, dev, 2, 5, 8) if x is None else x
+    kw.setdefault("num_heads", 2)
+    return polyattn.multi_head_attention(x, x if key is None else key,
+                                         x if value is None else value, p, **kw)
+
+
+# --------------------------------------------------------------------------- #
+# Cases that run on every backend
+# --------------------------------------------------------------------------- #
+
+PORTABLE = [
+    # scaled_dot_product_attention: dtypes
+    Case("integer query", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(z(xp, dev, 2, 3, 4, 5, dtype="int64"), *qkv(xp, dev)[1:]),
+         TypeError, ("`query`", "real floating", "int64", "(2, 3, 4, 5)")),
+    Case("boolean key", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(qkv(xp, dev)[0], z(xp, dev, 2, 3, 6, 5, dtype="bool"),
+                              qkv(xp, dev)[2]),
+         TypeError, ("`key`", "real floating", "bool", "(2, 3, 6, 5)")),
+    Case("complex value", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(xp, dev)[:2], z(xp, dev, 2, 3, 6, 7, dtype="complex128")),
+         TypeError, ("`value`", "real floating", "complex128", "(2, 3, 6, 7)")),
+    Case("integer mask", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(xp, dev), attn_mask=z(xp, dev, 4, 6, dtype="int32")),
+         TypeError, ("`attn_mask`", "boolean", "real floating", "int32", "(4, 6)")),
+    # shapes
+    Case("mask does not broadcast", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(xp, dev), attn_mask=z(xp, dev, 4, 5, dtype="bool")),
+         ValueError, ("`attn_mask`", "(4, 5)", "(B…, H, Tq, Tk)", "(2, 3, 4, 6)")),
+    Case("mask with too many dimensions", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(xp, dev), attn_mask=z(xp, dev, 2, 2, 3, 4, 6, dtype="bool")),
+         ValueError, ("`attn_mask`", "(2, 2, 3, 4, 6)", "(2, 3, 4, 6)")),
+    Case("query of rank 1", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(z(xp, dev, 5), *qkv(xp, dev)[1:]),
+         ValueError, ("`query`", "at least 2 dimensions", "(…, T, E)", "(5,)")),
+    Case("key of rank 1", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(qkv(xp, dev)[0], z(xp, dev, 5), qkv(xp, dev)[2]),
+         ValueError, ("`key`", "at least 2 dimensions", "(5,)")),
+    Case("rank 2 with enable_gqa", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(z(xp, dev, 4, 5), z(xp, dev, 6, 5), z(xp, dev, 6, 7),
+                              enable_gqa=True),
+         ValueError, ("`query`", "at least 3 dimensions", "(B…, H, T, E)", "(4, 5)")),
+    Case("feature sizes differ", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(qkv(xp, dev)[0], z(xp, dev, 2, 3, 6, 4), qkv(xp, dev)[2]),
+         ValueError, ("`key` has 4 features", "`query` has 5", "query (2, 3, 4, 5)",
+                      "key (2, 3, 6, 4)")),
+    Case("key and value lengths differ", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(xp, dev)[:2], z(xp, dev, 2, 3, 5, 7)),
+         ValueError, ("`value` has 5 positions", "`key` has 6", "key (2, 3, 6, 5)",
+                      "value (2, 3, 5, 7)")),
+    Case("batch sizes differ", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(qkv(xp, dev)[0], z(xp, dev, 3, 3, 6, 5), z(xp, dev, 3, 3, 6, 7)),
+         ValueError, ("do not broadcast", "query (2, 3)", "key (3, 3)", "query (2, 3, 4, 5)",
+                      "key (3, 3, 6, 5)")),
+    Case("fewer key heads without enable_gqa", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(z(xp, dev, 2, 4, 4, 5), z(xp, dev, 2, 2, 6, 5),
+                              z(xp, dev, 2, 2, 6, 7)),
+         ValueError, ("do not broadcast", "query (2, 4)", "key (2, 2)", "enable_gqa=True")),
+    Case("GQA heads not divisible", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(qkv(xp, dev)[0], z(xp, dev, 2, 2, 6, 5), z(xp, dev, 2, 2, 6, 7),
+                              enable_gqa=True),
+         ValueError, ("`query` has 3 heads", "2 key/value heads", "query (2, 3, 4, 5)",
+                      "key (2, 2, 6, 5)", "H % Hkv == 0")),
+    Case("GQA key and value heads differ", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(qkv(xp, dev)[0], z(xp, dev, 2, 1, 6, 5), z(xp, dev, 2, 3, 6, 7),
+                              enable_gqa=True),
+         ValueError, ("`key` has 1 heads", "`value` has 3", "key (2, 1, 6, 5)",
+                      "value (2, 3, 6, 7)")),
+    # attention_weights
+    Case("integer query", "attention_weights",
+         lambda xp, dev: polyattn.attention_weights(z(xp, dev, 4, 5, dtype="int32"),
+                                                    z(xp, dev, 6, 5)),
+         TypeError, ("`query`", "real floating", "int32", "(4, 5)")),
+    Case("feature sizes differ", "attention_weights",
+         lambda xp, dev: polyattn.attention_weights(z(xp, dev, 4, 5), z(xp, dev, 6, 4)),
+         ValueError, ("`key` has 4 features", "`query` has 5", "(4, 5)", "(6, 4)")),
+    Case("mask does not broadcast", "attention_weights",
+         lambda xp, dev: polyattn.attention_weights(z(xp, dev, 4, 5), z(xp, dev, 6, 5),
+                                                    attn_mask=z(xp, dev, 3, 6)),
+         ValueError, ("`attn_mask`", "(3, 6)", "(1, 4, 6)")),
+    # softmax and logsumexp
+    Case("integer input", "softmax",
+         lambda xp, dev: polyattn.softmax(z(xp, dev, 3, dtype="int64")),
+         TypeError, ("`x`", "real floating", "int64", "(3,)")),
+    Case("boolean input", "softmax",
+         lambda xp, dev: polyattn.softmax(z(xp, dev, 2, 3, dtype="bool")),
+         TypeError, ("`x`", "real floating", "bool", "(2, 3)")),
+    Case("0-d input", "softmax",
+         lambda xp, dev: polyattn.softmax(z(xp, dev)),
+         ValueError, ("`x`", "at least one dimension", "0-d")),
+    Case("axis out of range", "softmax",
+         lambda xp, dev: polyattn.softmax(z(xp, dev, 2, 3), axis=2),
+         ValueError, ("`axis` 2", "out of range", "2 dimensions")),
+    Case("complex input", "logsumexp",
+         lambda xp, dev: polyattn.logsumexp(z(xp, dev, 3, dtype="complex128")),
+         TypeError, ("`x`", "real floating", "complex128", "(3,)")),
+    Case("axis out of range", "logsumexp",
+         lambda xp, dev: polyattn.logsumexp(z(xp, dev, 2, 3), axis=-3),
+         ValueError, ("`axis` -3", "out of range", "2 dimensions")),
+    # multi_head_attention
+    Case("integer query", "multi_head_attention",
+         lambda xp, dev: _mha(xp, dev, x=z(xp, dev, 2, 5, 8, dtype="int64")),
+         TypeError, ("`query`", "real floating", "int64", "(2, 5, 8)")),
+    Case("w_k of the wrong shape", "multi_head_attention",
+         lambda xp, dev: _mha(xp, dev, params={"w_k": z(xp, dev, 8, 6)}),
+         ValueError, ("`w_k`", "(8, 6)", "expected (8, 8)")),
+    Case("integer parameter", "multi_head_attention",
+         lambda xp, dev: _mha(xp, dev, params={"w_o": z(xp, dev, 8, 8, dtype="int32")}),
+         TypeError, ("`params['w_o']`", "real floating", "int32", "(8, 8)")),
+    Case("key and value lengths differ", "multi_head_attention",
+         lambda xp, dev: _mha(xp, dev, value=z(xp, dev, 2, 4, 8)),
+         ValueError, ("`value` has 4 positions", "`key` has 5", "key (2, 5, 8)",
+                      "value (2, 4, 8)")),
+    Case("batch sizes differ", "multi_head_attention",
+         lambda xp, dev: _mha(xp, dev, key=z(xp, dev, 3, 5, 8), value=z(xp, dev, 3, 5, 8)),
+         ValueError, ("batch dimensions", "query (2,)", "key (3,)", "query (2, 5, 8)",
+                      "key (3, 5, 8)")),
+]
+
+
+def _strict_other_device(xp, dev):
+    import array_api_strict as xs
+
+    q, k, v = qkv(xs, xs.Device("CPU_DEVICE"))
+    return sdpa(q, xs.asarray(k, device=xs.Device("device1")), v)
+
+
+def _strict_mask_other_device(xp, dev):
+    import array_api_strict as xs
+
+    mask = xs.ones((4, 6), dtype=xs.bool, device=xs.Device("device1"))
+    return sdpa(*qkv(xs, xs.Device("CPU_DEVICE")), attn_mask=mask)
+
+
+def _torch(*shape, dtype="float64"):
+    torch = pytest.importorskip("torch")
+    return torch.zeros(shape, dtype=getattr(torch, dtype))
+
+
+def _jax(*shape):
+    jnp = pytest.importorskip("jax.numpy")
+    return jnp.zeros(shape)
+
+
+def _mha_torch_params(xp, dev):
+    mha = polyattn.MultiHeadAttention(8, 2, seed=0)
+    params = {**mha.params, "w_q": _torch(8, 8)}
+    x = np.zeros((2, 5, 8))
+    return polyattn.multi_head_attention(x, x, x, params, num_heads=2)
+
+
+def _from_torch_bias_kv(xp, dev):
+    torch = pytest.importorskip("torch")
+    module = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
+    return polyattn.MultiHeadAttention.from_torch(module)
+
+
+def _numba_without_cuda(function):
+    def call(xp, dev):
+        q = np.zeros((1, 2, 8, 4))
+        options = {"implementation": "numba_cuda"}
+        if function == "explain":
+            return polyattn.explain(q, q, q, **options)
+        return sdpa(q, q, q, **options)
+    return call
+
+
+# --------------------------------------------------------------------------- #
+# Cases with NumPy inputs (arguments that are not arrays, or several libraries)
+# --------------------------------------------------------------------------- #
+
+NUMPY = [
+    # scaled_dot_product_attention: options
+    Case("unknown implementation", "scaled_dot_product_attention", _sdpa(implementation="flash"),
+         ValueError, ("`implementation`", "'auto', 'reference', 'chunked', 'numba_cuda'",
+                      "got 'flash'")),
+    Case("unknown causal_alignment", "scaled_dot_product_attention",
+         _sdpa(is_causal=True, causal_alignment="bottom"),
+         ValueError, ("`causal_alignment`", "'top_left', 'bottom_right'", "got 'bottom'")),
+    Case("is_causal not a bool", "scaled_dot_product_attention", _sdpa(is_causal="yes"),
+         TypeError, ("`is_causal`", "True or False", "'yes'")),
+    Case("enable_gqa not a bool", "scaled_dot_product_attention", _sdpa(enable_gqa=1),
+         TypeError, ("`enable_gqa`", "True or False", "got 1")),
+    Case("return_lse not a bool", "scaled_dot_product_attention", _sdpa(return_lse=None),
+         TypeError, ("`return_lse`", "True or False", "got None")),
+    Case("scale not a number", "scaled_dot_product_attention", _sdpa(scale="0.5"),
+         TypeError, ("`scale`", "real number or None", "'0.5'")),
+    Case("scale not finite", "scaled_dot_product_attention", _sdpa(scale=float("nan")),
+         ValueError, ("`scale`", "finite", "nan")),
+    Case("query not an array", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa([[1.0, 2.0]], *qkv(np, None)[1:]),
+         TypeError, ("`query`", "Array API", "list")),
+    Case("numpy query, torch key", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(np.zeros((4, 5)), _torch(6, 5), np.zeros((6, 7))),
+         TypeError, ("`query` is a numpy array", "`key` is a torch array")),
+    Case("numpy inputs, jax mask", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(np.zeros((4, 5)), np.zeros((6, 5)), np.zeros((6, 7)),
+                              attn_mask=_jax(4, 6)),
+         TypeError, ("`query` is a numpy array", "`attn_mask` is a jax array")),
+    Case("key on another device", "scaled_dot_product_attention", _strict_other_device,
+         ValueError, ("`query`", "CPU_DEVICE", "`key`", "device1")),
+    Case("mask on another device", "scaled_dot_product_attention", _strict_mask_other_device,
+         ValueError, ("`query`", "CPU_DEVICE", "`attn_mask`", "device1")),
+    Case("numba_cuda without CUDA", "scaled_dot_product_attention",
+         _numba_without_cuda("sdpa"),
+         RuntimeError, ("implementation='numba_cuda'", "CUDA", "numpy arrays")),
+    # attention_weights
+    Case("unknown causal_alignment", "attention_weights",
+         lambda xp, dev: polyattn.attention_weights(np.zeros((4, 5)), np.zeros((6, 5)),
+                                                    is_causal=True, causal_alignment="left"),
+         ValueError, ("`causal_alignment`", "got 'left'")),
+    Case("numpy query, torch key", "attention_weights",
+         lambda xp, dev: polyattn.attention_weights(np.zeros((4, 5)), _torch(6, 5)),
+         TypeError, ("`query` is a numpy array", "`key` is a torch array")),
+    # softmax and logsumexp
+    Case("axis not an integer", "softmax",
+         lambda xp, dev: polyattn.softmax(np.zeros(3), axis=0.0),
+         TypeError, ("`axis`", "integer", "0.0")),
+    Case("input not an array", "softmax", lambda xp, dev: polyattn.softmax([1.0, 2.0]),
+         TypeError, ("`x`", "Array API", "list")),
+    Case("keepdims not a bool", "logsumexp",
+         lambda xp, dev: polyattn.logsumexp(np.zeros(3), keepdims="no"),
+         TypeError, ("`keepdims`", "True or False", "'no'")),
+    # causal_mask
+    Case("negative length", "causal_mask", lambda xp, dev: polyattn.causal_mask(-1, 3),
+         ValueError, ("`tq`", "at least 0", "-1")),
+    Case("non-integer length", "causal_mask", lambda xp, dev: polyattn.causal_mask(2, 3.0),
+         TypeError, ("`tk`", "integer", "3.0")),
+    Case("unknown alignment", "causal_mask",
+         lambda xp, dev: polyattn.causal_mask(2, 3, alignment="bottom"),
+         ValueError, ("`alignment`", "'top_left', 'bottom_right'", "'bottom'")),
+    Case("xp not a namespace", "causal_mask",
+         lambda xp, dev: polyattn.causal_mask(2, 3, xp="numpy"),
+         TypeError, ("`xp`", "array namespace", "'numpy'")),
+    # sinusoidal_positional_encoding
+    Case("non-integer num_positions", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3.5, 4),
+         TypeError, ("`num_positions`", "integer", "3.5")),
+    Case("negative num_positions", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(-1, 4),
+         ValueError, ("`num_positions`", "at least 0", "-1")),
+    Case("d_model below 1", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3, 0),
+         ValueError, ("`d_model`", "at least 1", "0")),
+    Case("non-integer d_model", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3, True),
+         TypeError, ("`d_model`", "integer", "True")),
+    Case("negative offset", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3, 4, offset=-2),
+         ValueError, ("`offset`", "at least 0", "-2")),
+    Case("base not positive", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3, 4, base=0.0),
+         ValueError, ("`base`", "positive finite", "0.0")),
+    Case("infinite base", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3, 4, base=float("inf")),
+         ValueError, ("`base`", "positive finite", "inf")),
+    Case("base not a number", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3, 4, base="1e4"),
+         TypeError, ("`base`", "real number", "'1e4'")),
+    Case("integer dtype", "sinusoidal_positional_encoding",
+         lambda xp, dev: polyattn.sinusoidal_positional_encoding(3, 4, dtype=np.int32),
+         TypeError, ("`dtype`", "real floating", "int32")),
+    # multi_head_attention
+    Case("w_o of the wrong shape", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, params={"w_o": np.zeros((6, 8))}),
+         ValueError, ("`w_o`", "(6, 8)", "expected (8, 8)", "num_heads=2")),
+    Case("b_q of the wrong shape", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, params={"b_q": np.zeros(6)}),
+         ValueError, ("`b_q`", "(6,)", "expected (8,)")),
+    Case("w_v not a matrix", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, params={"w_v": np.zeros(8)}),
+         ValueError, ("`w_v`", "(8,)", "vdim=8")),
+    Case("key features differ from w_k", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, key=np.zeros((2, 5, 6))),
+         ValueError, ("`w_k`", "(8, 8)", "expected (6, 8)", "kdim=6")),
+    Case("missing parameter", "multi_head_attention",
+         lambda xp, dev: polyattn.multi_head_attention(
+             np.zeros((5, 8)), np.zeros((5, 8)), np.zeros((5, 8)),
+             {"w_q": np.zeros((8, 8)), "w_k": np.zeros((8, 8)), "w_o": np.zeros((8, 8))},
+             num_heads=2),
+         ValueError, ("`params`", "lacks w_v", "w_q, w_k, w_v, w_o")),
+    Case("unknown parameter", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, params={"w_z": np.zeros(1)}),
+         ValueError, ("`params`", "unknown keys ['w_z']",)),
+    Case("params not a mapping", "multi_head_attention",
+         lambda xp, dev: polyattn.multi_head_attention(
+             np.zeros((5, 8)), np.zeros((5, 8)), np.zeros((5, 8)), [np.zeros((8, 8))],
+             num_heads=2),
+         TypeError, ("`params`", "mapping", "list")),
+    Case("d_model not divisible by num_heads", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, num_heads=3),
+         ValueError, ("d_model = 8", "`query` (2, 5, 8)", "`num_heads` (3)")),
+    Case("num_heads below 1", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, num_heads=0),
+         ValueError, ("`num_heads`", "at least 1", "0")),
+    Case("num_heads not a multiple of num_kv_heads", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, num_kv_heads=3),
+         ValueError, ("`num_heads` (2)", "multiple of `num_kv_heads` (3)")),
+    Case("query of rank 1", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, x=np.zeros(8)),
+         ValueError, ("`query`", "at least 2 dimensions", "(8,)")),
+    Case("mask does not broadcast", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, attn_mask=np.ones((4, 5), dtype=bool)),
+         ValueError, ("`attn_mask`", "(4, 5)", "(2, 2, 5, 5)")),
+    Case("unknown implementation", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, implementation="fast"),
+         ValueError, ("`implementation`", "got 'fast'")),
+    Case("unknown causal_alignment", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, is_causal=True, causal_alignment="right"),
+         ValueError, ("`causal_alignment`", "got 'right'")),
+    Case("numpy inputs, torch parameter", "multi_head_attention", _mha_torch_params,
+         TypeError, ("`query` is a numpy array", "`params['w_q']` is a torch array")),
+    # MultiHeadAttention
+    Case("embed_dim not divisible by num_heads", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(10, 3),
+         ValueError, ("`embed_dim` (10)", "divisible by `num_heads` (3)")),
+    Case("embed_dim below 1", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(0, 1),
+         ValueError, ("`embed_dim`", "at least 1", "0")),
+    Case("non-integer embed_dim", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8.0, 2),
+         TypeError, ("`embed_dim`", "integer", "8.0")),
+    Case("num_heads not a multiple of num_kv_heads", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8, 4, num_kv_heads=3),
+         ValueError, ("`num_heads` (4)", "`num_kv_heads` (3)")),
+    Case("kdim below 1", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8, 2, kdim=0),
+         ValueError, ("`kdim`", "at least 1", "0")),
+    Case("integer dtype", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8, 2, dtype=np.int64),
+         TypeError, ("`dtype`", "real floating", "int64")),
+    Case("bias not a bool", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8, 2, bias=None),
+         TypeError, ("`bias`", "True or False", "None")),
+    Case("query features differ from embed_dim", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8, 2)(np.zeros((5, 6))),
+         ValueError, ("`query` has 6 features", "embed_dim=8", "(5, 6)")),
+    Case("value features differ from vdim", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8, 2, vdim=4)(
+             np.zeros((5, 8)), np.zeros((7, 8)), np.zeros((7, 3))),
+         ValueError, ("`value` has 3 features", "vdim=4", "(7, 3)")),
+    Case("torch module with add_bias_kv", "MultiHeadAttention", _from_torch_bias_kv,
+         ValueError, ("add_bias_kv", "not supported")),
+    # explain
+    Case("unknown keyword", "explain",
+         lambda xp, dev: polyattn.explain(*qkv(np, None), is_casual=True),
+         TypeError, ("explain()", "is_casual")),
+    Case("unknown implementation", "explain",
+         lambda xp, dev: polyattn.explain(*qkv(np, None), implementation="flash"),
+         ValueError, ("`implementation`", "got 'flash'")),
+    Case("feature sizes differ", "explain",
+         lambda xp, dev: polyattn.explain(np.zeros((4, 5)), np.zeros((6, 4)), np.zeros((6, 7))),
+         ValueError, ("`key` has 4 features", "`query` has 5")),
+    Case("integer query", "explain",
+         lambda xp, dev: polyattn.explain(np.zeros((4, 5), dtype=np.int16), np.zeros((6, 5)),
+                                          np.zeros((6, 7))),
+         TypeError, ("`query`", "real floating", "int16", "(4, 5)")),
+    Case("numba_cuda without CUDA", "explain", _numba_without_cuda("explain"),
+         RuntimeError, ("implementation='numba_cuda'", "CUDA")),
+]
+
+
+def _id(case: Case) -> str:
+    return f"{case.function}-{case.name.replace(' ', '_')}"
+
+
+@pytest.mark.parametrize("case", PORTABLE, ids=_id)
+def test_bad_input_on_every_backend(case, backend, xp, device):
+    if case.pieces and "complex128" in case.pieces and not hasattr(xp, "complex128"):
+        pytest.skip(f"{backend.value} has no complex128")
+    with pytest.raises(case.error, match=case.pattern):
+        case.call(xp, device)
+
+
+@pytest.mark.parametrize("case", NUMPY, ids=_id)
+def test_bad_input(case, monkeypatch):
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    if "device1" in case.pieces and Backend.ARRAY_API_STRICT not in available_backends():
+        pytest.skip("array-api-strict is not installed")
+    with pytest.raises(case.error, match=case.pattern):
+        case.call(np, None)
+
+
+def test_every_public_function_has_cases():
+    covered = {case.function for case in PORTABLE + NUMPY}
+    public = set(polyattn.__all__) - {"__version__"}
+    missing = public - covered - {"merge_attention"}
+    assert not missing, f"no bad-input case for {sorted(missing)}"
+
+
+# --------------------------------------------------------------------------- #
+# docs/errors_table.rst
+# --------------------------------------------------------------------------- #
+
+TABLE = Path(__file__).resolve().parents[1] / "docs" / "errors_table.rst"
+
+
+def _message(case: Case) -> str:
+    previous = os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+    try:
+        case.call(np, None)
+    except case.error as exc:
+        return str(exc)
+    finally:
+        if previous is not None:
+            os.environ["NUMBA_ENABLE_CUDASIM"] = previous
+    raise AssertionError(f"{_id(case)} did not raise")  # pragma: no cover
+
+
+HEADER = [
+    ":orphan:",
+    "",
+    ".. This file is generated by ``python tests/test_errors.py``; do not edit it by hand.",
+    "",
+    "Errors",
+    "======",
+    "",
+    "Bad arguments raise ``TypeError`` (wrong kind: dtype, type, library) or",
+    "``ValueError`` (wrong value: shape, size, choice) before anything is computed.",
+    "The message names the argument and quotes what was received and what was",
+    "expected. ``implementation=\"numba_cuda\"`` where the kernel cannot run raises",
+    "``RuntimeError``. The messages below are those NumPy inputs produce; other",
+    "libraries give the same ones with their own dtype names.",
+    "",
+    ".. list-table::",
+    "   :header-rows: 1",
+    "   :widths: 18 22 12 48",
+    "",
+    "   * - Function",
+    "     - Case",
+    "     - Exception",
+    "     - Example message",
+]
+
+
+def render_row(case: Case) -> str:
+    """The table row of ``case``, with the message the library raises now."""
+    return "\n".join([f"   * - ``{case.function}``", f"     - {case.name}",
+                      f"     - ``{case.error.__name__}``", f"     - ``{_message(case)}``"])
+
+
+def render_table() -> str:
+    """The reStructuredText page listing every case, with NumPy's messages."""
+    return "\n".join([*HEADER, *(render_row(case) for case in PORTABLE + NUMPY)]) + "\n"
+
+
+def test_errors_table_is_current(monkeypatch):
+    """Every case has its row in docs/errors_table.rst, with today's message."""
+    if not TABLE.exists():
+        pytest.skip(f"{TABLE} is not part of this checkout")
+    text = TABLE.read_text(encoding="utf-8")
+    cases = PORTABLE + NUMPY
+    assert text.count("\n   * - ``") == len(cases), "rows and cases differ in number"
+    stale = []
+    for case in cases:
+        try:
+            row = render_row(case)
+        except pytest.skip.Exception:  # a library the case needs is not installed
+            continue
+        if row not in text:
+            stale.append(_id(case))
+    assert not stale, f"stale rows {stale}: run `python tests/test_errors.py`"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    TABLE.write_text(render_table(), encoding="utf-8")
+    print(f"wrote {TABLE}")
