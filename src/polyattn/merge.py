@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from ._compat import Array, check_same_device, namespace_of
 from ._validation import check_floating, shape_str
-from .implementations._common import log_of_sum, stable_shift
+from .implementations._common import log_of_sum, safe_divide, stable_shift
 
 __all__ = ["merge_attention"]
 
@@ -106,15 +106,16 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array], /) -> tuple[Ar
     total = xp.sum(w, axis=0)
     lse = log_of_sum(total, m, xp)
     # --- weights exp(lse_i - lse) = w_i / Σ w; 0 for rows with no key anywhere
-    positive = total > 0
-    scale = xp.where(positive, w / xp.where(positive, total, 1.0), 0.0)  # (P, B…, H, Tq)
+    scale = safe_divide(w, total, xp)                                    # (P, B…, H, Tq)
     acc_dtype = xp.result_type(out_dtype, lse_dtype)
     out = None
     for i, o in enumerate(outs):
         part = xp.astype(o, acc_dtype) * xp.astype(scale[i, ...], acc_dtype)[..., None]
         # a part whose rows saw no key (weight 0) contributes 0, even if its out is not finite
-        part = xp.where(scale[i, ...][..., None] > 0, part, 0.0)
+        # (a NaN weight, from a NaN input, propagates)
+        part = xp.where(scale[i, ...][..., None] != 0, part, 0.0)
         out = part if out is None else out + part
+    assert out is not None  # at least one part was checked above
     if out.dtype != out_dtype:
         out = xp.astype(out, out_dtype)
     return out, lse

@@ -201,7 +201,8 @@ class _Problem:
         heads = slice(0, 1) if m.shape[-3] == 1 else slice(hk * self.g, (hk + 1) * self.g)
         rows = slice(0, 1) if m.shape[-2] == 1 else slice(q0, q1)
         cols = slice(0, 1) if m.shape[-1] == 1 else slice(k0, k1)
-        return m[(*idx, heads, rows, cols)]
+        ix: tuple[Any, ...] = (*idx, heads, rows, cols)
+        return m[ix]
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
@@ -257,8 +258,9 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     q1 = min(q0 + p.bq, p.tq)
     bq = q1 - q0
     heads = slice(hk * g, (hk + 1) * g)
-    out_slice = out[(*b, heads, slice(q0, q1))]      # (G, bq, Ev)
-    lse_slice = lse[(*b, heads, slice(q0, q1))]      # (G, bq)
+    ix: tuple[Any, ...] = (*b, heads, slice(q0, q1))
+    out_slice = out[ix]                              # (G, bq, Ev)
+    lse_slice = lse[ix]                              # (G, bq)
 
     # --- the keys this block of queries can see (causal: up to the diagonal)
     off = p.causal_offset
@@ -272,7 +274,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
 
     # --- queries of the G heads, scaled once, extended by the column -m
     qe = p.buffer("q", (g, bq, e + 1))
-    np.multiply(p.q[(*b, heads, slice(q0, q1))], p.qscale, out=qe[..., :e])
+    np.multiply(p.q[ix], p.qscale, out=qe[..., :e])
     qe[..., e] = 0.0
     m = p.buffer("m", (g, bq))
     l = p.buffer("l", (g, bq))
