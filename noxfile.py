@@ -16,7 +16,7 @@ nox.options.error_on_missing_interpreters = False
 CONSTRAINTS = ("-c", "constraints.txt")
 #: What each backend's session installs besides polyattn[test].
 BACKEND_DEPS = {
-    "numpy": ["torch"],               # torch as the external oracle
+    "numpy": ["torch", "matplotlib"],  # torch as the external oracle; matplotlib for --save-png
     "array_api_strict": [],
     "torch": ["torch"],
     "jax": ["jax"],
