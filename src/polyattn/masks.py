@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._compat import Array, Namespace, device_of, library_name, resolve_xp
+from ._compat import Array, Namespace, device_of, library_name, namespace_of, resolve_xp
 from ._validation import (
     ALIGNMENTS,
     check_broadcastable_to,
@@ -74,8 +74,6 @@ def padding_mask(lengths: Array, max_length: int, /) -> Array:
     array([[1, 1, 0],
            [1, 1, 1]])
     """
-    from ._compat import namespace_of
-
     xp = namespace_of({"lengths": lengths})
     if lengths.ndim != 1 or not xp.isdtype(lengths.dtype, "integral"):
         raise ValueError(

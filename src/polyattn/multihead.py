@@ -16,7 +16,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._compat import Array, Namespace, check_same_device, namespace_of, resolve_xp
+from ._compat import (
+    Array,
+    Namespace,
+    check_same_device,
+    default_float_dtype,
+    namespace_of,
+    resolve_xp,
+)
 from ._validation import (
     IMPLEMENTATIONS,
     broadcast_shapes,
@@ -350,8 +357,6 @@ def _to_namespace(host: dict[str, Any], xp: Namespace, dtype: Any, device: Any) 
 
     xp = resolve_xp(xp)
     if dtype is None:
-        from ._compat import default_float_dtype
-
         dtype = default_float_dtype(xp, device)
     return {k: xp.asarray(np.ascontiguousarray(v), dtype=dtype, device=device)
             for k, v in host.items()}

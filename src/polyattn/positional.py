@@ -68,15 +68,11 @@ def sinusoidal_positional_encoding(num_positions: int, d_model: int, /, *, base:
     half = (d + 1) // 2
     pos = xp.arange(offset, offset + n, dtype=work, device=device)          # (n,)
     two_i = xp.arange(0, 2 * half, 2, dtype=work, device=device)           # (half,)
-    inv_freq = xp.exp(two_i * (-_log(base) / d))                            # base^(-2i/d)
+    inv_freq = xp.exp(two_i * (-math.log(float(base)) / d))                 # base^(-2i/d)
     angles = pos[:, None] * inv_freq[None, :]                               # (n, half)
     pe = xp.stack([xp.sin(angles), xp.cos(angles)], axis=-1)                # (n, half, 2)
     pe = xp.reshape(pe, (n, 2 * half))[:, :d]                               # (n, d)
     return xp.astype(pe, dtype)
-
-
-def _log(x: float) -> float:
-    return math.log(float(x))
 
 
 def _working_dtype(xp: Namespace, dtype: Any, device: Any) -> Any:

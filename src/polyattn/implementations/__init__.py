@@ -20,8 +20,8 @@ scale
     Python float multiplying ``q · k``.
 
 It returns ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq) in the compute
-dtype. A fully masked row gives ``out = 0`` and ``lse = -inf``. Tk is at
-least 1 (the caller answers Tk = 0 itself).
+dtype. A fully masked row gives ``out = 0`` and ``lse = -inf``. Every
+problem has at least one score: the caller answers Tq, Tk, B or H = 0 itself.
 
 Nothing here imports the public modules; ``numba_cuda`` is imported lazily.
 """

@@ -124,12 +124,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
                                    block_k, xp)
         outs.append(o)
         lses.append(s)
-    if not outs:  # Tq == 0
-        shape = (*qg.shape[:-1], v.shape[-1])
-        out = xp.zeros(shape, dtype=q.dtype, device=device_of(q))
-        lse = xp.zeros(qg.shape[:-1], dtype=q.dtype, device=device_of(q))
-    else:
-        out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
-        lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
     lse = xp.expand_dims(lse, axis=-1)
     return ungroup_heads(out, xp), ungroup_heads(lse, xp)[..., 0]
