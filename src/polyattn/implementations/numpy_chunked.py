@@ -44,7 +44,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,7 +55,8 @@ import numpy as np
 BLOCK_Q = 1024
 #: Keys per block of scores; a (BLOCK_Q, BLOCK_K) float32 block is 1 MiB, half the
 #: L2 cache of a core of the x86-64 machines measured (1024 x 256 was the fastest
-#: of 128..4096 x 64..512 there, by a few per cent).
+#: of 128..4096 x 64..512 there, by a few per cent). An item with fewer rows (a short
+#: query sequence) takes proportionally more keys per block, up to the same area.
 BLOCK_K = 256
 #: A key block in which some row's ``Σ exp(score - m)`` exceeds this is redone with a
 #: new maximum. Between such blocks every exponential stays below it (e**11 for
@@ -157,22 +158,34 @@ class _Problem:
         self.tq, self.tk = q.shape[-2], k.shape[-2]
         self.e, self.ev = q.shape[-1], v.shape[-1]
         self.block_k = max(1, int(BLOCK_K))
-        rows = int(BLOCK_Q) * 4 // self.dtype.itemsize
+        rows = max(1, int(BLOCK_Q) * 4 // self.dtype.itemsize)
         self.bq = max(1, rows // self.g)             # query rows per head in an item
+        self.block_elems = rows * self.block_k       # entries of a full block of scores
         self.limit = self.dtype.type(RESCALE_LIMIT)
         self.tiny = self.dtype.type(2.0**-60)
-        self.ones = np.ones(self.block_k, dtype=self.dtype)
+        self.ones = np.ones(self.tk, dtype=self.dtype)
         self.keys: dict[tuple[Any, ...], np.ndarray] = {}
+        self.pending: dict[tuple[Any, ...], Future[np.ndarray]] = {}
         self.scratch = threading.local()             # freed with the call
         self._hidden: dict[tuple[int, int, int], np.ndarray] = {}
 
     def extended_keys(self, b: tuple[int, ...], hk: int) -> np.ndarray:
         """``[k | 1]`` (Tk, E + 1) of (b, hk), built once per call."""
         key = (b, hk)
-        if key not in self.keys:
-            ones = np.ones((self.tk, 1), dtype=self.dtype)
-            self.keys[key] = np.concatenate([self.k[(*b, hk)], ones], axis=1)  # (Tk, E + 1)
-        return self.keys[key]
+        ke = self.keys.get(key)
+        if ke is None:
+            pending = self.pending.get(key)
+            if pending is not None:                  # being built by a pool thread
+                return pending.result()
+            ke = self.keys[key] = self.build_keys(b, hk)
+        return ke
+
+    def build_keys(self, b: tuple[int, ...], hk: int) -> np.ndarray:
+        """The array of :meth:`extended_keys`, built afresh."""
+        ke = np.empty((self.tk, self.e + 1), dtype=self.dtype)
+        ke[:, :self.e] = self.k[(*b, hk)]
+        ke[:, self.e] = 1.0
+        return ke
 
     def hidden(self, rows: int, cols: int, delta: int) -> np.ndarray:
         """Bool (rows, cols): key c hidden from row r when ``c > r + delta`` (cached)."""
@@ -254,9 +267,12 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     (underflow, or a row fully masked so far). Under a causal mask, a key block
     on the diagonal is computed only for the rows that can see some of it.
     """
-    g, e, ev, bk = p.g, p.e, p.ev, p.block_k
+    g, e, ev = p.g, p.e, p.ev
     q1 = min(q0 + p.bq, p.tq)
     bq = q1 - q0
+    # an item with fewer rows than a full block (short Tq) takes wider key blocks,
+    # so its block of scores keeps the cache-sized area
+    bk = max(p.block_k, p.block_elems // (g * bq))
     heads = slice(hk * g, (hk + 1) * g)
     ix: tuple[Any, ...] = (*b, heads, slice(q0, q1))
     out_slice = out[ix]                              # (G, bq, Ev)
@@ -297,8 +313,11 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         # --- cheap path: p = exp(s - m) in place; l_blk = p·1, a matrix-vector product
         np.exp(s, out=s)
         np.matmul(s, p.ones[:k1 - k0], out=l_blk)
-        need = (l_blk > p.limit) | ((lr == 0) & (l_blk < p.tiny))
-        if not need.any():
+        # two reductions settle the usual case; the row-wise test only runs when they
+        # do not (a large or tiny sum somewhere, or a NaN)
+        fine = l_blk.max() <= p.limit and l_blk.min() >= p.tiny
+        need = None if fine else (l_blk > p.limit) | ((lr == 0) & (l_blk < p.tiny))
+        if need is None or not need.any():
             np.matmul(_flat(s), vb[k0:k1], out=_flat(pv))  # (G·r, Ev)
             accr += pv
             lr += l_blk
@@ -331,6 +350,11 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
 
     # --- normalise: out = acc / l, lse = m + log l; l == 0 (fully masked): 0, -inf
     # (a NaN in l, from a NaN input, propagates to out and lse)
+    if l.all():                                       # no fully masked row (NaN is truthy)
+        np.divide(acc, l[..., None], out=out_slice)
+        np.log(l, out=l)
+        np.add(m, l, out=lse_slice)
+        return
     empty = l == 0
     safe_l = np.where(empty, 1.0, l)
     o = acc / safe_l[..., None]
@@ -353,8 +377,6 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
              for q0 in range(0, problem.tq, problem.bq)]
     if not items:
         return out, lse
-    for b, hk, _ in items:
-        problem.extended_keys(b, hk)                  # built before the threads start
     # later query blocks see more keys under a causal mask: start them first
     items.sort(key=lambda item: -item[2])
     # Threads over items only where BLAS can be held to one thread per call:
@@ -366,6 +388,10 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
         return out, lse
     with single_threaded_blas():
         pool = _executor(n)
+        # the extended keys are built by the pool too, queued ahead of the items (so no
+        # item waits on a build that has not started)
+        for b, hk in dict.fromkeys((b, hk) for b, hk, _ in items):
+            problem.pending[(b, hk)] = pool.submit(problem.build_keys, b, hk)
         futures = [pool.submit(_attend_item, problem, b, hk, q0, out, lse)
                    for b, hk, q0 in items]
         for f in futures:
