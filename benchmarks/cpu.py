@@ -69,6 +69,49 @@ def naive_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np
     return s @ v
 
 
+def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np.ndarray:
+    """Only the two matrix products of blocked attention, on NumPy's BLAS: the floor.
+
+    Per (batch, head, query block, key block) ``s = q @ kᵀ`` and ``s @ v``, with the block
+    sizes of polyattn's NumPy path, the key blocks past the causal diagonal skipped in the
+    same way, one BLAS thread per call and the items on a thread pool of the same size:
+    everything of polyattn's NumPy path except the softmax (no ``exp``, sums, rescaling or
+    normalisation). Any exact attention built on NumPy's ``matmul`` computes these
+    products, so this time is a lower bound for it on this machine.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from threadpoolctl import threadpool_limits
+
+    from polyattn.implementations import numpy_chunked
+
+    b, h, t = q.shape[:3]
+    rows = numpy_chunked.BLOCK_Q * 4 // q.itemsize
+    bq = min(rows, t)
+    bk = max(numpy_chunked.BLOCK_K, rows * numpy_chunked.BLOCK_K // bq)
+    out = np.empty_like(q)
+
+    def item(i: int, j: int, q0: int) -> None:
+        q1 = min(q0 + bq, t)
+        s = np.empty((q1 - q0, bk), dtype=q.dtype)
+        pv = np.empty((q1 - q0, v.shape[-1]), dtype=q.dtype)
+        stop = min(t, q1) if causal else t
+        for k0 in range(0, stop, bk):
+            k1 = min(k0 + bk, stop)
+            r0 = max(0, k0 - q0) if causal else 0
+            sb = s[r0:, :k1 - k0]
+            np.matmul(q[i, j, q0 + r0:q1], k[i, j, k0:k1].T, out=sb)
+            np.matmul(sb, v[i, j, k0:k1], out=pv[r0:])
+        out[i, j, q0:q1] = pv
+
+    items = [(i, j, q0) for i in range(b) for j in range(h) for q0 in range(0, t, bq)]
+    with threadpool_limits(1, user_api="blas"), \
+            ThreadPoolExecutor(numpy_chunked.num_threads()) as pool:
+        for f in [pool.submit(item, *it) for it in items]:
+            f.result()
+    return out
+
+
 def gemm_operands(fl: float, dtype: Any, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     """Two n×n matrices with 2n³ close to ``fl`` (512 <= n <= 2048, a multiple of 64)."""
     n = round((fl / 2) ** (1 / 3) / 64) * 64
@@ -179,7 +222,8 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
                                                                     is_causal=causal)
 
-    fns: dict[str, Any] = {"polyattn": ours, "torch": theirs}
+    fns: dict[str, Any] = {"polyattn": ours, "torch": theirs,
+                           "products": lambda: numpy_products(q, k, v, causal)}
     if run_naive:
         fns["naive"] = lambda: naive_numpy(q, k, v, causal)
     if gemm:
@@ -202,6 +246,7 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
         "gflops": {name: fl / med[name] / 1e9 for name in med if name != "gemm"},
         "ratio_to_torch": {name: med[name] / med["torch"] for name in med
                            if name not in ("torch", "gemm")},
+        "products_share_of_polyattn": med["products"] / med["polyattn"],
         "peak_extra_mib": {"polyattn": peak_extra_bytes(ours) / 2**20},
     }
     if gemm:
@@ -244,14 +289,17 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
            + ", ".join(env["env"]) + " set"),
         "",
         "Median of the timed rounds; ratio = polyattn time / torch SDPA time (< 1: polyattn "
-        "faster); GEMM % = polyattn GFLOP/s as a share of the NumPy matmul rate measured in "
+        "faster); products = the two matrix products of the same blocked computation alone, "
+        "on NumPy's BLAS, with polyattn's blocks and threads and no softmax (a lower bound "
+        "for any exact attention built on NumPy's matmul), and floor = products time / torch "
+        "time; GEMM % = polyattn GFLOP/s as a share of the NumPy matmul rate measured in "
         "the same rounds; memory = peak extra memory of the call (tracemalloc, output "
         "included; torch is not traced).",
         "",
-        "| case (B, H, T, E) | causal | dtype | impl | polyattn ms | torch ms | naive ms "
-        "| ratio | polyattn GFLOP/s | torch GFLOP/s | GEMM GFLOP/s | GEMM % | polyattn MiB "
-        "| naive MiB |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case (B, H, T, E) | causal | dtype | impl | polyattn ms | torch ms | products ms "
+        "| naive ms | ratio | floor | polyattn GFLOP/s | torch GFLOP/s | GEMM GFLOP/s "
+        "| GEMM % | polyattn MiB | naive MiB |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         med = r["median_s"]
@@ -263,7 +311,9 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         lines.append(
             f"| {_fmt_case(r)} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
             f"| {r['implementation']} | {med['polyattn'] * 1e3:.0f} | {med['torch'] * 1e3:.0f} "
+            f"| {med['products'] * 1e3:.0f} "
             f"| {naive_ms} | **{r['ratio_to_torch']['polyattn']:.2f}** "
+            f"| {r['ratio_to_torch']['products']:.2f} "
             f"| {r['gflops']['polyattn']:.0f} | {r['gflops']['torch']:.0f} | {gemm} | {frac} "
             f"| {r['peak_extra_mib']['polyattn']:.1f} | {naive_mib} |")
     lines += ["", "## Targets", ""] + [f"- {t}" for t in targets(rows)]
@@ -280,6 +330,14 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"polyattn ≤ 1.0× torch time: {n_ok}/{len(main)} cases; worst "
                    f"{worst['ratio_to_torch']['polyattn']:.2f}× at {_fmt_case(worst)} "
                    f"{'causal ' if worst['causal'] else ''}{worst['dtype']}")
+    if main:
+        n_floor = sum(r["ratio_to_torch"]["products"] > 1.0 for r in main)
+        lowest = min(main, key=lambda r: r["ratio_to_torch"]["products"])
+        out.append(f"NumPy's BLAS products alone (no softmax) take longer than torch's whole "
+                   f"SDPA in {n_floor}/{len(main)} cases; lowest floor "
+                   f"{lowest['ratio_to_torch']['products']:.2f}× at {_fmt_case(lowest)} "
+                   f"{'causal ' if lowest['causal'] else ''}{lowest['dtype']}; polyattn's time "
+                   f"is {_share_range(main)} products")
     long = [r for r in main if r["case"][2] >= 4096 and "gemm" in r]
     if long:
         low = min(long, key=lambda r: r["fraction_of_gemm"]["polyattn"])
@@ -299,6 +357,13 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                        f"{r['median_s']['polyattn']:.2f} s, "
                        f"{r['peak_extra_mib']['polyattn']:.1f} MiB extra")
     return out
+
+
+def _share_range(rows: list[dict[str, Any]]) -> str:
+    """"53–78% (median 64%)": the products' share of polyattn's time over ``rows``."""
+    shares = sorted(100 * r["products_share_of_polyattn"] for r in rows)
+    return (f"{shares[0]:.0f}–{shares[-1]:.0f}% (median {statistics.median(shares):.0f}%)"
+            if shares else "—")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

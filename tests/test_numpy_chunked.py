@@ -238,3 +238,24 @@ def test_blas_limit_is_restored():
              if i["user_api"] == "blas"]
     assert all(n == 1 for n in inside)
     assert after == before
+
+
+@pytest.mark.parametrize("offset", [None, 0, 3, -2, 17, -40])
+@pytest.mark.parametrize(("bq", "bk"), [(6, 4), (8, 3), (5, 16), (1, 1), (64, 64)])
+def test_tiles_cover_each_visible_score_once(offset, bq, bk):
+    """Every (query, key) pair a causal mask lets through is in exactly one rectangle."""
+    tq, tk = 23, 29
+    z = np.zeros((1, tq, 4))
+    p = numpy_chunked._Problem(z, np.zeros((1, tk, 4)), np.zeros((1, tk, 4)), None, offset, 1.0)
+    seen = np.zeros((tq, tk), dtype=int)
+    for q0 in range(0, tq, bq):
+        q1 = min(q0 + bq, tq)
+        for r0, r1, k0, k1 in numpy_chunked._tiles(p, q0, q1, bk):
+            assert 0 <= r0 < r1 <= q1 - q0 and 0 <= k0 < k1 <= tk
+            seen[q0 + r0:q0 + r1, k0:k1] += 1
+    visible = np.ones((tq, tk), dtype=bool) if offset is None else \
+        np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset
+    assert (seen <= 1).all()
+    np.testing.assert_array_equal(seen[visible], 1)
+    # rows that see no key are in no rectangle
+    assert (seen[~visible.any(axis=1)] == 0).all()

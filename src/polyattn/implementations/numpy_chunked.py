@@ -239,8 +239,30 @@ def _scores(p: _Problem, qe: np.ndarray, ke: np.ndarray, b: tuple[int, ...], hk:
             np.copyto(s, -np.inf, where=~mb)
         else:
             s += mb
-    if p.causal_offset is not None and k1 - 1 > q0 + p.causal_offset:
-        np.copyto(s, -np.inf, where=p.hidden(q1 - q0, k1 - k0, q0 + p.causal_offset - k0))
+    if p.causal_offset is not None:
+        d = q0 + p.causal_offset - k0            # row r of the tile sees columns c <= r + d
+        w = k1 - k0
+        if w - 1 > d:                            # some column is hidden from the first row
+            # only the triangle is written: columns before c are seen by every row,
+            # and rows from n on see every column
+            c = max(0, d + 1)
+            n = min(q1 - q0, w - 1 - d)
+            np.copyto(s[..., :n, c:], -np.inf, where=p.hidden(n, w - c, d - c))
+
+
+def _tiles(p: _Problem, q0: int, q1: int, bk: int) -> Iterator[tuple[int, int, int, int]]:
+    """The (r0, r1, k0, k1) rectangles of scores that rows q0:q1 of an item need.
+
+    Rows are relative to q0; keys come in blocks of ``bk``. Under a causal mask
+    (row q0 + r sees keys j <= q0 + r + offset) the blocks stop at the last key
+    the item's last row sees, and each block starts at the first row that sees
+    any of it. Rows that see no key at all are in no rectangle.
+    """
+    off = p.causal_offset
+    k_stop = p.tk if off is None else min(p.tk, q1 + off)
+    for k0 in range(0, k_stop, bk):
+        r0 = 0 if off is None else max(0, k0 - off - q0)
+        yield r0, q1 - q0, k0, min(k0 + bk, k_stop)
 
 
 def _attend_item(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.ndarray,
@@ -264,15 +286,17 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     the already shifted scores, sum, multiply by ``v``) and is redone exactly
     (new maximum, rescaled ``l`` and ``acc``) only when a row's block sum is
     above ``RESCALE_LIMIT``, or below ``2**-60`` for a row that has no mass yet
-    (underflow, or a row fully masked so far). Under a causal mask, a key block
-    on the diagonal is computed only for the rows that can see some of it.
+    (underflow, or a row fully masked so far). Under a causal mask the scores are
+    computed in the rectangles of :func:`_tiles`, which follow the diagonal.
     """
     g, e, ev = p.g, p.e, p.ev
     q1 = min(q0 + p.bq, p.tq)
     bq = q1 - q0
-    # an item with fewer rows than a full block (short Tq) takes wider key blocks,
-    # so its block of scores keeps the cache-sized area
-    bk = max(p.block_k, p.block_elems // (g * bq))
+    # without a causal mask, an item with fewer rows than a full block (short Tq) takes
+    # wider key blocks, so its block of scores keeps the cache-sized area (with one,
+    # narrower blocks waste less above the diagonal)
+    bk = p.block_k if p.causal_offset is not None else max(p.block_k,
+                                                           p.block_elems // (g * bq))
     heads = slice(hk * g, (hk + 1) * g)
     ix: tuple[Any, ...] = (*b, heads, slice(q0, q1))
     out_slice = out[ix]                              # (G, bq, Ev)
@@ -280,8 +304,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
 
     # --- the keys this block of queries can see (causal: up to the diagonal)
     off = p.causal_offset
-    k_stop = p.tk if off is None else min(p.tk, q1 + off)
-    if k_stop <= 0:
+    if off is not None and min(p.tk, q1 + off) <= 0:
         out_slice[...] = 0.0
         lse_slice[...] = -np.inf
         return
@@ -299,17 +322,14 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     l.fill(0.0)
     acc.fill(0.0)
 
-    for k0 in range(0, k_stop, bk):
-        k1 = min(k0 + bk, k_stop)
-        # causal: rows before r0 see none of these keys (row q0 + r sees j <= q0 + r + off)
-        r0 = 0 if off is None else max(0, k0 - off - q0)
-        rows = slice(r0, bq)
-        r = bq - r0
+    for r0, r1, k0, k1 in _tiles(p, q0, q1, bk):
+        rows = slice(r0, r1)
+        r = r1 - r0
         s = p.buffer("s", (g, r, k1 - k0))
         l_blk = p.buffer("l_blk", (g, r))
         pv = p.buffer("pv", (g, r, ev))
         qr, mr, lr, accr = qe[:, rows], m[:, rows], l[:, rows], acc[:, rows]
-        _scores(p, qr, ke, b, hk, q0 + r0, q1, k0, k1, s)
+        _scores(p, qr, ke, b, hk, q0 + r0, q0 + r1, k0, k1, s)
         # --- cheap path: p = exp(s - m) in place; l_blk = p·1, a matrix-vector product
         np.exp(s, out=s)
         np.matmul(s, p.ones[:k1 - k0], out=l_blk)
@@ -323,7 +343,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
             lr += l_blk
             continue
         # --- exact path: d = how far each row's shift moves
-        _scores(p, qr, ke, b, hk, q0 + r0, q1, k0, k1, s)
+        _scores(p, qr, ke, b, hk, q0 + r0, q0 + r1, k0, k1, s)
         d = p.buffer("d", (g, r))
         alpha = p.buffer("alpha", (g, r))
         np.max(s, axis=-1, out=d)
