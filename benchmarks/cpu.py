@@ -88,7 +88,8 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
     b, h, t = q.shape[:3]
     rows = numpy_chunked.BLOCK_Q * 4 // q.itemsize
     bq = min(rows, t)
-    bk = max(numpy_chunked.BLOCK_K, rows * numpy_chunked.BLOCK_K // bq)
+    bk = numpy_chunked.BLOCK_K if causal else max(numpy_chunked.BLOCK_K,
+                                                  rows * numpy_chunked.BLOCK_K // bq)
     out = np.empty_like(q)
 
     def item(i: int, j: int, q0: int) -> None:
