@@ -79,10 +79,6 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
     normalisation). Any exact attention built on NumPy's ``matmul`` computes these
     products, so this time is a lower bound for it on this machine.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from threadpoolctl import threadpool_limits
-
     from polyattn.implementations import numpy_chunked
 
     b, h, t = q.shape[:3]
@@ -106,8 +102,8 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
         out[i, j, q0:q1] = pv
 
     items = [(i, j, q0) for i in range(b) for j in range(h) for q0 in range(0, t, bq)]
-    with threadpool_limits(1, user_api="blas"), \
-            ThreadPoolExecutor(numpy_chunked.num_threads()) as pool:
+    with numpy_chunked.single_threaded_blas():
+        pool = numpy_chunked._executor(numpy_chunked.num_threads())
         for f in [pool.submit(item, *it) for it in items]:
             f.result()
     return out
@@ -402,7 +398,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per case (≥ 5)")
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds per case (≥ 5)")
     parser.add_argument("--quick", action="store_true",
                         help="float32 only, no memory cases (a smoke run)")
     parser.add_argument("--no-memory", action="store_true", help="skip the long-sequence cases")
