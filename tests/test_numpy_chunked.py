@@ -259,3 +259,35 @@ def test_tiles_cover_each_visible_score_once(offset, bq, bk):
     np.testing.assert_array_equal(seen[visible], 1)
     # rows that see no key are in no rectangle
     assert (seen[~visible.any(axis=1)] == 0).all()
+
+
+def test_hidden_keys_never_leak(tiles, dtype_name):
+    """Keys the masks hide may be NaN or overflow the exponential: the result does not see them.
+
+    The cheap path exponentiates before it zeroes hidden entries, so a hidden score
+    that overflows, or is NaN, must still count for nothing. (A NaN or infinite
+    *value* under a zero weight is another matter: 0 · NaN is NaN in every
+    implementation's product with the values.)
+    """
+    rng = np.random.default_rng(21)
+    tq, tk, e = 13, 19, 8
+    q = np.abs(rng.standard_normal((2, 3, tq, e)))
+    k = rng.standard_normal((2, 3, tk, e))
+    v = rng.standard_normal((2, 3, tk, e))
+    # key tq - 1 is seen by the last query row only (top-left causal); its score is huge
+    # for every row, so the cheap path overflows on the rows it is hidden from
+    k[..., tq - 1, :] = 1e3
+    clean = k.copy()
+    k[..., tq:, :] = np.nan                        # hidden from every row
+    got = run(q, k, v, dtype_name, is_causal=True)
+    check(got, ref_attention(q, clean[..., :tq, :], v[..., :tq, :], is_causal=True),
+          dtype_name)
+    # a boolean mask that hides a NaN key from every row, and the huge key from half
+    mask = np.ones((tq, tk), dtype=bool)
+    mask[:, 5] = False
+    mask[::2, tq - 1] = False
+    k2 = clean.copy()
+    k2[..., 5, :] = np.nan
+    clean[..., 5, :] = 0.0
+    got = run(q, k2, v, dtype_name, mask=mask)
+    check(got, ref_attention(q, clean, v, mask=mask), dtype_name)
