@@ -81,27 +81,22 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
     """
     from polyattn.implementations import numpy_chunked
 
+    # the NumPy path's own block sizes and rectangles (query heads = key/value heads here)
+    p = numpy_chunked._Problem(q, k, v, None, 0 if causal else None, 1.0)
     b, h, t = q.shape[:3]
-    rows = numpy_chunked.BLOCK_Q * 4 // q.itemsize
-    bq = min(rows, t)
-    bk = numpy_chunked.BLOCK_K if causal else max(numpy_chunked.BLOCK_K,
-                                                  rows * numpy_chunked.BLOCK_K // bq)
     out = np.empty_like(q)
 
     def item(i: int, j: int, q0: int) -> None:
-        q1 = min(q0 + bq, t)
-        s = np.empty((q1 - q0, bk), dtype=q.dtype)
+        q1 = min(q0 + p.bq, t)
+        scratch = np.empty(p.block_elems, dtype=q.dtype)
         pv = np.empty((q1 - q0, v.shape[-1]), dtype=q.dtype)
-        stop = min(t, q1) if causal else t
-        for k0 in range(0, stop, bk):
-            k1 = min(k0 + bk, stop)
-            r0 = max(0, k0 - q0) if causal else 0
-            sb = s[r0:, :k1 - k0]
-            np.matmul(q[i, j, q0 + r0:q1], k[i, j, k0:k1].T, out=sb)
-            np.matmul(sb, v[i, j, k0:k1], out=pv[r0:])
+        for r0, r1, k0, k1 in numpy_chunked._tiles(p, q0, q1, p.key_block(q1 - q0)):
+            sb = scratch[:(r1 - r0) * (k1 - k0)].reshape(r1 - r0, k1 - k0)
+            np.matmul(q[i, j, q0 + r0:q0 + r1], k[i, j, k0:k1].T, out=sb)
+            np.matmul(sb, v[i, j, k0:k1], out=pv[r0:r1])
         out[i, j, q0:q1] = pv
 
-    items = [(i, j, q0) for i in range(b) for j in range(h) for q0 in range(0, t, bq)]
+    items = [(i, j, q0) for i in range(b) for j in range(h) for q0 in range(0, t, p.bq)]
     with numpy_chunked.single_threaded_blas():
         pool = numpy_chunked._executor(numpy_chunked.num_threads())
         for f in [pool.submit(item, *it) for it in items]:

@@ -174,6 +174,17 @@ class _Problem:
         self.scratch = threading.local()             # freed with the call
         self._hidden: dict[tuple[int, int, int], np.ndarray] = {}
 
+    def key_block(self, rows: int) -> int:
+        """Keys per block for an item of ``rows`` query rows per head.
+
+        Without a causal mask, an item with fewer rows than a full block (short
+        Tq) takes wider key blocks, so its block of scores keeps the cache-sized
+        area; with one, narrower blocks waste less above the diagonal.
+        """
+        if self.causal_offset is not None:
+            return self.block_k
+        return max(self.block_k, self.block_elems // (self.g * rows))
+
     def extended_keys(self, b: tuple[int, ...], hk: int) -> np.ndarray:
         """``[k | 1]`` (Tk, E + 1) of (b, hk), built once per call."""
         key = (b, hk)
@@ -311,22 +322,12 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     g, e, ev = p.g, p.e, p.ev
     q1 = min(q0 + p.bq, p.tq)
     bq = q1 - q0
-    # without a causal mask, an item with fewer rows than a full block (short Tq) takes
-    # wider key blocks, so its block of scores keeps the cache-sized area (with one,
-    # narrower blocks waste less above the diagonal)
-    bk = p.block_k if p.causal_offset is not None else max(p.block_k,
-                                                           p.block_elems // (g * bq))
+    bk = p.key_block(bq)
     heads = slice(hk * g, (hk + 1) * g)
     ix: tuple[Any, ...] = (*b, heads, slice(q0, q1))
     out_slice = out[ix]                              # (G, bq, Ev)
     lse_slice = lse[ix]                              # (G, bq)
 
-    # --- the keys this block of queries can see (causal: up to the diagonal)
-    off = p.causal_offset
-    if off is not None and min(p.tk, q1 + off) <= 0:
-        out_slice[...] = 0.0
-        lse_slice[...] = -np.inf
-        return
     ke = p.extended_keys(b, hk)                       # (Tk, E + 1)
     vb = p.v[(*b, hk)]                                # (Tk, Ev)
 
@@ -357,8 +358,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         # two reductions settle the usual case; the row-wise test only runs when they
         # do not (a large or tiny sum somewhere, or a NaN)
         fine = l_blk.max() <= p.limit and l_blk.min() >= p.tiny
-        need = None if fine else (l_blk > p.limit) | ((lr == 0) & (l_blk < p.tiny))
-        if need is None or not need.any():
+        if fine or not (need := (l_blk > p.limit) | ((lr == 0) & (l_blk < p.tiny))).any():
             np.matmul(_flat(s), vb[k0:k1], out=_flat(pv))  # (G·r, Ev)
             accr += pv
             lr += l_blk
@@ -389,19 +389,17 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         mr += d
         np.negative(mr, out=qr[..., e])
 
-    # --- normalise: out = acc / l, lse = m + log l; l == 0 (fully masked): 0, -inf
-    # (a NaN in l, from a NaN input, propagates to out and lse)
-    if l.all():                                       # no fully masked row (NaN is truthy)
-        np.divide(acc, l[..., None], out=out_slice)
-        np.log(l, out=l)
-        np.add(m, l, out=lse_slice)
-        return
-    empty = l == 0
-    safe_l = np.where(empty, 1.0, l)
-    o = acc / safe_l[..., None]
-    o[empty] = 0.0
-    out_slice[...] = o
-    lse_slice[...] = np.where(empty, -np.inf, m + np.log(safe_l))
+    # --- normalise: out = acc / l, lse = m + log l; l == 0 (fully masked, including rows
+    # that see no key): 0, -inf. A NaN in l, from a NaN input, propagates to out and lse.
+    empty = None if l.all() else l == 0               # (NaN is truthy, and not 0)
+    if empty is not None:
+        l[empty] = 1.0
+    np.divide(acc, l[..., None], out=out_slice)
+    np.log(l, out=l)
+    np.add(m, l, out=lse_slice)
+    if empty is not None:
+        out_slice[empty] = 0.0
+        lse_slice[empty] = -np.inf
 
 
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
