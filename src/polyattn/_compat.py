@@ -27,6 +27,7 @@ __all__ = [
     "library_name",
     "namespace_of",
     "resolve_xp",
+    "screen",
 ]
 
 Array = Any
@@ -68,6 +69,7 @@ def namespace_of(named: dict[str, Array]) -> Namespace:
     for name, x in named.items():
         if x is None:
             continue
+        screen(name, x)
         if not is_array(x):
             raise TypeError(
                 f"`{name}` must be an array of a library that follows the Array API "
@@ -86,18 +88,42 @@ def namespace_of(named: dict[str, Array]) -> Namespace:
     return first_xp
 
 
+def screen(name: str, x: object) -> None:
+    """``TypeError`` for NumPy array subclasses whose meaning polyattn would lose.
+
+    A masked array's mask would be dropped silently, and ``np.matrix`` turns
+    ``*`` into a matrix product and keeps two dimensions; neither is an Array
+    API array.
+    """
+    import numpy as np
+
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"`{name}` is a NumPy masked array, whose mask polyattn would ignore; pass "
+            f"`{name}.data` with the masked positions in `attn_mask` (or `key_padding_mask`) "
+            "instead")
+    if isinstance(x, np.matrix):
+        raise TypeError(f"`{name}` is a np.matrix; pass a plain array: np.asarray({name})")
+
+
 def device_of(x: Array) -> Any:
-    """The device an array lives on."""
+    """The device an array lives on (``None`` for a JAX tracer, which has none yet)."""
     return array_api_compat.device(x)
 
 
 def check_same_device(named: dict[str, Array]) -> Any:
-    """The common device of the named arrays; ``ValueError`` naming both if they differ."""
+    """The common device of the named arrays; ``ValueError`` naming both if they differ.
+
+    Arrays without a device (JAX tracers under ``jax.jit`` or ``jax.grad``,
+    whose placement is decided later) agree with every device.
+    """
     first_name, first_dev = None, None
     for name, x in named.items():
         if x is None:
             continue
         dev = device_of(x)
+        if dev is None:
+            continue
         if first_name is None:
             first_name, first_dev = name, dev
         elif dev != first_dev:

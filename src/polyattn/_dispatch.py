@@ -1,8 +1,11 @@
 """Choosing an implementation: what ``implementation="auto"`` does, and why.
 
-The rule (DESIGN §5): arrays on a CUDA device with a working Numba CUDA
-kernel go to ``"numba_cuda"``; otherwise ``"reference"`` while the score
-matrix fits the score budget, else ``"chunked"``.
+The rule (DESIGN §5), a preference list walked in order: torch and JAX
+arrays go to ``"native"`` (the library's own fused attention) where it
+expresses the call exactly; arrays on a CUDA device with a working Numba
+CUDA kernel go to ``"numba_cuda"``, unless they require gradients (the kernel
+has no backward pass); otherwise ``"reference"`` while the score matrix fits
+the score budget, else ``"chunked"``.
 
 The budget is :data:`SCORE_BUDGET_BYTES` (64 MiB, a memory bound) for every
 namespace but NumPy. On NumPy arrays ``"chunked"`` runs
@@ -79,6 +82,9 @@ class Explanation:
     kernel_available: bool = False
     kernel_reason: str = ""
     module: str = ""
+    #: For ``"auto"``: each implementation -> why it was not chosen ("" for the one that was).
+    candidates: dict[str, str] = field(default_factory=dict)
+    layout: str = "BHTE"
 
     def __str__(self) -> str:
         shapes = ", ".join(f"{k} {v}" for k, v in self.shape.items())
@@ -93,6 +99,13 @@ class Explanation:
         ]
         if self.module:
             lines.insert(1, f"module: {self.module}")
+        if self.layout != "BHTE":
+            lines.append(f"layout: {self.layout} (query, key, value and out are (B…, T, H, E); "
+                         "shapes above are their (B…, H, T, E) views)")
+        if self.candidates:
+            lines.append("candidates, in order of preference:")
+            lines += [f"  {name}: {'chosen' if not why else 'not chosen: ' + why}"
+                      for name, why in self.candidates.items()]
         return "\n".join(lines)
 
 
@@ -129,6 +142,10 @@ def kernel_status(problem: Problem) -> tuple[bool, str]:
 
 def module_name(name: str, xp: Any = None) -> str:
     """The module that runs implementation ``name`` on namespace ``xp``."""
+    if name == "native" and xp is not None:
+        return {"torch": "torch.nn.functional.scaled_dot_product_attention",
+                "jax": "jax.nn.dot_product_attention"}.get(library_name(xp),
+                                                           "polyattn.implementations.native")
     if name == "chunked" and xp is not None and is_numpy(xp):
         name = "numpy_chunked"
     return f"polyattn.implementations.{name}"
@@ -138,46 +155,105 @@ def load(name: str, xp: Any = None) -> ModuleType:
     """The module of implementation ``name``; on NumPy, "chunked" is the NumPy fast path."""
     if name == "numba_cuda":
         return load_kernel_module()
+    if name == "native":
+        return importlib.import_module("polyattn.implementations.native")
     return importlib.import_module(module_name(name, xp))
 
 
-def choose(problem: Problem, requested: str) -> Explanation:
-    """Decide which implementation runs; raise if a requested one cannot."""
+def native_status(problem: Problem, return_lse: bool) -> str | None:
+    """Why the input library's own attention cannot run this call (``None``: it can)."""
+    from .implementations import native
+
+    return native.unavailable(problem.xp, problem.q, problem.k, problem.v,
+                              return_lse=return_lse)
+
+
+def _budget_reason(score_bytes: int, budget: int, numpy: bool) -> tuple[str, str]:
+    """("reference" or "chunked", why) by the score-matrix budget."""
+    if score_bytes <= budget:
+        if numpy:
+            return "reference", (
+                f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget "
+                "for NumPy arrays, below which materialising it was measured fastest")
+        return "reference", (f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} "
+                             "budget, so materialising it is fastest")
+    if numpy:
+        return "chunked", (
+            f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget "
+            "for NumPy arrays, above which the multi-threaded blocked NumPy path "
+            "(numpy_chunked) was measured faster; keys are streamed in blocks with "
+            "an online softmax")
+    return "chunked", (f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} "
+                       "budget, so keys are streamed in blocks with an online softmax")
+
+
+def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Explanation:
+    """Decide which implementation runs; raise if a requested one cannot.
+
+    ``"auto"`` walks the preference list native → numba_cuda → reference /
+    chunked (by the score budget) and takes the first that can run the call;
+    every candidate's verdict is kept in :attr:`Explanation.candidates`.
+    """
     score_bytes = problem.score_elements * (8 if problem.compute_dtype == problem.xp.float64
                                             else 4)
     budget = score_budget(problem.xp)
     numpy = is_numpy(problem.xp)
+    grad = problem.requires_grad
+
+    # --- native: the library's own fused attention, where it maps exactly
+    native_why = (native_status(problem, return_lse)
+                  if requested in ("auto", "native") else "not considered")
+    if requested == "native" and native_why is not None:
+        raise ValueError(f"implementation='native' cannot run this call exactly: {native_why}")
+
+    # --- numba_cuda: CUDA arrays, no backward pass yet
     usable, kernel_reason = (False, "not considered")
     if requested in ("auto", "numba_cuda"):
         usable, kernel_reason = kernel_status(problem)
+        if usable and grad:
+            usable, kernel_reason = False, (
+                "the inputs require gradients and the numba_cuda kernel has no backward "
+                "pass, so autograd would lose them")
     if requested == "numba_cuda" and not usable:
+        if grad:
+            raise ValueError(f"implementation='numba_cuda' cannot run this call: "
+                             f"{kernel_reason}; use implementation='auto' or detach the "
+                             "inputs")
         raise RuntimeError(
             f"implementation='numba_cuda' needs CUDA arrays (CuPy or torch CUDA tensors), "
             f"a CUDA GPU and numba-cuda, or the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "
             f"for NumPy arrays: {kernel_reason}"
         )
+
+    budget_name, budget_why = _budget_reason(score_bytes, budget, numpy)
+    candidates: dict[str, str] = {}
     if requested != "auto":
         name, reason = requested, "requested by the caller"
+    elif native_why is None:
+        name = "native"
+        reason = (f"{library_name(problem.xp)} arrays, and its own fused attention "
+                  "expresses this call exactly")
     elif usable and is_cuda(problem):
         name, reason = "numba_cuda", "CUDA arrays and a working Numba CUDA kernel"
-    elif score_bytes <= budget and numpy:
-        name = "reference"
-        reason = (f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget "
-                  "for NumPy arrays, below which materialising it was measured fastest")
-    elif score_bytes <= budget:
-        name = "reference"
-        reason = (f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget, "
-                  "so materialising it is fastest")
-    elif numpy:
-        name = "chunked"
-        reason = (f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget "
-                  "for NumPy arrays, above which the multi-threaded blocked NumPy path "
-                  "(numpy_chunked) was measured faster; keys are streamed in blocks with "
-                  "an online softmax")
     else:
-        name = "chunked"
-        reason = (f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget, "
-                  "so keys are streamed in blocks with an online softmax")
+        name, reason = budget_name, budget_why
+    if requested == "auto":
+        candidates["native"] = "" if name == "native" else native_why or "not needed"
+        if name == "numba_cuda":
+            candidates["numba_cuda"] = ""
+        elif name == "native" and usable:
+            candidates["numba_cuda"] = "usable, but native comes first"
+        elif usable:
+            candidates["numba_cuda"] = "runs on the CUDA simulator only when asked by name"
+        else:
+            candidates["numba_cuda"] = kernel_reason
+        for other in ("reference", "chunked"):
+            if other == name:
+                candidates[other] = ""
+            elif name in ("native", "numba_cuda"):
+                candidates[other] = f"{name} comes first"
+            else:
+                candidates[other] = budget_why
     if name == "chunked" and numpy and requested != "auto":
         reason += "; on NumPy arrays it runs the multi-threaded blocked path (numpy_chunked)"
     shape = {"query": tuple(problem.q.shape), "key": tuple(problem.k.shape)}
@@ -195,8 +271,9 @@ def choose(problem: Problem, requested: str) -> Explanation:
         score_budget=budget,
         kernel_available=usable,
         kernel_reason=kernel_reason,
-        module=module_name(name, problem.xp) if name != "numba_cuda"
-        else "polyattn.implementations.numba_cuda",
+        module=module_name(name, problem.xp),
+        candidates=candidates,
+        layout=problem.layout,
     )
 
 

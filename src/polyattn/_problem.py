@@ -15,6 +15,7 @@ from typing import Any
 from ._compat import Array, Namespace, check_same_device, namespace_of
 from ._validation import (
     ALIGNMENTS,
+    LAYOUTS,
     broadcast_shapes,
     check_bool,
     check_choice,
@@ -43,6 +44,7 @@ class Problem:
     result_dtype: Any             # dtype of the output
     compute_dtype: Any            # float32 or float64
     squeeze: bool                 # inputs were (T, E): drop the (1,) head axis again
+    layout: str = "BHTE"          # the caller's layout of query, key, value and out
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -65,11 +67,33 @@ class Problem:
         """Number of entries of the (B…, H, Tq, Tk) score matrix."""
         return math.prod(self.batch) * self.num_heads * self.tq * self.tk
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether torch autograd is recording for one of the inputs."""
+        arrays = (self.q, self.k, self.v, self.mask)
+        if not any(getattr(x, "requires_grad", False) for x in arrays if x is not None):
+            return False
+        import torch
+
+        return bool(torch.is_grad_enabled())
+
     def finish(self, x: Array, trailing: int) -> Array:
         """Undo the (1,) head axis added for (T, E) inputs; ``trailing`` axes follow it."""
         if not self.squeeze:
             return x
         return self.xp.reshape(x, tuple(x.shape[-trailing:]) if trailing else ())
+
+    def finish_out(self, out: Array) -> Array:
+        """``out`` (B…, H, Tq, Ev) in the caller's layout (a view, no copy, for "BTHE")."""
+        if self.layout == "BTHE":
+            return swap_heads_and_time(out, self.xp)                  # (B…, Tq, H, Ev)
+        return self.finish(out, 2)
+
+
+def swap_heads_and_time(x: Array, xp: Namespace) -> Array:
+    """(…, A, B, F) -> (…, B, A, F): between (B…, T, H, E) and (B…, H, T, E), as a view."""
+    nd = x.ndim
+    return xp.permute_dims(x, (*range(nd - 3), nd - 2, nd - 3, nd - 1))
 
 
 def _shapes_error(what: str, a: str, x: Array, b: str, y: Array, detail: str) -> ValueError:
@@ -89,22 +113,50 @@ def _gqa_hint(query: Array, kv: list[Array]) -> str:
 
 def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array | None,
             is_causal: bool, causal_alignment: str, scale: float | None,
-            enable_gqa: bool) -> Problem:
-    """Validate an attention call and bring it to the implementations' layout."""
+            enable_gqa: bool, layout: str = "BHTE") -> Problem:
+    """Validate an attention call and bring it to the implementations' layout.
+
+    With ``layout="BTHE"`` query, key and value arrive as (B…, T, H, E) and
+    are viewed as (B…, H, T, E) (``permute_dims``, no copy); shapes in error
+    messages are then those of the views, which the messages say.
+    """
     arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
     xp = namespace_of(arrays)
     check_same_device(arrays)
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
-    min_ndim = 3 if enable_gqa else 2
-    layout = "(B…, H, T, E)" if enable_gqa else "(…, T, E)"
+    layout = check_choice("layout", layout, LAYOUTS)
     named = {"query": query, "key": key, "value": value}
+    if layout == "BTHE":
+        for name, x in named.items():
+            if x is not None:
+                check_floating(name, x, xp)
+                check_min_ndim(name, x, 3, "(B…, T, H, E) with layout='BTHE'")
+        query, key = swap_heads_and_time(query, xp), swap_heads_and_time(key, xp)
+        value = None if value is None else swap_heads_and_time(value, xp)
+    try:
+        return _prepare(xp, query, key, value, attn_mask, is_causal, causal_alignment, scale,
+                        enable_gqa, layout)
+    except ValueError as exc:
+        if layout == "BHTE":
+            raise
+        raise ValueError(f"{exc} (layout='BTHE': the shapes are shown as their "
+                         "(B…, H, T, E) views)") from None
+
+
+def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
+             attn_mask: Array | None, is_causal: bool, causal_alignment: str,
+             scale: float | None, enable_gqa: bool, layout: str) -> Problem:
+    """:func:`prepare` once the arrays are (B…, H, T, E) (views for "BTHE")."""
+    named = {"query": query, "key": key, "value": value}
+    min_ndim = 3 if enable_gqa else 2
+    expected = "(B…, H, T, E)" if enable_gqa else "(…, T, E)"
     for name, x in named.items():
         if x is None:
             continue
         check_floating(name, x, xp)
-        check_min_ndim(name, x, min_ndim, layout)
+        check_min_ndim(name, x, min_ndim, expected)
     if key.shape[-1] != query.shape[-1]:
         raise _shapes_error(
             f"`key` has {key.shape[-1]} features but `query` has {query.shape[-1]}",
@@ -171,4 +223,5 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
         result_dtype=result_dtype,
         compute_dtype=compute_dtype,
         squeeze=squeeze,
+        layout=layout,
     )

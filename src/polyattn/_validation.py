@@ -11,8 +11,10 @@ import numbers
 
 from ._compat import Array, Namespace, library_name
 
-IMPLEMENTATIONS = ("auto", "reference", "chunked", "numba_cuda")
+IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda")
 ALIGNMENTS = ("top_left", "bottom_right")
+#: "BHTE": (B…, H, T, E), as torch; "BTHE": (B…, T, H, E), as JAX, Flax, Keras, FlashAttention.
+LAYOUTS = ("BHTE", "BTHE")
 
 
 def shape_str(x: Array) -> str:

@@ -35,6 +35,7 @@ def scaled_dot_product_attention(
     query: Array, key: Array, value: Array, /, *, attn_mask: Array | None = None,
     is_causal: bool = False, causal_alignment: str = "top_left", scale: float | None = None,
     enable_gqa: bool = False, return_lse: bool = False, implementation: str = "auto",
+    layout: str = "BHTE",
 ) -> Array | tuple[Array, Array]:
     """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
 
@@ -42,11 +43,12 @@ def scaled_dot_product_attention(
     ----------
     query : array (B…, H, Tq, E)
         Queries. Leading dimensions broadcast against ``key`` and ``value``;
-        a plain (Tq, E) matrix is accepted too.
+        a plain (Tq, E) matrix is accepted too. (B…, Tq, H, E) with
+        ``layout="BTHE"``.
     key : array (B…, Hkv, Tk, E)
-        Keys.
+        Keys; (B…, Tk, Hkv, E) with ``layout="BTHE"``.
     value : array (B…, Hkv, Tk, Ev)
-        Values.
+        Values; (B…, Tk, Hkv, Ev) with ``layout="BTHE"``.
     attn_mask : array, optional
         Broadcastable to (B…, H, Tq, Tk). Boolean: True where a query may
         attend to a key. Floating: added to the scaled scores.
@@ -63,14 +65,26 @@ def scaled_dot_product_attention(
     return_lse : bool
         Also return the log-sum-exp of each row's scores, which lets partial
         results over disjoint key sets be merged exactly.
-    implementation : {"auto", "reference", "chunked", "numba_cuda"}
-        Which implementation runs; :func:`explain` tells what ``"auto"`` picks.
+    implementation : {"auto", "native", "reference", "chunked", "numba_cuda"}
+        Which implementation runs; :func:`explain` tells what ``"auto"`` picks
+        and why the others were not. ``"native"`` is the input library's own
+        fused attention (torch's ``scaled_dot_product_attention``, JAX's
+        ``dot_product_attention``), used only where it computes this call
+        exactly; asked for by name where it cannot, it raises ``ValueError``
+        with the reason (``return_lse=True``, float64 on JAX, …).
+    layout : {"BHTE", "BTHE"}
+        ``"BHTE"``: query, key, value and out are (B…, H, T, E), as torch.
+        ``"BTHE"``: they are (B…, T, H, E), as JAX, Flax, Keras and
+        FlashAttention; read through strides, without a transposed copy. In
+        both layouts ``attn_mask`` broadcasts to (B…, H, Tq, Tk) and ``lse`` is
+        (B…, H, Tq).
 
     Returns
     -------
     out : array (B…, H, Tq, Ev)
         In the inputs' namespace, on their device, with dtype
         ``result_type(query, key, value)``. Fully masked rows are 0.
+        (B…, Tq, H, Ev) with ``layout="BTHE"``.
     lse : array (B…, H, Tq)
         Only with ``return_lse=True``; ``-inf`` for fully masked rows. Kept in
         the compute dtype (float32 for float16 inputs).
@@ -88,12 +102,20 @@ def scaled_dot_product_attention(
     >>> out, lse = scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
     >>> lse.shape
     (2, 4, 8)
+
+    Arrays laid out (B, T, H, E), as JAX and FlashAttention keep them:
+
+    >>> q_bthe = q.transpose(0, 2, 1, 3)                # (B, Tq, H, E)
+    >>> k_bthe, v_bthe = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    >>> scaled_dot_product_attention(q_bthe, k_bthe, v_bthe, layout="BTHE").shape
+    (2, 8, 4, 32)
     """
     check_choice("implementation", implementation, IMPLEMENTATIONS)
     check_bool("return_lse", return_lse)
     problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
-                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa)
-    choice = _dispatch.choose(problem, implementation)
+                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
+                      layout=layout)
+    choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
     if problem.score_elements == 0:
         out, lse = _empty_problem(problem)
     else:
@@ -101,7 +123,7 @@ def scaled_dot_product_attention(
     xp = problem.xp
     if out.dtype != problem.result_dtype:
         out = xp.astype(out, problem.result_dtype)
-    out = problem.finish(out, 2)
+    out = problem.finish_out(out)
     if return_lse:
         return out, problem.finish(lse, 1)
     return out
@@ -110,13 +132,16 @@ def scaled_dot_product_attention(
 def attention_weights(
     query: Array, key: Array, /, *, attn_mask: Array | None = None, is_causal: bool = False,
     causal_alignment: str = "top_left", scale: float | None = None, enable_gqa: bool = False,
+    layout: str = "BHTE",
 ) -> Array:
     """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
 
     Row ``i`` says how much query ``i`` attends to every key; it sums to 1
     (to 0 for a fully masked row). The arguments mean what they mean in
-    :func:`scaled_dot_product_attention`. This materialises the
-    (B…, H, Tq, Tk) matrix.
+    :func:`scaled_dot_product_attention`; with ``layout="BTHE"`` query and
+    key are (B…, T, H, E) and the weights are still (B…, H, Tq, Tk). This
+    materialises the (B…, H, Tq, Tk) matrix, with the reference
+    implementation on every library (differentiable where the library is).
 
     Returns
     -------
@@ -137,7 +162,8 @@ def attention_weights(
     array([1., 1.])
     """
     problem = prepare(query, key, None, attn_mask=attn_mask, is_causal=is_causal,
-                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa)
+                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
+                      layout=layout)
     xp = problem.xp
     if problem.score_elements == 0:
         alpha = xp.zeros((*problem.q.shape[:-1], problem.tk), dtype=problem.compute_dtype,
@@ -154,14 +180,17 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     """Which implementation ``scaled_dot_product_attention`` runs for these inputs, and why.
 
     Takes the same arguments as :func:`scaled_dot_product_attention`
-    (``return_lse`` is accepted and ignored). Nothing is computed.
+    (``return_lse`` matters: the native implementations cannot return the
+    log-sum-exp). Nothing is computed.
 
     Returns
     -------
     Explanation
         ``.implementation`` and ``.reason``, plus the details behind them
         (library, device, dtypes, shapes, score-matrix size and budget,
-        whether the CUDA kernel is usable); ``str()`` gives a readable report.
+        whether the CUDA kernel is usable) and, for ``"auto"``,
+        ``.candidates``: every implementation in order of preference with the
+        reason it was not chosen; ``str()`` gives a readable report.
 
     Examples
     --------
@@ -176,15 +205,16 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     below which materialising it was measured fastest
     """
     allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
-               "return_lse", "implementation"}
+               "return_lse", "implementation", "layout"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
     implementation = options.pop("implementation", "auto")
     check_choice("implementation", implementation, IMPLEMENTATIONS)
-    options.pop("return_lse", None)
+    return_lse = check_bool("return_lse", options.pop("return_lse", False))
     problem = prepare(query, key, value, attn_mask=options.get("attn_mask"),
                       is_causal=options.get("is_causal", False),
                       causal_alignment=options.get("causal_alignment", "top_left"),
-                      scale=options.get("scale"), enable_gqa=options.get("enable_gqa", False))
-    return _dispatch.choose(problem, implementation)
+                      scale=options.get("scale"), enable_gqa=options.get("enable_gqa", False),
+                      layout=options.get("layout", "BHTE"))
+    return _dispatch.choose(problem, implementation, return_lse=return_lse)
