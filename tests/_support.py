@@ -13,7 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Backend, implementations_under_test, kernel_mode, to_numpy
+from helpers import (
+    Backend,
+    implementations_under_test,
+    kernel_mode,
+    skip_unless_native_on,
+    to_numpy,
+)
 
 from polyattn.implementations import chunked
 
@@ -49,6 +55,7 @@ def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> 
     if numpy_chunked is not None:
         monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 6, raising=False)
         monkeypatch.setattr(numpy_chunked, "BLOCK_K", 4, raising=False)
+    skip_unless_native_on(backend, name, monkeypatch)
     if name == "numba_cuda":
         wanted = "numpy (CUDA simulator)" if SIMULATOR else "cupy (CUDA GPU)"
         backend = backend or Backend.NUMPY

@@ -89,12 +89,72 @@ def kernel_mode() -> str | None:
     return None
 
 
+def selected_backends() -> list[Backend]:
+    """The backends of this run: ``POLYATTN_TEST_BACKENDS`` (set by nox), else every CPU one."""
+    import os
+
+    env = os.environ.get("POLYATTN_TEST_BACKENDS", "")
+    names = [n.strip() for n in env.split(",") if n.strip()]
+    return [Backend(n) for n in names] if names else [b for b in Backend if b.is_cpu]
+
+
+#: The backends whose library has a native attention function polyattn runs.
+NATIVE_BACKENDS = (Backend.TORCH, Backend.JAX)
+
+
 def implementations_under_test() -> list[str]:
-    """The implementations tests run: the CPU ones, plus the kernel where it can run."""
+    """The implementations tests run: the CPU ones, plus the kernel where it can run,
+    plus ``"native"`` where torch or JAX is among the backends of this run."""
     names = ["reference", "chunked", "auto"]
+    if any(b in NATIVE_BACKENDS and b in available_backends() for b in selected_backends()):
+        names.append("native")
     if kernel_mode() is not None:
         names.append("numba_cuda")
     return names
+
+
+#: Why ``"native"`` may refuse a call (DESIGN §3.1); any other refusal fails the test.
+NATIVE_REFUSALS = (
+    "return_lse=True",                      # neither library returns the lse with gradients
+    "computes the softmax in float32",      # float64 on JAX
+    "values with as many features",         # JAX needs Ev == E
+    "has no native attention function",     # libraries other than torch and JAX
+)
+
+
+def allow_native_fallback(monkeypatch: Any) -> None:
+    """Make ``implementation="native"`` check its refusals instead of raising.
+
+    Where the native function cannot run a call, asking for it by name raises
+    ``ValueError``; under this patch the test checks that it does, for one of
+    the :data:`NATIVE_REFUSALS`, and then runs what ``"auto"`` falls back to, so
+    that every test body still checks the numbers of the call.
+    """
+    from polyattn import _dispatch
+
+    real = _dispatch.choose
+
+    def choose(problem: Any, requested: str, **options: Any) -> Any:
+        if requested != "native":
+            return real(problem, requested, **options)
+        try:
+            return real(problem, "native", **options)
+        except ValueError as exc:
+            assert any(r in str(exc) for r in NATIVE_REFUSALS), f"unexpected refusal: {exc}"
+        fallback = real(problem, "auto", **options)
+        assert fallback.implementation != "native"
+        return fallback
+
+    monkeypatch.setattr(_dispatch, "choose", choose)
+
+
+def skip_unless_native_on(backend: Backend | None, implementation: str, monkeypatch: Any) -> None:
+    """Skip ``"native"`` on backends without a native attention; else allow its fallbacks."""
+    if implementation != "native":
+        return
+    if backend is not None and backend not in NATIVE_BACKENDS:
+        pytest.skip(f"{backend.value} has no native attention (torch and JAX have)")
+    allow_native_fallback(monkeypatch)
 
 
 def skip_unless_kernel_runs_on(request: Any, implementation: str) -> None:

@@ -12,6 +12,7 @@ from helpers import (
     implementations_under_test,
     ref_attention,
     skip_unless_kernel_runs_on,
+    skip_unless_native_on,
     to_numpy,
     to_xp,
 )
@@ -28,6 +29,9 @@ def implementation(request, monkeypatch):
     monkeypatch.setattr(chunked, "BLOCK_Q", 3)
     monkeypatch.setattr(chunked, "BLOCK_K", 4)
     skip_unless_kernel_runs_on(request, request.param)
+    params = getattr(request.node, "callspec", None)
+    backend = params.params.get("backend") if params else None
+    skip_unless_native_on(backend, request.param, monkeypatch)
     return request.param
 
 
@@ -313,12 +317,17 @@ def test_backends_agree_bitwise_with_themselves(xp, device, implementation):
     np.testing.assert_array_equal(a, b)
 
 
-def test_explain_reports_choice(xp, device):
+def test_explain_reports_choice(xp, device, backend):
     q = to_xp(np.zeros((1, 2, 8, 4)), xp, dtype="float32", device=device)
-    e = polyattn.explain(q, q, q)
+    # with return_lse=True the native functions are out of the running on every library
+    e = polyattn.explain(q, q, q, return_lse=True)
     assert e.implementation == "reference"
     assert "budget" in e.reason
     assert "reference" in str(e)
+    assert e.candidates["reference"] == ""
+    assert "return_lse" in e.candidates["native"] or "no native" in e.candidates["native"]
+    native = polyattn.explain(q, q, q).implementation == "native"
+    assert native == (backend in (Backend.TORCH, Backend.JAX))
 
 
 def test_explain_chunked_over_budget(monkeypatch):

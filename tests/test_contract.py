@@ -15,7 +15,15 @@ from functools import cache
 import numpy as np
 import pytest
 from _support import IMPLEMENTATIONS, SIMULATOR, kernel_runs_on, rounded
-from helpers import TOLERANCE, Backend, assert_namespace_device, rel_error, to_numpy, to_xp
+from helpers import (
+    TOLERANCE,
+    Backend,
+    assert_namespace_device,
+    rel_error,
+    skip_unless_native_on,
+    to_numpy,
+    to_xp,
+)
 
 import polyattn
 
@@ -25,10 +33,11 @@ FLOAT16_BACKENDS = (Backend.NUMPY, Backend.TORCH, Backend.CUPY)
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
-def implementation(request, backend):
+def implementation(request, backend, monkeypatch):
     """Each implementation with its production block sizes: the contract is for what runs."""
     if request.param == "numba_cuda" and not kernel_runs_on(backend):
         pytest.skip(f"numba_cuda does not take {backend.value} arrays in this run")
+    skip_unless_native_on(backend, request.param, monkeypatch)
     return request.param
 
 

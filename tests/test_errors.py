@@ -240,7 +240,7 @@ def _numba_without_cuda(function):
 NUMPY = [
     # scaled_dot_product_attention: options
     Case("unknown implementation", "scaled_dot_product_attention", _sdpa(implementation="flash"),
-         ValueError, ("`implementation`", "'auto', 'reference', 'chunked', 'numba_cuda'",
+         ValueError, ("`implementation`", "'auto', 'native', 'reference', 'chunked', 'numba_cuda'",
                       "got 'flash'")),
     Case("unknown causal_alignment", "scaled_dot_product_attention",
          _sdpa(is_causal=True, causal_alignment="bottom"),
