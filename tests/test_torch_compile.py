@@ -1,0 +1,102 @@
+"""``torch.compile`` of code that calls polyattn: no warnings from polyattn's own code.
+
+The compilation runs in a fresh interpreter, because torch warns about some
+things only once per process. Two kinds of complaint are collected while a
+function that does nothing but call polyattn is compiled (``backend="eager"``,
+so no C compiler is needed):
+
+- Python warnings raised from a polyattn source file, or whose message names
+  one as the place the call came from (TorchDynamo's warnings name the user
+  frame in the message, not in ``filename``);
+- records at WARNING or above on TorchDynamo's logger, which torch prints to
+  stderr: the compiled functions call polyattn only, so polyattn's code is
+  what they are about.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+
+SCRIPT = textwrap.dedent("""
+    import json, logging, os, re, warnings
+    import torch
+    import polyattn
+
+    SRC = os.path.dirname(os.path.abspath(polyattn.__file__))
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(f"{record.name}: {record.getMessage()}")
+
+    logging.getLogger("torch._dynamo").addHandler(Collect(level=logging.WARNING))
+
+    def sdpa(q, k, v):
+        return polyattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def mha(x, params):
+        return polyattn.multi_head_attention(x, x, x, params, num_heads=2, is_causal=True)
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    params = polyattn.MultiHeadAttention(8, 2, xp=torch, seed=0).params
+    x = torch.randn(1, 8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(sdpa, backend="eager")(q, k, v)
+        torch.compile(mha, backend="eager")(x, params)
+
+    ours = []
+    for w in caught:
+        message = str(w.message)
+        origins = re.findall(r'File "([^"]+)", line (\\d+), in (\\w+)', message)
+        named = [o for o in origins if os.path.abspath(o[0]).startswith(SRC)]
+        if os.path.abspath(w.filename).startswith(SRC) or named:
+            where = (f"{os.path.relpath(named[0][0], SRC)}:{named[0][1]} in {named[0][2]}"
+                     if named else f"{os.path.relpath(w.filename, SRC)}:{w.lineno}")
+            ours.append(f"{w.category.__name__} at {where}: {message.splitlines()[0]}")
+    print(json.dumps({"warnings": ours, "dynamo_log": records}))
+""")
+
+
+@pytest.fixture(scope="module")
+def complaints() -> dict[str, list[str]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "PYTHONWARNINGS")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _known(found: list[str], causes: dict[str, str]) -> None:
+    """xfail when every complaint is of a known, reported cause; otherwise let the test fail."""
+    if found and all(any(key in item for key in causes) for item in found):
+        pytest.xfail("known: " + "; ".join(sorted({causes[key] for key in causes
+                                                   if any(key in f for f in found)})))
+
+
+def test_no_warning_from_polyattn_source(complaints):
+    found = complaints["warnings"]
+    _known(found, {
+        "in library_name": "_compat.library_name calls array_api_compat's lru_cache-wrapped "
+                           "is_*_namespace helpers, which TorchDynamo warns about",
+    })
+    assert found == []
+
+
+def test_no_dynamo_warnings_while_tracing_polyattn(complaints):
+    found = complaints["dynamo_log"]
+    _known(found, {
+        "got an unexpected keyword argument 'default'":
+            "_validation.broadcast_shapes calls max(..., default=0), which TorchDynamo cannot "
+            "trace (a logged warning and a graph break)",
+    })
+    assert found == []
