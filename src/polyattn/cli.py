@@ -519,6 +519,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     except CLIError as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader (``| head``) went away: send what is left to devnull, so the
         # flush at exit does not fail again, and stop quietly.
