@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,8 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
 
     Per (batch, head, query block, key block) ``s = q @ kᵀ`` and ``s @ v``, with the block
     sizes of polyattn's NumPy path, the key blocks past the causal diagonal skipped in the
-    same way, one BLAS thread per call and the items on a thread pool of the same size:
+    same way, and the items run as the NumPy path runs them (``threading_mode()``: on its
+    thread pool with one BLAS thread per call, or inline with BLAS's own threads):
     everything of polyattn's NumPy path except the softmax (no ``exp``, sums, rescaling or
     normalisation). Any exact attention built on NumPy's ``matmul`` computes these
     products, so this time is a lower bound for it on this machine.
@@ -96,11 +98,13 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
             np.matmul(sb, v[i, j, k0:k1], out=pv[r0:r1])
         out[i, j, q0:q1] = pv
 
-    items = [(i, j, q0) for i in range(b) for j in range(h) for q0 in range(0, t, p.bq)]
-    with numpy_chunked.single_threaded_blas():
-        pool = numpy_chunked._executor(numpy_chunked.num_threads())
-        for f in [pool.submit(item, *it) for it in items]:
-            f.result()
+    jobs = [partial(item, i, j, q0) for i in range(b) for j in range(h)
+            for q0 in range(0, t, p.bq)]
+    if numpy_chunked.threading_mode() == "pool":
+        numpy_chunked._run_jobs(jobs, numpy_chunked.num_threads())
+    else:
+        for job in jobs:
+            job()
     return out
 
 
@@ -182,6 +186,7 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "torch_parallel_info": torch.__config__.parallel_info().strip().splitlines()[:6],
         "polyattn_numpy_threads": _polyattn_threads(),
+        "polyattn_numpy_threading": _polyattn_threading(),
         "env": {name: os.environ.get(name) for name in
                 ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
                  "OMP_NUM_THREADS", "POLYATTN_SCORE_BUDGET")},
@@ -192,6 +197,12 @@ def _polyattn_threads() -> int:
     from polyattn.implementations import numpy_chunked
 
     return numpy_chunked.num_threads()
+
+
+def _polyattn_threading() -> str:
+    from polyattn.implementations import numpy_chunked
+
+    return numpy_chunked.threading_mode()
 
 
 def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int,

@@ -3,11 +3,14 @@
 Eight threads call polyattn at once (released together by a barrier) on
 different problems; every result must equal, bit for bit, the one computed
 before the threads started. Repeated calls must agree bit for bit too, and on
-NumPy the blocked path's result must not depend on its number of threads.
+NumPy the blocked path's result must not depend on its number of threads, even
+when that number changes while other threads' calls run. The NumPy path must
+leave the BLAS thread count of every other thread alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -130,6 +133,30 @@ def test_repeated_calls_are_bitwise_identical(backend, xp, device, implementatio
             assert_bitwise_equal(lse, want_lse, "lse")
 
 
+@contextlib.contextmanager
+def items_on_threads(numpy_chunked):
+    """The NumPy path's thread pool in use.
+
+    As it is where the workers can hold their own BLAS to one thread; otherwise under a
+    process-wide one-thread BLAS limit set here (the caller's choice, which the path
+    then finds and uses).
+    """
+    if numpy_chunked.threading_mode() == "pool":
+        yield
+        return
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+        if numpy_chunked.threading_mode() != "pool":
+            pytest.skip("no BLAS library found that runs on one thread: the NumPy path "
+                        "runs its items inline")
+        yield
+
+
+def blas_threads(threadpoolctl):
+    """The thread count of every BLAS library, as the calling thread sees it."""
+    return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+
+
 def test_numpy_blocked_path_ignores_its_thread_count(monkeypatch):
     """The NumPy fast path splits work over threads; no reduction crosses work items."""
     numpy_chunked = pytest.importorskip("polyattn.implementations.numpy_chunked")
@@ -138,10 +165,217 @@ def test_numpy_blocked_path_ignores_its_thread_count(monkeypatch):
     use_implementation("chunked", Backend.NUMPY, monkeypatch)
     fns = calls(np, None, "chunked", tq=37, tk=45)
     results = {}
-    for n in (1, 2, 3, 8):
-        monkeypatch.setattr(numpy_chunked, "NUM_THREADS", n)
-        results[n] = [fn() for fn in fns]
+    with items_on_threads(numpy_chunked):
+        for n in (1, 2, 3, 8):
+            monkeypatch.setattr(numpy_chunked, "NUM_THREADS", n)
+            results[n] = [fn() for fn in fns]
     for n in (2, 3, 8):
         for (out, lse), (want_out, want_lse) in zip(results[n], results[1], strict=True):
             assert_bitwise_equal(out, want_out, f"{n} threads: out")
             assert_bitwise_equal(lse, want_lse, f"{n} threads: lse")
+
+
+def test_numpy_path_leaves_other_threads_blas_alone(monkeypatch):
+    """While a NumPy-path call runs, another thread sees BLAS's thread count unchanged."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from polyattn.implementations import numpy_chunked
+
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", None)   # every core
+    before = blas_threads(threadpoolctl)
+    rng = np.random.default_rng(302)
+    q, k, v = (rng.standard_normal((1, 8, 1024, 64)) for _ in range(3))   # 0.3 to 3 s
+    done = threading.Event()
+
+    def call():
+        try:
+            return numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=0.125,
+                                           xp=np)
+        finally:
+            done.set()
+
+    seen = []
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(call)
+        while not done.wait(0.005):
+            seen.append(blas_threads(threadpoolctl))
+        future.result()
+    assert len(seen) >= 3, f"only {len(seen)} reads while the call ran: make it longer"
+    assert all(s == before for s in seen), f"BLAS threads {before} before, then {seen}"
+    assert blas_threads(threadpoolctl) == before
+
+
+def test_numpy_path_thread_count_changed_during_calls(monkeypatch):
+    """Threads call with different NUM_THREADS, changed as they go: same bits, no error.
+
+    The pool starts empty and grows while calls use it (a larger pool replaces a
+    smaller one that calls still hold).
+    """
+    from polyattn.implementations import numpy_chunked
+
+    monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
+    monkeypatch.setattr(numpy_chunked, "BLOCK_K", 16)
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)
+    monkeypatch.setattr(numpy_chunked, "_pool", None)
+    monkeypatch.setattr(numpy_chunked, "_pool_size", 0)
+    rng = np.random.default_rng(303)
+    q, k, v = (rng.standard_normal((2, 4, 67, 8)) for _ in range(3))
+
+    def call():
+        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3, xp=np)
+
+    want_out, want_lse = call()
+    barrier = threading.Barrier(THREADS)
+
+    def worker(t):
+        barrier.wait(timeout=60)
+        results = []
+        for j in range(6):
+            numpy_chunked.NUM_THREADS = (t + 3 * j) % 7 + 1   # 1..7, changed by every thread
+            results.append(call())
+        return results
+
+    with items_on_threads(numpy_chunked), ThreadPoolExecutor(THREADS) as pool:
+        futures = [pool.submit(worker, t) for t in range(THREADS)]
+        results = [(t, f.result(timeout=600)) for t, f in enumerate(futures)]
+    assert 1 < numpy_chunked._pool_size <= 7               # grown while in use
+    for t, calls_of_t in results:
+        for j, (out, lse) in enumerate(calls_of_t):
+            assert_bitwise_equal(out, want_out, f"thread {t}, call {j}: out")
+            assert_bitwise_equal(lse, want_lse, f"thread {t}, call {j}: lse")
+
+
+def test_numpy_path_workers_hold_their_own_blas_to_one_thread(monkeypatch):
+    """Where BLAS has a thread-local setter, each worker runs BLAS on one thread."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from polyattn.implementations import numpy_chunked
+
+    libs = numpy_chunked._blas_libraries()
+    lacking = [f"{lib.internal_api} {lib.version} ({getattr(lib, 'threading_layer', '?')})"
+               for lib, setter in libs if setter is None]
+    if not libs or lacking:
+        pytest.skip("no thread-local BLAS thread count in " + (", ".join(lacking) or
+                    "the BLAS libraries found (none)") + ": the NumPy path runs inline "
+                    "where BLAS has several threads")
+    before = blas_threads(threadpoolctl)
+    seen = []
+    lock = threading.Lock()
+
+    def record():
+        with lock:
+            seen.append((threading.get_ident(), blas_threads(threadpoolctl)))
+
+    numpy_chunked._run_jobs([record] * 8, 2)
+    assert {ident for ident, _ in seen} - {threading.get_ident()}
+    assert all(threads == [1] * len(threads) for _, threads in seen), seen
+    assert blas_threads(threadpoolctl) == before
+
+
+def test_numpy_path_without_thread_local_blas_runs_inline(monkeypatch):
+    """Where BLAS has several threads and no thread-local setter, no worker runs an item."""
+    pytest.importorskip("threadpoolctl")
+    from polyattn.implementations import numpy_chunked
+
+    libs = numpy_chunked._blas_libraries()
+    if libs and all(setter is not None or lib.num_threads == 1 for lib, setter in libs):
+        pytest.skip("every BLAS library found has a thread-local setter or runs on one thread: "
+                    "the NumPy path uses its thread pool")
+    assert numpy_chunked.threading_mode() == "inline"
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 4)
+    ran_in = set()
+    attend = numpy_chunked._attend_item
+
+    def spy(*args):
+        ran_in.add(threading.get_ident())
+        attend(*args)
+
+    monkeypatch.setattr(numpy_chunked, "_attend_item", spy)
+    rng = np.random.default_rng(304)
+    q, k, v = (rng.standard_normal((2, 2, 300, 8)) for _ in range(3))
+    numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=0.3, xp=np)
+    assert ran_in == {threading.get_ident()}
+
+
+class _FakeBLAS:
+    """A BLAS library as threadpoolctl describes it, with several threads."""
+
+    internal_api = "fake"
+    user_api = "blas"
+    version = "0"
+    num_threads = 4
+
+
+def test_numpy_path_pool_sets_each_workers_blas_once(monkeypatch):
+    """The pool's initializer calls the thread-local setter once in each worker, never here."""
+    from polyattn.implementations import numpy_chunked
+
+    calls_to_setter = []
+    lock = threading.Lock()
+
+    def set_local(n):
+        with lock:
+            calls_to_setter.append((threading.get_ident(), n))
+        return 4
+
+    ran_in = set()
+    attend = numpy_chunked._attend_item
+
+    def spy(*args):
+        ran_in.add(threading.get_ident())
+        attend(*args)
+
+    monkeypatch.setattr(numpy_chunked, "_blas_libs", ((_FakeBLAS(), set_local),))
+    monkeypatch.setattr(numpy_chunked, "_pool", None)
+    monkeypatch.setattr(numpy_chunked, "_pool_size", 0)
+    monkeypatch.setattr(numpy_chunked, "_attend_item", spy)
+    monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 3)
+    assert numpy_chunked.threading_mode() == "pool"
+    rng = np.random.default_rng(305)
+    q, k, v = (rng.standard_normal((2, 2, 61, 8)) for _ in range(3))
+    for _ in range(2):
+        out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3, xp=np)
+    here = threading.get_ident()
+    workers = [ident for ident, _ in calls_to_setter]
+    assert here not in ran_in and here not in workers
+    assert all(n == 1 for _, n in calls_to_setter)
+    assert len(workers) == len(set(workers)) <= 3          # once per worker thread
+    assert ran_in <= set(workers)                          # every item ran in one of them
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)   # inline: the same bits
+    want_out, want_lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3,
+                                                 xp=np)
+    assert_bitwise_equal(out, want_out)
+    assert_bitwise_equal(lse, want_lse, "lse")
+
+
+@pytest.mark.parametrize("failing", ["build_keys", "_online_softmax"])
+def test_numpy_path_pool_raises_the_error_of_a_job(monkeypatch, failing):
+    """A job that raises on the pool: the call raises that error, and the pool still works."""
+    from polyattn.implementations import numpy_chunked
+
+    monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 3)
+    rng = np.random.default_rng(306)
+    q, k, v = (rng.standard_normal((2, 2, 61, 8)) for _ in range(3))
+
+    def call():
+        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3, xp=np)
+
+    with items_on_threads(numpy_chunked):
+        want_out, _ = call()
+        target = numpy_chunked._Problem if failing == "build_keys" else numpy_chunked
+        original = getattr(target, failing)
+        count = 0
+
+        def fail_once_in_a_while(*args):
+            nonlocal count
+            count += 1
+            if count % 3 == 2:
+                raise ValueError(f"{failing} failed")
+            return original(*args)
+
+        monkeypatch.setattr(target, failing, fail_once_in_a_while)
+        with pytest.raises(ValueError, match=f"^{failing} failed$"):
+            call()
+        monkeypatch.setattr(target, failing, original)
+        out, _ = call()
+    assert_bitwise_equal(out, want_out)

@@ -1,10 +1,15 @@
 """The NumPy fast path (implementations/numpy_chunked.py) against the oracle and the Array-API path.
 
 Tile sizes are shrunk so that the small shapes here span several query and
-key tiles; every test runs with the thread pool on and off.
+key tiles; every test runs with the thread pool on and off. Inputs may be the
+(B…, H, T, E) views of (B…, T, H, E) arrays: no copy, the same bits, and an
+output in the query's memory order.
 """
 
 from __future__ import annotations
+
+import contextlib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -15,13 +20,33 @@ from polyattn import _dispatch
 from polyattn.implementations import chunked, numpy_chunked
 
 
+@contextlib.contextmanager
+def items_on_threads():
+    """The thread pool in use.
+
+    As it is where the workers can hold their own BLAS to one thread; otherwise under a
+    process-wide one-thread BLAS limit set here (the caller's choice, which the path
+    then finds and uses).
+    """
+    if numpy_chunked.threading_mode() == "pool":
+        yield
+        return
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+        if numpy_chunked.threading_mode() != "pool":
+            pytest.skip("no BLAS library found that runs on one thread: the NumPy path "
+                        "runs its items inline")
+        yield
+
+
 @pytest.fixture(params=[1, 2], ids=["serial", "threads"])
 def tiles(request, monkeypatch):
     """Small tiles (several per test shape), with the thread pool off or on."""
     monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 6)
     monkeypatch.setattr(numpy_chunked, "BLOCK_K", 4)
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", request.param)
-    return request.param
+    with items_on_threads() if request.param > 1 else contextlib.nullcontext():
+        yield request.param
 
 
 def run(q, k, v, dtype_name, mask=None, **kw):
@@ -207,9 +232,10 @@ def test_threads_bitwise_identical(dtype_name, monkeypatch):
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((2, 4, 67, 8)).astype(dtype_name) for _ in range(3))
     results = []
-    for n in (1, 2, 3):
-        monkeypatch.setattr(numpy_chunked, "NUM_THREADS", n)
-        results.append(run(q, k, v, dtype_name, is_causal=True))
+    with items_on_threads():
+        for n in (1, 2, 3):
+            monkeypatch.setattr(numpy_chunked, "NUM_THREADS", n)
+            results.append(run(q, k, v, dtype_name, is_causal=True))
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])
         np.testing.assert_array_equal(lse, results[0][1])
@@ -227,17 +253,64 @@ def test_default_tiles_and_strided_read_only_inputs(dtype_name):
     check(got, ref_attention(q, k, v, is_causal=True, alignment="bottom_right"), dtype_name)
 
 
-def test_blas_limit_is_restored():
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    before = [i["num_threads"] for i in threadpoolctl.threadpool_info()
-              if i["user_api"] == "blas"]
-    with numpy_chunked.single_threaded_blas(), numpy_chunked.single_threaded_blas():
-        inside = [i["num_threads"] for i in threadpoolctl.threadpool_info()
-                  if i["user_api"] == "blas"]
-    after = [i["num_threads"] for i in threadpoolctl.threadpool_info()
-             if i["user_api"] == "blas"]
-    assert all(n == 1 for n in inside)
-    assert after == before
+def bthe_problem(dtype_name, *, b=2, tq=13, tk=17, h=4, hkv=2, e=5, ev=6, seed=13):
+    """q, k, v as the (B, H, T, E) views of (B, T, H, E) arrays, and a mask."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, tq, h, e)).astype(dtype_name)      # (B, Tq, H, E)
+    k = rng.standard_normal((b, tk, hkv, e)).astype(dtype_name)    # (B, Tk, Hkv, E)
+    v = rng.standard_normal((b, tk, hkv, ev)).astype(dtype_name)   # (B, Tk, Hkv, Ev)
+    mask = rng.random((1, h, tq, tk)) < 0.8
+    return (*(np.swapaxes(x, 1, 2) for x in (q, k, v)), mask)      # (B, H, T, E) views
+
+
+def test_bthe_views_give_the_bits_of_contiguous_inputs(dtype_name, tiles):
+    q, k, v, mask = bthe_problem(dtype_name)
+    assert not q.flags.c_contiguous and q.strides[-2] == 4 * 5 * q.itemsize
+    for m, offset in [(None, None), (mask, 3), (None, 0)]:
+        kw = {"mask": m, "causal_offset": offset, "scale": 0.4, "xp": np}
+        out, lse = numpy_chunked.attention(q, k, v, **kw)
+        want_out, want_lse = numpy_chunked.attention(
+            *(np.ascontiguousarray(x) for x in (q, k, v)), **kw)
+        assert out.tobytes() == want_out.tobytes() and out.shape == want_out.shape
+        assert lse.tobytes() == want_lse.tobytes()
+        # out follows q's memory order: its (B, Tq, H, Ev) view is contiguous
+        assert np.swapaxes(out, 1, 2).flags.c_contiguous
+        assert want_out.flags.c_contiguous
+
+
+def test_bthe_views_are_not_copied(dtype_name, monkeypatch):
+    """No copy of q, k or v: peak memory as for contiguous inputs, and no ascontiguousarray."""
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)
+    q, k, v, _ = bthe_problem(dtype_name, b=1, tq=512, tk=512, h=8, hkv=8, e=32, ev=32)
+    contiguous = [np.ascontiguousarray(x) for x in (q, k, v)]
+
+    def peak(arrays):
+        tracemalloc.start()
+        try:
+            numpy_chunked.attention(*arrays, mask=None, causal_offset=0, scale=0.3, xp=np)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("np.ascontiguousarray called on an input")
+
+    base = peak(contiguous)
+    monkeypatch.setattr(np, "ascontiguousarray", no_copy)
+    assert peak((q, k, v)) < base + q.nbytes // 4, "a whole input was copied"
+
+
+def test_bthe_view_of_values_goes_to_blas_as_it_is():
+    """A (T, Ev) value matrix with row stride Hkv·Ev is BLAS-ready; other layouts are copied."""
+    v = np.zeros((2, 7, 3, 5))                          # (B, Tk, Hkv, Ev)
+    view = np.swapaxes(v, 1, 2)                         # (B, Hkv, Tk, Ev)
+    assert numpy_chunked._blas_ready(view) is view
+    transposed = np.swapaxes(view, -1, -2)              # unit stride across rows
+    ready = numpy_chunked._blas_ready(transposed)
+    assert ready is not transposed and ready.flags.c_contiguous
+    np.testing.assert_array_equal(ready, transposed)
+    overlapping = np.lib.stride_tricks.as_strided(v, (4, 6), (8, 8))   # row stride < a row
+    assert numpy_chunked._blas_ready(overlapping) is not overlapping
 
 
 @pytest.mark.parametrize("offset", [None, 0, 3, -2, 17, -40])

@@ -28,12 +28,32 @@ al. 2022), written against NumPy itself so that the CPU is used well:
   it (:func:`_tiles`). The mask writes only its triangle, and on the cheap
   path after the exponential (as zeros): NumPy's float64 ``exp`` is about 3×
   slower per element on -inf.
-- **Both cores busy.** NumPy releases the GIL inside BLAS and ufunc loops, so
-  a module-level thread pool runs the items concurrently, each writing its
-  own slice of the output. BLAS is held to one thread per call meanwhile (the
-  parallelism is across items), through ``threadpoolctl`` where it is
-  installed. No reduction crosses items, so the result does not depend on the
-  number of threads or on the order in which items finish.
+- **Cores busy, other threads untouched.** NumPy releases the GIL inside BLAS
+  and ufunc loops, so a thread pool runs the items concurrently, each writing
+  its own slice of the output. The parallelism is across items, so each
+  worker must call BLAS on one thread, without changing the BLAS thread count
+  of any other thread: each worker sets its own count to 1 once, when it
+  starts, through the BLAS library's thread-local setter, found through
+  ``threadpoolctl`` (MKL's ``mkl_set_num_threads_local``; for OpenBLAS built
+  on OpenMP, the runtime's ``omp_set_num_threads``, which is per thread).
+  OpenBLAS on its own threads (the build in NumPy's wheels) has no such
+  setter: its ``openblas_set_num_threads_local`` sets the process-wide count.
+  With it, with any other BLAS, or without ``threadpoolctl``, the pool is used
+  only where BLAS runs on one thread already (``OPENBLAS_NUM_THREADS=1``, or
+  inside the caller's ``threadpoolctl.threadpool_limits(1, "blas")``: a
+  process-wide choice left to the caller); otherwise the items run one after
+  another in the calling thread, BLAS on its own threads and everything else
+  on one core, which is much slower on several cores (1.4× to 9× on the two
+  shared cores measured). :func:`threading_mode` tells which applies. The
+  pool is shared by all calls and never shut down; a call runs at most
+  :func:`num_threads` items at once. No reduction crosses items, so the
+  result does not depend on the number of threads or on the order in which
+  items finish.
+- **Strided inputs.** The matrices of ``q``, ``k`` and ``v`` may have any row
+  stride (the (B…, H, T, E) views of (B…, T, H, E) arrays): ``q`` and ``k``
+  are only read into per-item buffers, and ``v`` goes to BLAS as it is
+  wherever its rows are contiguous. ``out`` follows the memory order of
+  ``q``.
 
 Precision: scores, ``m``, ``l`` and ``acc`` are kept in the compute dtype
 (float32 or float64; float16 inputs arrive as float32). Folding ``-m`` into
@@ -47,10 +67,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import sys
 import threading
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -67,17 +89,14 @@ BLOCK_K = 256
 #: new maximum. Between such blocks every exponential stays below it (e**11 for
 #: 2**16), far from overflow in float32 and float64.
 RESCALE_LIMIT = 2.0**16
-#: Worker threads; ``None`` means one per available CPU, 1 runs everything inline.
+#: Items a call runs at once on worker threads (where :func:`threading_mode` is "pool");
+#: ``None`` means one per available CPU, 1 runs everything inline. Each call reads it once
+#: when it starts, so it may be changed at any time, also while other threads' calls run.
 NUM_THREADS: int | None = None
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
 def num_threads() -> int:
-    """The number of worker threads a call uses."""
+    """The number of items a call runs at once (its worker threads), from :data:`NUM_THREADS`."""
     if NUM_THREADS is not None:
         return max(1, int(NUM_THREADS))
     try:
@@ -86,65 +105,151 @@ def num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# --- BLAS: one thread in polyattn's own workers, nothing changed elsewhere ---------------
+
+#: OpenBLAS built on OpenMP reads the calling thread's ``omp_get_max_threads()`` from this
+#: release on and goes single-threaded when it is 1, without touching the process-wide count.
+_OPENBLAS_OPENMP_MIN = (0, 3, 11)
+
+_blas_lock = threading.Lock()
+_blas_libs: tuple[tuple[Any, Callable[[int], Any] | None], ...] | None = None
+
+
+def _version(text: Any) -> tuple[int, ...]:
+    """(0, 3, 31) from "0.3.31.188.0"; () when there is no leading number."""
+    match = re.match(r"(\d+(?:\.\d+)*)", str(text or ""))
+    return tuple(int(x) for x in match.group(1).split(".")) if match else ()
+
+
+def _thread_local_setter(lib: Any) -> Callable[[int], Any] | None:
+    """The setter of the calling thread's BLAS thread count for a threadpoolctl controller.
+
+    ``None`` where the library has none: OpenBLAS on its own threads (its
+    ``openblas_set_num_threads_local`` sets the process-wide count), BLIS, FlexiBLAS,
+    and OpenMP runtimes whose limit is process-wide (Windows).
+    """
+    api = getattr(lib, "internal_api", None)
+    if api == "mkl":
+        for name in ("MKL_Set_Num_Threads_Local", "mkl_set_num_threads_local"):
+            setter = getattr(lib.dynlib, name, None)
+            if setter is not None:
+                return setter
+    elif (api == "openblas" and getattr(lib, "threading_layer", None) == "openmp"
+          and sys.platform != "win32" and _version(lib.version) >= _OPENBLAS_OPENMP_MIN):
+        # resolved through OpenBLAS's own dependencies: the OpenMP runtime it calls
+        return getattr(lib.dynlib, "omp_set_num_threads", None)
+    return None
+
+
+def _blas_libraries() -> tuple[tuple[Any, Callable[[int], Any] | None], ...]:
+    """The loaded BLAS libraries (threadpoolctl controllers), each with its thread-local setter.
+
+    Found once per process; empty without ``threadpoolctl``.
+    """
+    global _blas_libs
+    with _blas_lock:
+        if _blas_libs is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:  # pragma: no cover - threadpoolctl is optional
+                _blas_libs = ()
+            else:
+                _blas_libs = tuple((lib, _thread_local_setter(lib))
+                                   for lib in ThreadpoolController().lib_controllers
+                                   if lib.user_api == "blas")
+        return _blas_libs
+
+
+def threading_mode() -> str:
+    """How a call runs its items: ``"pool"`` (worker threads) or ``"inline"``.
+
+    ``"pool"`` where each worker can call BLAS with one thread without changing the
+    BLAS of any other thread: every BLAS library found has a thread-local setter
+    (the workers use it) or runs on one thread anyway. ``"inline"`` otherwise, and
+    where no BLAS library is found: the items then run in the calling thread, with
+    BLAS on its own threads.
+    """
+    libs = _blas_libraries()
+    if libs and all(setter is not None or lib.num_threads == 1 for lib, setter in libs):
+        return "pool"
+    return "inline"
+
+
+def _limit_worker_blas(setters: tuple[Callable[[int], Any], ...]) -> None:
+    """A worker's initializer: BLAS on one thread in this thread, for its whole life."""
+    for set_threads in setters:
+        set_threads(1)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
 def _executor(n: int) -> ThreadPoolExecutor:
-    """The module's thread pool with ``n`` workers (created once, reused)."""
+    """The module's thread pool, with at least ``n`` workers; never shut down.
+
+    A request for more workers than the pool has replaces it by a larger one: the old
+    pool keeps serving the calls that hold it, and its threads end once it is idle and
+    no longer referenced. Calls limit themselves to their own number of workers
+    (:func:`_run_jobs`), so a larger pool than asked for is harmless.
+    """
     global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool_size != n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="polyattn")
+        if _pool is None or _pool_size < n:
+            setters = tuple(s for _, s in _blas_libraries() if s is not None)
+            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="polyattn",
+                                       initializer=_limit_worker_blas, initargs=(setters,))
             _pool_size = n
         return _pool
 
 
-# --- BLAS held to one thread per call while the items run in parallel ------------------
+def _run_jobs(jobs: list[Callable[[], Any]], n: int) -> None:
+    """Run ``jobs`` in their order, at most ``n`` at once on the pool, and wait for them all.
 
-_blas_lock = threading.Lock()
-_blas_users = 0
-_blas_limit: Any = None
-_blas_controller: Any = None
+    ``n`` workers of the shared pool each take the next job until none is left. After a
+    job raises, no further job starts; the first exception is raised here once every
+    worker has stopped.
+    """
+    lock = threading.Lock()
+    position = 0
+    errors: list[BaseException] = []
 
+    def worker() -> None:
+        nonlocal position
+        while True:
+            with lock:
+                if errors or position == len(jobs):
+                    return
+                job = jobs[position]
+                position += 1
+            try:
+                job()
+            except BaseException as e:  # re-raised in the calling thread
+                with lock:
+                    errors.append(e)
+                return
 
-def _controller() -> Any:
-    global _blas_controller
-    if _blas_controller is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-        except ImportError:  # pragma: no cover - threadpoolctl is optional
-            _blas_controller = False
-        else:
-            _blas_controller = ThreadpoolController()
-    return _blas_controller
-
-
-@contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    """Limit BLAS to one thread per call; nested and concurrent uses share one limit."""
-    global _blas_users, _blas_limit
-    controller = _controller()
-    if not controller:  # pragma: no cover - threadpoolctl is optional
-        yield
-        return
-    with _blas_lock:
-        if _blas_users == 0:
-            _blas_limit = controller.limit(limits=1, user_api="blas")
-        _blas_users += 1
-    try:
-        yield
-    finally:
-        with _blas_lock:
-            _blas_users -= 1
-            if _blas_users == 0:
-                _blas_limit.restore_original_limits()
-                _blas_limit = None
+    pool = _executor(n)
+    for f in [pool.submit(worker) for _ in range(min(n, len(jobs)))]:
+        f.result()
+    if errors:
+        raise errors[0]
 
 
 def _blas_ready(x: np.ndarray) -> np.ndarray:
-    """``x`` with C-contiguous trailing matrices (broadcast leading axes are kept)."""
+    """``x``, or a C-contiguous copy where its trailing matrices cannot go to BLAS as they are.
+
+    NumPy's ``matmul`` hands a matrix to BLAS when its elements are contiguous within a
+    row and its row stride is a whole number of elements, at least a row long (the
+    leading dimension): the (T, E) matrices of a (B…, T, H, E) array's (B…, H, T, E)
+    view qualify, with row stride H·E. Broadcast leading axes are kept.
+    """
     item = x.itemsize
-    if x.shape[-1] <= 1 or x.strides[-1] == item:
-        if x.shape[-2] <= 1 or x.strides[-2] == x.shape[-1] * item:
+    rows, cols = x.shape[-2:]
+    row_stride, col_stride = x.strides[-2:]
+    if cols <= 1 or col_stride == item:
+        if rows <= 1 or (row_stride % item == 0 and row_stride >= cols * item):
             return x
     return np.ascontiguousarray(x)
 
@@ -170,7 +275,8 @@ class _Problem:
         self.tiny = self.dtype.type(2.0**-60)
         self.ones = np.ones(self.tk, dtype=self.dtype)
         self.keys: dict[tuple[Any, ...], np.ndarray] = {}
-        self.pending: dict[tuple[Any, ...], Future[np.ndarray]] = {}
+        self.pending: dict[tuple[Any, ...], threading.Event] = {}  # set once built
+        self.failed: dict[tuple[Any, ...], BaseException] = {}     # builds that raised
         self.scratch = threading.local()             # freed with the call
         self._hidden: dict[tuple[int, int, int], np.ndarray] = {}
 
@@ -186,15 +292,33 @@ class _Problem:
         return max(self.block_k, self.block_elems // (self.g * rows))
 
     def extended_keys(self, b: tuple[int, ...], hk: int) -> np.ndarray:
-        """``[k | 1]`` (Tk, E + 1) of (b, hk), built once per call."""
+        """``[k | 1]`` (Tk, E + 1) of (b, hk), built once per call.
+
+        Inline, the first item that needs them builds them; on the pool, the job of
+        :meth:`build_pending` does, queued ahead of every item.
+        """
         key = (b, hk)
         ke = self.keys.get(key)
         if ke is None:
-            pending = self.pending.get(key)
-            if pending is not None:                  # being built by a pool thread
-                return pending.result()
-            ke = self.keys[key] = self.build_keys(b, hk)
+            built = self.pending.get(key)
+            if built is None:
+                ke = self.keys[key] = self.build_keys(b, hk)
+            else:                                    # being built by a pool worker
+                built.wait()
+                ke = self.keys.get(key)
+                if ke is None:                       # the build raised: so does the item
+                    raise self.failed[key]
         return ke
+
+    def build_pending(self, b: tuple[int, ...], hk: int) -> None:
+        """The pool's job for :meth:`extended_keys` (b, hk); wakes the items waiting on it."""
+        try:
+            self.keys[(b, hk)] = self.build_keys(b, hk)
+        except BaseException as e:
+            self.failed[(b, hk)] = e
+            raise
+        finally:
+            self.pending[(b, hk)].set()
 
     def build_keys(self, b: tuple[int, ...], hk: int) -> np.ndarray:
         """The array of :meth:`extended_keys`, built afresh."""
@@ -402,37 +526,53 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         lse_slice[empty] = -np.inf
 
 
+def _output(q: np.ndarray, ev: int) -> np.ndarray:
+    """An empty ``out`` (B…, H, Tq, Ev) whose memory order follows ``q``'s.
+
+    Where ``q`` is the (B…, H, Tq, E) view of a (B…, Tq, H, E) array (its head
+    axis has the smaller stride), ``out`` is the same view of a C-contiguous
+    (B…, Tq, H, Ev) array, so the caller's permutation back gives a contiguous array.
+    """
+    h, tq = q.shape[-3:-1]
+    if h > 1 and tq > 1 and abs(q.strides[-3]) < abs(q.strides[-2]):
+        bthe = np.empty((*q.shape[:-3], tq, h, ev), dtype=q.dtype)  # (B…, Tq, H, Ev)
+        return np.swapaxes(bthe, -3, -2)                              # (B…, H, Tq, Ev)
+    return np.empty((*q.shape[:-1], ev), dtype=q.dtype)               # (B…, H, Tq, Ev)
+
+
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
               scale: float, xp: Any) -> tuple[Any, Any]:
     """Blocked, multi-threaded attention on NumPy arrays; see :mod:`polyattn.implementations`.
 
-    ``xp`` is accepted for the common signature; the arrays must be NumPy arrays.
+    ``xp`` is accepted for the common signature; the arrays must be NumPy arrays. They
+    may be strided views (no copy is made of ``q`` or ``k``, nor of ``v`` where its rows
+    are contiguous), and ``out`` follows the memory order of ``q`` (:func:`_output`).
     """
-    q, k, v = (_blas_ready(np.asarray(x)) for x in (q, k, v))
+    q, k = np.asarray(q), np.asarray(k)   # read into per-item buffers only: any strides
+    v = _blas_ready(np.asarray(v))        # a BLAS operand as it is
     problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset, scale)
-    out = np.empty((*q.shape[:-1], problem.ev), dtype=q.dtype)  # (B…, H, Tq, Ev)
-    lse = np.empty(q.shape[:-1], dtype=q.dtype)                  # (B…, H, Tq)
+    out = _output(q, problem.ev)                  # (B…, H, Tq, Ev)
+    lse = np.empty(q.shape[:-1], dtype=q.dtype)   # (B…, H, Tq)
     items = [(b, hk, q0) for b in np.ndindex(*q.shape[:-3]) for hk in range(problem.hkv)
              for q0 in range(0, problem.tq, problem.bq)]
     if not items:
         return out, lse
     # later query blocks see more keys under a causal mask: start them first
     items.sort(key=lambda item: -item[2])
-    # Threads over items only where BLAS can be held to one thread per call:
-    # a pool on top of BLAS's own threads oversubscribes the cores.
-    n = min(num_threads(), len(items)) if _controller() else 1
-    if n == 1:  # inline; BLAS keeps its own threads for the products
+    # Threads over items only where each worker's BLAS runs on one thread without
+    # changing any other thread's: a pool on top of BLAS's own threads oversubscribes
+    # the cores.
+    n = min(num_threads(), len(items))
+    if n == 1 or threading_mode() != "pool":  # inline; BLAS keeps its own threads
         for b, hk, q0 in items:
             _attend_item(problem, b, hk, q0, out, lse)
         return out, lse
-    with single_threaded_blas():
-        pool = _executor(n)
-        # the extended keys are built by the pool too, queued ahead of the items (so no
-        # item waits on a build that has not started)
-        for b, hk in dict.fromkeys((b, hk) for b, hk, _ in items):
-            problem.pending[(b, hk)] = pool.submit(problem.build_keys, b, hk)
-        futures = [pool.submit(_attend_item, problem, b, hk, q0, out, lse)
-                   for b, hk, q0 in items]
-        for f in futures:
-            f.result()
+    # the extended keys are built by the pool too, queued ahead of the items (so an item
+    # waits only on a build that has started)
+    keys = list(dict.fromkeys((b, hk) for b, hk, _ in items))
+    for key in keys:
+        problem.pending[key] = threading.Event()
+    jobs: list[Callable[[], Any]] = [partial(problem.build_pending, b, hk) for b, hk in keys]
+    jobs += [partial(_attend_item, problem, b, hk, q0, out, lse) for b, hk, q0 in items]
+    _run_jobs(jobs, n)
     return out, lse
