@@ -76,27 +76,9 @@ def complaints() -> dict[str, list[str]]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _known(found: list[str], causes: dict[str, str]) -> None:
-    """xfail when every complaint is of a known, reported cause; otherwise let the test fail."""
-    if found and all(any(key in item for key in causes) for item in found):
-        pytest.xfail("known: " + "; ".join(sorted({causes[key] for key in causes
-                                                   if any(key in f for f in found)})))
-
-
 def test_no_warning_from_polyattn_source(complaints):
-    found = complaints["warnings"]
-    _known(found, {
-        "in library_name": "_compat.library_name calls array_api_compat's lru_cache-wrapped "
-                           "is_*_namespace helpers, which TorchDynamo warns about",
-    })
-    assert found == []
+    assert complaints["warnings"] == []
 
 
 def test_no_dynamo_warnings_while_tracing_polyattn(complaints):
-    found = complaints["dynamo_log"]
-    _known(found, {
-        "got an unexpected keyword argument 'default'":
-            "_validation.broadcast_shapes calls max(..., default=0), which TorchDynamo cannot "
-            "trace (a logged warning and a graph break)",
-    })
-    assert found == []
+    assert complaints["dynamo_log"] == []

@@ -27,6 +27,7 @@ from typing import Any
 
 from ._compat import device_of, library_name
 from ._problem import Problem
+from .implementations import native
 
 #: Largest score matrix (bytes, in the compute dtype) that ``"auto"`` lets the
 #: reference path materialise; above it the chunked path runs. Override with the
@@ -156,14 +157,12 @@ def load(name: str, xp: Any = None) -> ModuleType:
     if name == "numba_cuda":
         return load_kernel_module()
     if name == "native":
-        return importlib.import_module("polyattn.implementations.native")
+        return native
     return importlib.import_module(module_name(name, xp))
 
 
 def native_status(problem: Problem, return_lse: bool) -> str | None:
     """Why the input library's own attention cannot run this call (``None``: it can)."""
-    from .implementations import native
-
     return native.unavailable(problem.xp, problem.q, problem.k, problem.v,
                               return_lse=return_lse)
 

@@ -88,7 +88,7 @@ def broadcast_shapes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]
     ``full`` are the arguments' whole shapes, quoted in the message; ``hint``
     is appended to it.
     """
-    ndim = max((len(s) for s in shapes), default=0)
+    ndim = max([0, *(len(s) for s in shapes)])  # (no default=: torch.compile traces this)
     out: list[int] = []
     for axis in range(-ndim, 0):
         size = 1
