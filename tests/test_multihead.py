@@ -152,3 +152,115 @@ def test_gqa_module_shapes():
 def test_public_names():
     for name in polyattn.__all__:
         assert hasattr(polyattn, name)
+
+
+# --- torch's conventions: key_padding_mask, per-head weights, batch_first --------------------
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("with_attn_mask", [False, True])
+def test_key_padding_mask_as_torch(kind, with_attn_mask):
+    torch, m = _torch_case()
+    rng = np.random.default_rng(6)
+    query, key = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 7, 16))
+    pad = np.zeros((2, 7), dtype=bool)
+    pad[1, 4:] = True                                          # torch: True = ignore this key
+    kpm = pad if kind == "bool" else np.where(pad, -np.inf, rng.standard_normal((2, 7)) * 0.1)
+    keep = rng.random((5, 7)) < 0.7
+    keep[:, 0] = True
+    # torch wants both masks of one type; polyattn combines a bool with a float one too
+    t_attn = ~keep if kind == "bool" else np.where(keep, 0.0, -np.inf)
+    with torch.no_grad():
+        t_out, t_w = m(torch.from_numpy(query), torch.from_numpy(key), torch.from_numpy(key),
+                       key_padding_mask=torch.from_numpy(kpm),
+                       attn_mask=torch.from_numpy(t_attn) if with_attn_mask else None,
+                       need_weights=True, average_attn_weights=False)
+    mha = MultiHeadAttention.from_torch(m)
+    out, w = mha(query, key, key_padding_mask=kpm, attn_mask=keep if with_attn_mask else None,
+                 need_weights=True, average_attn_weights=False)
+    assert w.shape == (2, 4, 5, 7)
+    assert_close(out, t_out.numpy(), "float64")
+    assert_close(w, t_w.numpy(), "float64", what="weights")
+    assert not w[1, ..., 4:].any()
+    # without weights the same numbers come from scaled_dot_product_attention
+    assert_close(mha(query, key, key_padding_mask=kpm,
+                     attn_mask=keep if with_attn_mask else None), t_out.numpy(), "float64")
+
+
+def test_key_padding_mask_on_every_backend(xp, device):
+    mha = MultiHeadAttention(8, 2, xp=xp, dtype=xp.float64, device=device, seed=1)
+    x = np.random.default_rng(7).standard_normal((2, 4, 8))
+    pad = np.array([[False, False, False, False], [False, False, True, True]])
+    out = mha(to_xp(x, xp, device=device), key_padding_mask=to_xp(pad, xp, device=device))
+    expected, _ = np_mha(x, x, x, host_params(mha), 2, 2, mask=~pad[:, None, None, :])
+    assert_close(out, expected, "float64")
+
+
+def test_key_padding_mask_errors():
+    mha = MultiHeadAttention(8, 2, seed=0)
+    x = np.zeros((2, 3, 8))
+    with pytest.raises(ValueError, match=r"`key_padding_mask` must be \(B…, Tk\) with Tk = 3"):
+        mha(x, key_padding_mask=np.zeros((2, 4), dtype=bool))
+    with pytest.raises(TypeError, match="`key_padding_mask` must be boolean"):
+        mha(x, key_padding_mask=np.zeros((2, 3), dtype=np.int64))
+    with pytest.raises(TypeError, match="average_attn_weights"):
+        mha(x, need_weights=True, average_attn_weights=None)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_from_torch_honours_batch_first(batch_first):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(1)
+    m = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=torch.float64)
+    x = np.random.default_rng(8).standard_normal((5, 3, 8))   # (T, B, E) or (B, T, E)
+    with torch.no_grad():
+        t_out, t_w = m(*(torch.from_numpy(x),) * 3, need_weights=True)
+    mha = MultiHeadAttention.from_torch(m)
+    assert mha.batch_first is batch_first
+    out, w = mha(x, need_weights=True)
+    assert out.shape == t_out.shape and w.shape == t_w.shape
+    assert_close(out, t_out.numpy(), "float64")
+    assert_close(w, t_w.numpy(), "float64", what="weights")
+    assert_close(mha(x[:, 0]), m(*(torch.from_numpy(x[:, 0]),) * 3)[0].detach().numpy(),
+                 "float64")                                     # unbatched (T, E)
+
+
+def test_time_first_inputs_must_agree():
+    mha = MultiHeadAttention(8, 2, batch_first=False, seed=0)
+    with pytest.raises(ValueError, match="batch_first=False"):
+        mha(np.zeros((3, 2, 8)), np.zeros((3, 8)))
+
+
+def test_default_parameters_are_float32_and_never_downcast():
+    """As torch's modules: float32 parameters unless asked; float64 inputs stay float64."""
+    mha = MultiHeadAttention(8, 2, seed=0)
+    assert {p.dtype for p in mha.params.values()} == {np.dtype(np.float32)}
+    x32 = np.random.default_rng(9).standard_normal((2, 3, 8)).astype(np.float32)
+    assert mha(x32).dtype == np.float32
+    x64 = x32.astype(np.float64)
+    out64 = mha(x64)
+    assert out64.dtype == np.float64
+    expected, _ = np_mha(x64, x64, x64, {k: v.astype(np.float64) for k, v in mha.params.items()},
+                         2, 2)
+    assert_close(out64, expected, "float64")
+    assert MultiHeadAttention(8, 2, dtype=np.float64).params["w_q"].dtype == np.float64
+
+
+# --- input screening ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["masked", "matrix"])
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_masked_arrays_and_matrices_are_refused(kind, position):
+    rng = np.random.default_rng(10)
+    args = [rng.standard_normal((4, 3)) for _ in range(3)]
+    if kind == "masked":
+        args[position] = np.ma.masked_array(args[position], mask=args[position] > 1)
+    else:
+        with pytest.warns(PendingDeprecationWarning):
+            args[position] = np.asmatrix(args[position])
+    name = ("query", "key", "value")[position]
+    what = "masked array" if kind == "masked" else "np.matrix"
+    with pytest.raises(TypeError, match=rf"`{name}` is a (NumPy )?{what}"):
+        polyattn.scaled_dot_product_attention(*args)
+    mha = MultiHeadAttention(3, 1, seed=0)
+    with pytest.raises(TypeError, match=rf"`{name}` is a (NumPy )?{what}"):
+        multi_head_attention(*args, mha.params, num_heads=1)

@@ -12,6 +12,7 @@ heads share ``Hkv = num_kv_heads`` key/value heads (grouped-query attention;
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -87,20 +88,48 @@ def _check_params(params: Mapping[str, Array], d_model: int, kdim: int, vdim: in
 
 
 def _project(x: Array, w: Array, b: Array | None, heads: int, xp: Namespace) -> Array:
-    """x (B…, T, in) -> (B…, heads, T, out/heads)."""
+    """x (B…, T, in) -> (B…, T, heads, out/heads): the "BTHE" layout, no transpose."""
     y = xp.matmul(x, w)                                       # (B…, T, heads·F)
     if b is not None:
         y = y + b
     *lead, t, f = y.shape
-    y = xp.reshape(y, (*lead, t, heads, f // heads))          # (B…, T, heads, F)
-    nd = y.ndim
-    return xp.permute_dims(y, (*range(nd - 3), nd - 2, nd - 3, nd - 1))  # (B…, heads, T, F)
+    return xp.reshape(y, (*lead, t, heads, f // heads))        # (B…, T, heads, F)
+
+
+def _padding_to_attn_mask(key_padding_mask: Array, key: Array, xp: Namespace) -> Array:
+    """torch's ``key_padding_mask`` (B…, Tk), True = ignore, as an attend mask (B…, 1, 1, Tk)."""
+    kpm = key_padding_mask
+    tk = int(key.shape[-2])
+    if kpm.ndim < 1 or kpm.shape[-1] != tk:
+        raise ValueError(f"`key_padding_mask` must be (B…, Tk) with Tk = {tk} keys; got shape "
+                         f"{shape_str(kpm)} (key {shape_str(key)})")
+    if kpm.dtype == xp.bool:
+        kpm = xp.logical_not(kpm)                              # True = attend
+    elif not xp.isdtype(kpm.dtype, "real floating"):
+        raise TypeError(f"`key_padding_mask` must be boolean (True = ignore the key, as in "
+                        f"torch) or real floating (added to the scores); got dtype {kpm.dtype}")
+    return xp.reshape(kpm, (*kpm.shape[:-1], 1, 1, tk))        # (B…, 1, 1, Tk)
+
+
+def _combine_masks(attn_mask: Array | None, padding: Array | None, xp: Namespace) -> Array | None:
+    """Both masks at once: booleans are and-ed; with a float mask, hidden keys add -inf."""
+    if padding is None or attn_mask is None:
+        return attn_mask if padding is None else padding
+    if attn_mask.dtype == xp.bool and padding.dtype == xp.bool:
+        return xp.logical_and(attn_mask, padding)
+    if attn_mask.dtype == xp.bool:
+        attn_mask, padding = padding, attn_mask
+    if padding.dtype == xp.bool:                               # attn_mask is floating here
+        return xp.where(padding, attn_mask, -math.inf)
+    return attn_mask + padding
 
 
 def multi_head_attention(
     query: Array, key: Array, value: Array, /, params: Mapping[str, Array], *, num_heads: int,
-    num_kv_heads: int | None = None, attn_mask: Array | None = None, is_causal: bool = False,
-    causal_alignment: str = "top_left", need_weights: bool = False, implementation: str = "auto",
+    num_kv_heads: int | None = None, attn_mask: Array | None = None,
+    key_padding_mask: Array | None = None, is_causal: bool = False,
+    causal_alignment: str = "top_left", need_weights: bool = False,
+    average_attn_weights: bool = True, implementation: str = "auto",
 ) -> Array | tuple[Array, Array]:
     """Multi-head attention with explicit parameters (functional form).
 
@@ -117,17 +146,26 @@ def multi_head_attention(
     num_kv_heads : int, optional
         Key/value heads Hkv (default H); H must be a multiple of it.
     attn_mask : array, optional
-        Broadcastable to (B…, H, Tq, Tk); bool True = attend, or float added.
-        A key-padding mask has shape (B, 1, 1, Tk).
+        Broadcastable to (B…, H, Tq, Tk); bool **True = attend** (as
+        :func:`~polyattn.scaled_dot_product_attention`), or float added.
+        ``torch.nn.MultiheadAttention``'s boolean ``attn_mask`` means the
+        opposite (True = ignore): pass its logical negation.
+    key_padding_mask : array (B…, Tk), optional
+        Keys to ignore, **as torch's** ``key_padding_mask``: bool True = ignore
+        the key (padding), or float added to the scores. Combined with
+        ``attn_mask`` when both are given.
     is_causal, causal_alignment, implementation
         As in :func:`~polyattn.scaled_dot_product_attention`.
     need_weights : bool
-        Also return the attention weights averaged over heads (B…, Tq, Tk).
+        Also return the attention weights.
+    average_attn_weights : bool
+        With ``need_weights``: the weights averaged over heads (B…, Tq, Tk)
+        (default), or per head (B…, H, Tq, Tk) with False, as torch.
 
     Returns
     -------
     out : array (B…, Tq, d_model)
-    weights : array (B…, Tq, Tk)
+    weights : array (B…, Tq, Tk) or (B…, H, Tq, Tk)
         Only with ``need_weights=True``.
 
     Examples
@@ -139,13 +177,23 @@ def multi_head_attention(
     >>> out, w = multi_head_attention(x, x, x, mha.params, num_heads=4, need_weights=True)
     >>> out.shape, w.shape
     ((2, 5, 16), (2, 5, 5))
+
+    Padding as torch writes it (True = ignore), weights per head:
+
+    >>> pad = np.array([[False] * 5, [False, False, False, True, True]])   # (B, Tk)
+    >>> out, w = multi_head_attention(x, x, x, mha.params, num_heads=4, key_padding_mask=pad,
+    ...                               need_weights=True, average_attn_weights=False)
+    >>> w.shape, float(w[1, :, :, 3:].max())
+    ((2, 4, 5, 5), 0.0)
     """
-    arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
+    arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+              "key_padding_mask": key_padding_mask}
     arrays.update({f"params['{k}']": v for k, v in (params.items()
                                                     if isinstance(params, Mapping) else ())})
     xp = namespace_of(arrays)
     check_same_device(arrays)
     check_bool("need_weights", need_weights)
+    check_bool("average_attn_weights", average_attn_weights)
     check_choice("implementation", implementation, IMPLEMENTATIONS)
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_floating(name, x, xp)
@@ -164,32 +212,40 @@ def multi_head_attention(
         if params.get(name) is not None:
             check_floating(f"params['{name}']", params[name], xp)
 
-    q = _project(query, params["w_q"], params.get("b_q"), h, xp)      # (B…, H, Tq, E)
-    k = _project(key, params["w_k"], params.get("b_k"), hkv, xp)      # (B…, Hkv, Tk, E)
-    v = _project(value, params["w_v"], params.get("b_v"), hkv, xp)    # (B…, Hkv, Tk, Ev)
+    if key_padding_mask is not None:
+        padding = _padding_to_attn_mask(key_padding_mask, key, xp)
+        attn_mask = _combine_masks(attn_mask, padding, xp)
+
+    q = _project(query, params["w_q"], params.get("b_q"), h, xp)      # (B…, Tq, H, E)
+    k = _project(key, params["w_k"], params.get("b_k"), hkv, xp)      # (B…, Tk, Hkv, E)
+    v = _project(value, params["w_v"], params.get("b_v"), hkv, xp)    # (B…, Tk, Hkv, Ev)
     gqa = hkv != h
     if need_weights:
         alpha = attention_weights(q, k, attn_mask=attn_mask, is_causal=is_causal,
-                                  causal_alignment=causal_alignment,
-                                  enable_gqa=gqa)                     # (B…, H, Tq, Tk)
+                                  causal_alignment=causal_alignment, enable_gqa=gqa,
+                                  layout="BTHE")                      # (B…, H, Tq, Tk)
+        vh = _swap(v, xp)                                             # (B…, Hkv, Tk, Ev)
         if hkv != h:
-            vv = _repeat_heads(v, h // hkv, xp)
-        else:
-            vv = v
-        heads = xp.matmul(alpha, xp.astype(vv, alpha.dtype))            # (B…, H, Tq, Ev)
+            vh = _repeat_heads(vh, h // hkv, xp)
+        heads = _swap(xp.matmul(alpha, xp.astype(vh, alpha.dtype)), xp)   # (B…, Tq, H, Ev)
     else:
         heads = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                              causal_alignment=causal_alignment, enable_gqa=gqa,
-                                             implementation=implementation)
-    nd = heads.ndim
-    heads = xp.permute_dims(heads, (*range(nd - 3), nd - 2, nd - 3, nd - 1))  # (B…, Tq, H, Ev)
+                                             implementation=implementation,
+                                             layout="BTHE")          # (B…, Tq, H, Ev)
     heads = xp.reshape(heads, (*heads.shape[:-2], heads.shape[-2] * heads.shape[-1]))
     out = xp.matmul(heads, params["w_o"])                              # (B…, Tq, d_model)
     if params.get("b_o") is not None:
         out = out + params["b_o"]
     if need_weights:
-        return out, xp.mean(alpha, axis=-3)                            # (B…, Tq, Tk)
+        return out, xp.mean(alpha, axis=-3) if average_attn_weights else alpha
     return out
+
+
+def _swap(x: Array, xp: Namespace) -> Array:
+    """(…, A, B, F) -> (…, B, A, F): between (B…, T, H, F) and (B…, H, T, F)."""
+    nd = x.ndim
+    return xp.permute_dims(x, (*range(nd - 3), nd - 2, nd - 3, nd - 1))
 
 
 def _repeat_heads(x: Array, groups: int, xp: Namespace) -> Array:
@@ -219,9 +275,16 @@ class MultiHeadAttention:
         Key and value features (default ``embed_dim``).
     bias : bool
         Whether the four projections have biases.
+    batch_first : bool
+        True (default): inputs are (B…, T, features). False: they are
+        (T, B, features), as a ``torch.nn.MultiheadAttention`` built with
+        ``batch_first=False`` (torch's default) takes them; the output
+        follows the input, the weights stay (B, Tq, Tk) (as torch).
     xp, dtype, device : optional
-        Where the parameters are created (default NumPy, the library's
-        default float dtype).
+        Where the parameters are created: default NumPy, **float32** (as
+        torch's modules; pass ``dtype`` for float64). A float64 input with
+        float32 parameters computes in float64 (the standard's promotion),
+        never downcast.
     seed : int, optional
         Seed of the initialisation. Weights w_q, w_k, w_v are Xavier/Glorot
         uniform, w_o is uniform in ±1/sqrt(fan_in) and biases are zero, as in
@@ -246,8 +309,8 @@ class MultiHeadAttention:
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True,
-                 xp: Namespace = None, dtype: Any = None, device: Any = None,
-                 seed: int | None = None) -> None:
+                 batch_first: bool = True, xp: Namespace = None, dtype: Any = None,
+                 device: Any = None, seed: int | None = None) -> None:
         import numpy as np
 
         embed_dim = check_nonnegative_int("embed_dim", embed_dim, minimum=1)
@@ -256,8 +319,11 @@ class MultiHeadAttention:
         self.kdim = embed_dim if kdim is None else check_nonnegative_int("kdim", kdim, minimum=1)
         self.vdim = embed_dim if vdim is None else check_nonnegative_int("vdim", vdim, minimum=1)
         check_bool("bias", bias)
+        self.batch_first = check_bool("batch_first", batch_first)
         xp = resolve_xp(xp)
-        if dtype is not None and not xp.isdtype(dtype, "real floating"):
+        if dtype is None:
+            dtype = xp.float32
+        elif not xp.isdtype(dtype, "real floating"):
             raise TypeError(f"`dtype` must be a real floating dtype; got {dtype}")
         rng = np.random.default_rng(seed)
         e = embed_dim // self.num_heads
@@ -278,11 +344,15 @@ class MultiHeadAttention:
         """Attend: ``key`` defaults to ``query`` (self-attention), ``value`` to ``key``.
 
         Keywords are those of :func:`multi_head_attention` (``attn_mask``,
-        ``is_causal``, ``causal_alignment``, ``need_weights``,
-        ``implementation``).
+        ``key_padding_mask``, ``is_causal``, ``causal_alignment``,
+        ``need_weights``, ``average_attn_weights``, ``implementation``).
+        With ``batch_first=False``, 3-D inputs are (T, B, features) and so is
+        the output.
         """
         key = query if key is None else key
         value = key if value is None else value
+        if not self.batch_first:
+            return self._call_time_first(query, key, value, options)
         expected = (("query", query, self.embed_dim, "embed_dim"),
                     ("key", key, self.kdim, "kdim"), ("value", value, self.vdim, "vdim"))
         for name, x, size, attr in expected:
@@ -294,10 +364,30 @@ class MultiHeadAttention:
         return multi_head_attention(query, key, value, self.params, num_heads=self.num_heads,
                                     num_kv_heads=self.num_kv_heads, **options)
 
+    def _call_time_first(self, query: Array, key: Array, value: Array,
+                         options: dict[str, Any]) -> Array | tuple[Array, Array]:
+        """``batch_first=False``: (T, B, F) inputs viewed as (B, T, F), the output back."""
+        named = (("query", query), ("key", key), ("value", value))
+        ndims = {getattr(x, "ndim", None) for _, x in named}
+        if ndims == {2}:                                   # unbatched (T, F): nothing to swap
+            return MultiHeadAttention.__call__(_batch_first_view(self), query, key, value,
+                                               **options)
+        if ndims != {3}:
+            shapes = ", ".join(f"{n} {shape_str(x)}" for n, x in named)
+            raise ValueError(f"with batch_first=False the inputs must all be (T, B, features) "
+                             f"or all (T, features); got {shapes}")
+        xp = namespace_of(dict(named))
+        swapped = [xp.permute_dims(x, (1, 0, 2)) for _, x in named]   # (B, T, F)
+        result = MultiHeadAttention.__call__(_batch_first_view(self), *swapped, **options)
+        if isinstance(result, tuple):
+            out, weights = result
+            return xp.permute_dims(out, (1, 0, 2)), weights           # (Tq, B, d), (B, …)
+        return xp.permute_dims(result, (1, 0, 2))                      # (Tq, B, d_model)
+
     def __repr__(self) -> str:
         return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
-                f"bias={'b_q' in self.params})")
+                f"bias={'b_q' in self.params}, batch_first={self.batch_first})")
 
     @classmethod
     def from_torch(cls, module: Any, *, xp: Namespace = None, dtype: Any = None,
@@ -308,8 +398,12 @@ class MultiHeadAttention:
         projections are both read; torch's ``y = x Wᵀ + b`` becomes
         ``y = x @ w + b`` with ``w = Wᵀ``. The parameters land in ``xp``
         (default NumPy) with ``dtype`` (default: the module's precision).
-        Modules with ``add_bias_kv`` or ``add_zero_attn`` are not supported.
-        Dropout is not applied (inference semantics).
+        ``module.batch_first`` is kept: a module built with
+        ``batch_first=False`` (torch's default) takes (T, B, E) inputs here
+        too. Modules with ``add_bias_kv`` or ``add_zero_attn`` are not
+        supported. Dropout is not applied (inference semantics). torch's
+        boolean masks mean True = ignore: pass ``key_padding_mask`` as it is
+        (same meaning here) and ``attn_mask`` negated.
 
         Examples
         --------
@@ -344,11 +438,19 @@ class MultiHeadAttention:
         self.embed_dim, self.num_heads = d, int(module.num_heads)
         self.num_kv_heads = self.num_heads
         self.kdim, self.vdim = int(module.kdim), int(module.vdim)
+        self.batch_first = bool(getattr(module, "batch_first", False))
         if dtype is None:
             xp_resolved = resolve_xp(xp)
             dtype = xp_resolved.float64 if wq.dtype == np.float64 else xp_resolved.float32
         self.params = _to_namespace(params, xp, dtype, device)
         return self
+
+
+def _batch_first_view(module: MultiHeadAttention) -> MultiHeadAttention:
+    """The same parameters, called with batch-first inputs."""
+    view = copy.copy(module)
+    view.batch_first = True
+    return view
 
 
 def _to_namespace(host: dict[str, Any], xp: Namespace, dtype: Any, device: Any) -> dict[str, Array]:
