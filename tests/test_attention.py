@@ -169,6 +169,73 @@ def test_extra_batch_dims(xp, device, dtype_name, implementation):
     assert_close(out, ref, dtype_name)
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_layout_bthe(xp, device, dtype_name, implementation, gqa, with_lse):
+    """(B, T, H, E) arrays: out (B, Tq, H, Ev); mask (B, H, Tq, Tk) and lse (B, H, Tq) as ever."""
+    rng = np.random.default_rng(12)
+    hkv = 1 if gqa else 3
+    q = rng.standard_normal((2, 3, 5, 4))                   # (B, H, Tq, E)
+    k = rng.standard_normal((2, hkv, 7, 4))
+    v = rng.standard_normal((2, hkv, 7, 2))
+    mask = rng.random((2, 3, 5, 7)) < 0.6
+    mask[0, 1, 2] = False                                   # a fully masked row
+    bthe = [np.ascontiguousarray(np.swapaxes(a, 1, 2)) for a in (q, k, v)]
+    result = sdpa(xp, device, dtype_name, *bthe, mask, is_causal=True,
+                  causal_alignment="bottom_right", enable_gqa=gqa, layout="BTHE",
+                  return_lse=with_lse, implementation=implementation)
+    out, lse = result if with_lse else (result, None)
+    ref, ref_lse, ref_w = ref_attention(q, k, v, mask=mask, is_causal=True,
+                                        alignment="bottom_right", enable_gqa=gqa)
+    assert out.shape == (2, 5, 3, 2)
+    assert_close(out, np.swapaxes(ref, 1, 2), dtype_name)
+    assert not to_numpy(out)[0, 2, 1].any()
+    if with_lse:
+        assert_lse_close(lse, ref_lse, dtype_name)
+    w = polyattn.attention_weights(*[to_xp(a, xp, dtype=dtype_name, device=device)
+                                     for a in bthe[:2]],
+                                   attn_mask=to_xp(mask, xp, device=device), is_causal=True,
+                                   causal_alignment="bottom_right", enable_gqa=gqa,
+                                   layout="BTHE")
+    assert_close(w, ref_w, dtype_name, what="weights")
+
+
+def test_layout_errors():
+    q = np.zeros((2, 5, 3, 4))
+    with pytest.raises(ValueError, match="`layout` must be one of 'BHTE', 'BTHE'; got 'BSHD'"):
+        polyattn.scaled_dot_product_attention(q, q, q, layout="BSHD")
+    with pytest.raises(ValueError, match=r"`key` must have at least 3 dimensions \(B…, T, H, E\)"):
+        polyattn.scaled_dot_product_attention(q, np.zeros((5, 4)), np.zeros((5, 4)),
+                                              layout="BTHE")
+    with pytest.raises(ValueError, match=r"`value` has 6 positions.*layout='BTHE'"):
+        polyattn.scaled_dot_product_attention(q, q, np.zeros((2, 6, 3, 4)), layout="BTHE")
+    e = polyattn.explain(q, q, q, layout="BTHE")
+    assert e.layout == "BTHE" and "layout: BTHE" in str(e)
+
+
+def test_native_refusals_name_the_reason(backend, xp, device):
+    """An explicit "native" that cannot run the call raises ValueError with the reason."""
+    q = to_xp(np.zeros((1, 2, 4, 3)), xp, dtype="float32", device=device)
+    if backend not in (Backend.TORCH, Backend.JAX):
+        with pytest.raises(ValueError, match="no native attention function"):
+            polyattn.scaled_dot_product_attention(q, q, q, implementation="native")
+        return
+    with pytest.raises(ValueError, match="return_lse=True"):
+        polyattn.scaled_dot_product_attention(q, q, q, implementation="native",
+                                              return_lse=True)
+    e = polyattn.explain(q, q, q, return_lse=True)
+    assert e.implementation != "native" and "return_lse" in e.candidates["native"]
+    q64 = to_xp(np.zeros((1, 2, 4, 3)), xp, dtype="float64", device=device)
+    if backend is Backend.JAX:
+        with pytest.raises(ValueError, match="float32, which would downcast float64"):
+            polyattn.scaled_dot_product_attention(q64, q64, q64, implementation="native")
+        v = to_xp(np.zeros((1, 2, 4, 5)), xp, dtype="float32", device=device)
+        with pytest.raises(ValueError, match="as many features"):
+            polyattn.scaled_dot_product_attention(q, q, v, implementation="native")
+    else:
+        assert polyattn.explain(q64, q64, q64).implementation == "native"
+
+
 def test_attention_weights(xp, device, dtype_name):
     rng = np.random.default_rng(11)
     q, k = rng.standard_normal((2, 3, 5, 4)), rng.standard_normal((2, 3, 7, 4))
