@@ -124,6 +124,13 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/cpu.py", *session.posargs)
 
 
+@nox.session(default=False, tags=["bench"])
+def bench_torch(session: nox.Session) -> None:
+    """torch CPU benchmark: polyattn "auto" on torch tensors vs torch SDPA vs naive torch."""
+    install(session, "-e", ".", "torch", "threadpoolctl")
+    session.run("python", "benchmarks/torch_cpu.py", *session.posargs)
+
+
 @nox.session(default=False, tags=["gpu", "bench"])
 def bench_gpu(session: nox.Session) -> None:
     """GPU benchmark: the Numba CUDA kernel vs the CuPy reference path vs torch SDPA."""

