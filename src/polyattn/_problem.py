@@ -139,7 +139,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
         return _prepare(xp, query, key, value, attn_mask, is_causal, causal_alignment, scale,
                         enable_gqa, layout)
     except ValueError as exc:
-        if layout == "BHTE":
+        if layout == "BHTE" or str(exc).startswith("`attn_mask`"):   # masks have one layout
             raise
         raise ValueError(f"{exc} (layout='BTHE': the shapes are shown as their "
                          "(B…, H, T, E) views)") from None
