@@ -207,17 +207,19 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Exp
 
     # --- numba_cuda: CUDA arrays, no backward pass yet
     usable, kernel_reason = (False, "not considered")
+    no_backward = ("the inputs require gradients and the numba_cuda kernel has no backward "
+                   "pass, so autograd would lose them")
     if requested in ("auto", "numba_cuda"):
         usable, kernel_reason = kernel_status(problem)
         if usable and grad:
-            usable, kernel_reason = False, (
-                "the inputs require gradients and the numba_cuda kernel has no backward "
-                "pass, so autograd would lose them")
+            usable, kernel_reason = False, no_backward
     if requested == "numba_cuda" and not usable:
         if grad:
+            # the gradient is the reason whatever else rules the kernel out
+            besides = "" if kernel_reason == no_backward else f" (besides: {kernel_reason})"
             raise ValueError(f"implementation='numba_cuda' cannot run this call: "
-                             f"{kernel_reason}; use implementation='auto' or detach the "
-                             "inputs")
+                             f"{no_backward}{besides}; use implementation='auto' or detach "
+                             "the inputs")
         raise RuntimeError(
             f"implementation='numba_cuda' needs CUDA arrays (CuPy or torch CUDA tensors), "
             f"a CUDA GPU and numba-cuda, or the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "
