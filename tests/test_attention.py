@@ -189,6 +189,10 @@ def test_layout_bthe(xp, device, dtype_name, implementation, gqa, with_lse):
                                         alignment="bottom_right", enable_gqa=gqa)
     assert out.shape == (2, 5, 3, 2)
     assert_close(out, np.swapaxes(ref, 1, 2), dtype_name)
+    if hasattr(out, "is_contiguous"):                       # reshapes to (B, Tq, H·Ev) as is
+        assert out.is_contiguous()
+    elif isinstance(out, np.ndarray):
+        assert out.flags.c_contiguous
     assert not to_numpy(out)[0, 2, 1].any()
     if with_lse:
         assert_lse_close(lse, ref_lse, dtype_name)

@@ -120,3 +120,20 @@ def test_merge_errors():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"numpy.*torch"):
         polyattn.merge_attention([out, torch.zeros(2, 3, 4)], [lse, torch.zeros(2, 3)])
+
+
+def test_merge_in_bthe_layout(xp, device):
+    """Outputs computed with layout="BTHE" merge with layout="BTHE" (lse is (B, H, Tq) in both)."""
+    rng = np.random.default_rng(21)
+    q = to_xp(rng.standard_normal((1, 4, 4, 8)), xp, device=device)      # (B, Tq, H=Tq, E)
+    k = to_xp(rng.standard_normal((1, 12, 4, 8)), xp, device=device)
+    v = to_xp(rng.standard_normal((1, 12, 4, 3)), xp, device=device)
+    parts = [polyattn.scaled_dot_product_attention(q, k[:, a:b, ...], v[:, a:b, ...], layout="BTHE",
+                                                   return_lse=True) for a, b in ((0, 7), (7, 12))]
+    out, lse = polyattn.merge_attention([p[0] for p in parts], [p[1] for p in parts],
+                                        layout="BTHE")
+    full, full_lse = polyattn.scaled_dot_product_attention(q, k, v, layout="BTHE",
+                                                           return_lse=True)
+    assert out.shape == (1, 4, 4, 3) and lse.shape == (1, 4, 4)
+    assert_close(out, to_numpy(full), "float64")
+    assert_close(lse, to_numpy(full_lse), "float64", what="lse")

@@ -264,3 +264,16 @@ def test_masked_arrays_and_matrices_are_refused(kind, position):
     mha = MultiHeadAttention(3, 1, seed=0)
     with pytest.raises(TypeError, match=rf"`{name}` is a (NumPy )?{what}"):
         multi_head_attention(*args, mha.params, num_heads=1)
+
+
+def test_dtype_that_is_not_the_librarys_names_dtype():
+    for bad in ("float64", object):
+        with pytest.raises(TypeError, match="`dtype` must be a real floating dtype of numpy"):
+            MultiHeadAttention(8, 2, dtype=bad)
+
+
+def test_inputs_of_another_library_say_how_to_load_the_parameters():
+    torch = pytest.importorskip("torch")
+    mha = MultiHeadAttention(8, 2, seed=0)                       # NumPy parameters
+    with pytest.raises(TypeError, match=r"xp=torch"):
+        mha(torch.zeros(2, 3, 8))

@@ -14,6 +14,7 @@ from array_api_compat import is_array_api_obj
 __all__ = [
     "array_namespace",
     "check_same_device",
+    "contiguous",
     "default_float_dtype",
     "device_of",
     "is_array",
@@ -58,12 +59,16 @@ def namespace_of(named: dict[str, Array]) -> Namespace:
         if x is None:
             continue
         screen(name, x)
-        if not is_array(x):
+        torch_xp = _torch_namespace(x)
+        if torch_xp is not None:
+            xp = torch_xp
+        elif not is_array(x):
             raise TypeError(
                 f"`{name}` must be an array of a library that follows the Array API "
                 f"(NumPy, CuPy, torch, JAX, Dask, array-api-strict); got {type(x).__name__}"
             )
-        xp = array_namespace(x)
+        else:
+            xp = array_namespace(x)
         if first_xp is None:
             first_name, first_xp = name, xp
         elif xp is not first_xp:
@@ -87,15 +92,35 @@ def screen(name: str, x: object) -> None:
 
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
-            f"`{name}` is a NumPy masked array, whose mask polyattn would ignore; pass "
-            f"`{name}.data` with the masked positions in `attn_mask` (or `key_padding_mask`) "
-            "instead")
+            f"`{name}` is a NumPy masked array, whose mask polyattn would ignore; pass a "
+            f"plain array (`{name}.filled(...)` or `np.asarray({name})`) and, where the "
+            "function has one, express the masked positions as a mask argument "
+            "(`attn_mask`, `key_padding_mask`)")
     if isinstance(x, np.matrix):
         raise TypeError(f"`{name}` is a np.matrix; pass a plain array: np.asarray({name})")
 
 
+def _torch_namespace(x: object) -> Any:
+    """array_api_compat's torch namespace for a torch tensor (else ``None``), found by type.
+
+    Asked directly so that ``torch.compile`` traces it without stepping into
+    array_api_compat's cached type checks (which TorchDynamo warns about).
+    """
+    if not type(x).__module__.startswith("torch"):
+        return None
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        return None
+    import array_api_compat.torch as xp
+
+    return xp
+
+
 def device_of(x: Array) -> Any:
     """The device an array lives on (``None`` for a JAX tracer, which has none yet)."""
+    if _torch_namespace(x) is not None:
+        return x.device
     return array_api_compat.device(x)
 
 
@@ -120,6 +145,19 @@ def check_same_device(named: dict[str, Array]) -> Any:
                 f"{dev!r}; move them to one device"
             )
     return first_dev
+
+
+def contiguous(x: Array) -> Array:
+    """``x`` in row-major memory order: a no-op where it is (or where the library has no
+    memory order to speak of); a copy of a NumPy array or torch tensor that is not."""
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return x if x.is_contiguous() else x.contiguous()
+    if mod.startswith("numpy"):
+        import numpy as np
+
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    return x
 
 
 def resolve_xp(xp: Namespace | None) -> Namespace:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._compat import Array, Namespace, check_same_device, namespace_of
+from ._compat import Array, Namespace, check_same_device, contiguous, namespace_of
 from ._validation import (
     ALIGNMENTS,
     LAYOUTS,
@@ -84,9 +84,15 @@ class Problem:
         return self.xp.reshape(x, tuple(x.shape[-trailing:]) if trailing else ())
 
     def finish_out(self, out: Array) -> Array:
-        """``out`` (B…, H, Tq, Ev) in the caller's layout (a view, no copy, for "BTHE")."""
+        """``out`` (B…, H, Tq, Ev) in the caller's layout.
+
+        For "BTHE" the result is row-major (B…, Tq, H, Ev), so that it reshapes
+        to (B…, Tq, H·Ev) without a copy, as the layout's users expect: the
+        NumPy fast path and torch's native attention write it in that order
+        already; other implementations' results are copied once.
+        """
         if self.layout == "BTHE":
-            return swap_heads_and_time(out, self.xp)                  # (B…, Tq, H, Ev)
+            return contiguous(swap_heads_and_time(out, self.xp))      # (B…, Tq, H, Ev)
         return self.finish(out, 2)
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ._compat import Array, check_same_device, namespace_of
-from ._validation import check_floating, shape_str
+from ._problem import swap_heads_and_time
+from ._validation import LAYOUTS, check_choice, check_floating, check_min_ndim, shape_str
 from .implementations._common import log_of_sum, safe_divide, stable_shift
 
 __all__ = ["merge_attention"]
@@ -52,7 +53,8 @@ def _check(outs: Sequence[Array], lses: Sequence[Array]) -> None:
                 f"without its last axis, i.e. {tuple(first.shape[:-1])}")
 
 
-def merge_attention(outs: Sequence[Array], lses: Sequence[Array], /) -> tuple[Array, Array]:
+def merge_attention(outs: Sequence[Array], lses: Sequence[Array], /, *,
+                    layout: str = "BHTE") -> tuple[Array, Array]:
     """Combine attention over disjoint key sets into the result over all keys.
 
     Parameters
@@ -63,6 +65,10 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array], /) -> tuple[Ar
         of one namespace and device, with equal shapes.
     lses : sequence of arrays (B…, H, Tq)
         The matching log-sum-exps; ``-inf`` where a row saw no key of its part.
+    layout : {"BHTE", "BTHE"}
+        The layout the outputs were computed in: with ``"BTHE"`` they are
+        (B…, Tq, H, Ev) and so is the merged output; the lses are (B…, H, Tq)
+        in both layouts, as :func:`scaled_dot_product_attention` returns them.
 
     Returns
     -------
@@ -95,6 +101,14 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array], /) -> tuple[Ar
     >>> bool(np.allclose(out, full)) and bool(np.allclose(lse, full_lse))
     True
     """
+    layout = check_choice("layout", layout, LAYOUTS)
+    if layout == "BTHE":
+        if isinstance(outs, Sequence) and not isinstance(outs, (str, bytes)) and outs:
+            xp = namespace_of({f"outs[{i}]": o for i, o in enumerate(outs)})
+            for i, o in enumerate(outs):
+                check_min_ndim(f"outs[{i}]", o, 3, "(B…, Tq, H, Ev) with layout='BTHE'")
+            out, lse = merge_attention([swap_heads_and_time(o, xp) for o in outs], lses)
+            return swap_heads_and_time(out, xp), lse
     _check(outs, lses)
     xp = namespace_of({"outs[0]": outs[0]})
     out_dtype = xp.result_type(*outs)

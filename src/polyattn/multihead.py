@@ -22,6 +22,8 @@ from ._compat import (
     Namespace,
     check_same_device,
     default_float_dtype,
+    is_array,
+    library_name,
     namespace_of,
     resolve_xp,
 )
@@ -323,8 +325,15 @@ class MultiHeadAttention:
         xp = resolve_xp(xp)
         if dtype is None:
             dtype = xp.float32
-        elif not xp.isdtype(dtype, "real floating"):
-            raise TypeError(f"`dtype` must be a real floating dtype; got {dtype}")
+        else:
+            try:
+                floating = bool(xp.isdtype(dtype, "real floating"))
+            except Exception:          # not a dtype of this library at all (a str, numpy's…)
+                floating = False
+            if not floating:
+                raise TypeError(f"`dtype` must be a real floating dtype of "
+                                f"{library_name(xp)} (such as its float32 or float64); "
+                                f"got {dtype!r}")
         rng = np.random.default_rng(seed)
         e = embed_dim // self.num_heads
         kv = self.num_kv_heads * e
@@ -351,6 +360,7 @@ class MultiHeadAttention:
         """
         key = query if key is None else key
         value = key if value is None else value
+        self._check_library(query)
         if not self.batch_first:
             return self._call_time_first(query, key, value, options)
         expected = (("query", query, self.embed_dim, "embed_dim"),
@@ -363,6 +373,19 @@ class MultiHeadAttention:
                                  f"(…, T, {size}))")
         return multi_head_attention(query, key, value, self.params, num_heads=self.num_heads,
                                     num_kv_heads=self.num_kv_heads, **options)
+
+    def _check_library(self, query: Array) -> None:
+        """``TypeError`` with the fix when the inputs' library is not the parameters'."""
+        if not is_array(query):
+            return
+        ours = namespace_of({"params['w_q']": self.params["w_q"]})
+        theirs = namespace_of({"query": query})
+        if ours is not theirs:
+            raise TypeError(
+                f"`query` is a {library_name(theirs)} array but this module's parameters are "
+                f"{library_name(ours)} arrays; create or load them in that library, e.g. "
+                f"MultiHeadAttention(..., xp={library_name(theirs)}) or "
+                f"MultiHeadAttention.from_torch(module, xp=torch)")
 
     def _call_time_first(self, query: Array, key: Array, value: Array,
                          options: dict[str, Any]) -> Array | tuple[Array, Array]:
@@ -401,7 +424,10 @@ class MultiHeadAttention:
         ``module.batch_first`` is kept: a module built with
         ``batch_first=False`` (torch's default) takes (T, B, E) inputs here
         too. Modules with ``add_bias_kv`` or ``add_zero_attn`` are not
-        supported. Dropout is not applied (inference semantics). torch's
+        supported. Dropout is not applied (inference semantics). The
+        parameters are new arrays: with ``xp=torch`` they are tensors that do
+        not require grad; call ``p.requires_grad_()`` on each of
+        ``mha.params.values()`` to train them. torch's
         boolean masks mean True = ignore: pass ``key_padding_mask`` as it is
         (same meaning here) and ``attn_mask`` negated.
 
