@@ -479,6 +479,15 @@ class _Device:
         return self.cuda.as_cuda_array(x, sync=False)
 
 
+def _time_major(x: Array) -> bool:
+    """Whether a (…, H, T, E) array steps through T faster than H in memory: a view of
+    a (…, T, H, E) array."""
+    if x.ndim < 3 or x.shape[-3] < 2 or x.shape[-2] < 2:
+        return False
+    strides = x.stride() if callable(getattr(x, "stride", None)) else x.strides
+    return bool(strides[-3] < strides[-2])
+
+
 def _dtype_name(x: Array) -> str:
     name = str(x.dtype).rsplit(".", 1)[-1]
     if name not in DTYPES:
@@ -519,7 +528,13 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     cuda = dev.cuda
     n_batch = math.prod(batch)
 
-    out = dev.empty((n_batch, n_heads, tq, ev), q.dtype)  # (B, H, Tq, Ev)
+    if _time_major(q):
+        # a (B…, Tq, H, E) array seen as (B…, H, Tq, E) (layout="BTHE"): the output is
+        # laid out the same way, so that the caller's view back is row-major
+        out = dev.empty((n_batch, tq, n_heads, ev), q.dtype)  # (B, Tq, H, Ev)
+        out = xp.permute_dims(out, (0, 2, 1, 3))  # (B, H, Tq, Ev), a view
+    else:
+        out = dev.empty((n_batch, n_heads, tq, ev), q.dtype)  # (B, H, Tq, Ev)
     lse = dev.empty((n_batch, n_heads, tq), q.dtype)  # (B, H, Tq)
     if n_batch * n_heads * tq > 0:
         q4 = xp.reshape(q, (n_batch, n_heads, tq, e))  # (B, H, Tq, E)
