@@ -419,3 +419,12 @@ def test_numba_cuda_on_cpu_arrays_names_cuda(monkeypatch):
 def test_strict_backend_marker(backend):
     # Sanity check that the backend fixture carries the enum.
     assert isinstance(backend, Backend)
+
+
+def test_kernel_writes_bthe_outputs_in_their_order():
+    """The kernel's output follows a (B, Tq, H, E) query's memory order (no copy after)."""
+    from polyattn.implementations import numba_cuda
+
+    assert numba_cuda._time_major(np.zeros((2, 5, 3, 4)).transpose(0, 2, 1, 3))
+    assert not numba_cuda._time_major(np.zeros((2, 3, 5, 4)))
+    assert not numba_cuda._time_major(np.zeros((2, 1, 5, 4)))
