@@ -95,6 +95,7 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         f"- Command: `{command}`",
         f"- CPU: {env['cpu']} ({env['cpu_count']} logical CPUs); load average at start "
         f"{env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f}",
+        f"- SIMD level torch dispatched to: {env.get('torch_cpu_capability', 'unknown')}",
         f"- torch {env['versions']['torch']} with {env['torch_threads']} threads; NumPy BLAS "
         f"(not used here): {blas}; polyattn {env['versions']['polyattn']}",
         "",
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(os.cpu_count() or 1)
     env = environment()
+    env["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     rng = np.random.default_rng(0)
     rows = []
     started = time.perf_counter()
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / f"torch-cpu-{env['date']}"
     command = "python benchmarks/torch_cpu.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
+    if all(os.environ.get(n) is None for n in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):
+        command = "env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE " + command
     report = {"environment": env, "command": command.strip(), "results": rows}
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(env, rows, command.strip()))
