@@ -181,7 +181,7 @@ def test_no_traceback_when_the_reader_goes_away():
     proc.stdout.close()   # like `| head` exiting before polyattn writes
     err = proc.stderr.read().decode()
     proc.stderr.close()
-    proc.wait(timeout=60)
+    assert proc.wait(timeout=60) == 0     # the same status whenever the reader stops
     assert err == ""
 
 

@@ -527,5 +527,5 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         # flush at exit does not fail again, and stop quietly.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 0  # as when the output ended before the reader did: not a failure
     return status

@@ -426,7 +426,7 @@ class MiniLM:
     # -- text --------------------------------------------------------------
 
     def tokenize(self, sentences: Sequence[str]) -> tuple[Array, Array, list[list[str]]]:
-        """Token ids (B, T) int64, padding mask (B, T) bool (True = a real token), tokens.
+        """Token ids (B, T) int32, padding mask (B, T) bool (True = a real token), tokens.
 
         Sentences are padded to the longest one and cut at 256 tokens.
         """
@@ -438,8 +438,9 @@ class MiniLM:
         ids = [e.ids for e in encodings]
         mask = [e.attention_mask for e in encodings]
         xp, device = self.xp, self.device
-        input_ids = xp.asarray(ids, dtype=xp.int64, device=device)
-        keep = xp.asarray(mask, dtype=xp.int64, device=device) != 0
+        # token ids are < 2**31: int32 exists on every library (JAX without x64 too)
+        input_ids = xp.asarray(ids, dtype=xp.int32, device=device)
+        keep = xp.asarray(mask, dtype=xp.int32, device=device) != 0
         return input_ids, keep, [list(e.tokens) for e in encodings]
 
     def embed(self, sentences: Sequence[str]) -> Array:
