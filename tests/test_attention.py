@@ -11,6 +11,7 @@ from helpers import (
     assert_namespace_device,
     implementations_under_test,
     ref_attention,
+    rel_error,
     skip_unless_kernel_runs_on,
     skip_unless_native_on,
     to_numpy,
@@ -428,3 +429,20 @@ def test_kernel_writes_bthe_outputs_in_their_order():
     assert numba_cuda._time_major(np.zeros((2, 5, 3, 4)).transpose(0, 2, 1, 3))
     assert not numba_cuda._time_major(np.zeros((2, 3, 5, 4)))
     assert not numba_cuda._time_major(np.zeros((2, 1, 5, 4)))
+
+
+def test_bfloat16_is_computed_in_float32(backend, xp, device):
+    """bfloat16 (torch, JAX) is computed like float16: float32 statistics, cast back."""
+    if backend not in (Backend.TORCH, Backend.JAX):
+        pytest.skip(f"{backend.value} has no bfloat16")
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((1, 2, 6, 8)) for _ in range(3))
+    args = [xp.asarray(to_xp(a, xp, dtype="float32", device=device), dtype=xp.bfloat16)
+            if hasattr(xp, "bfloat16") else None for a in (q, k, v)]
+    if args[0] is None:
+        pytest.skip(f"{backend.value}'s namespace exposes no bfloat16")
+    out = polyattn.scaled_dot_product_attention(*args, is_causal=True)
+    assert out.dtype == args[0].dtype
+    seen = [to_numpy(xp.astype(a, xp.float32)).astype(np.float64) for a in args]
+    ref, _, _ = ref_attention(*seen, is_causal=True)
+    assert rel_error(to_numpy(xp.astype(out, xp.float32)), ref) < 1e-2   # bfloat16's 8 bits
