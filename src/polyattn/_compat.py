@@ -186,3 +186,39 @@ def default_float_dtype(xp: Namespace, device: Any = None) -> Any:
         except Exception:  # pragma: no cover - old namespaces
             pass
     return xp.asarray(0.0).dtype  # pragma: no cover
+
+
+def concrete_values(x: Array) -> Any:
+    """``x``'s values as a NumPy array where they are at hand, else ``None``.
+
+    At hand: NumPy, torch (CPU and CUDA, outside tracing), CuPy, JAX arrays
+    that are not tracers, array-api-strict. Not at hand: JAX tracers (under
+    ``jax.jit``, ``grad``, …), Dask arrays (computing them would run the
+    graph), torch tensors being traced. Used for cheap value checks of small
+    integer arguments (``key_lengths``), never on the attention inputs.
+    """
+    import numpy as np
+
+    lib = type(x).__module__.split(".")[0]
+    try:
+        if lib == "numpy":
+            return np.asarray(x)
+        if lib == "torch":
+            import torch
+
+            if torch.compiler.is_compiling():
+                return None
+            return x.detach().cpu().numpy()
+        if lib == "cupy":
+            return x.get()
+        if lib in ("jax", "jaxlib"):
+            import jax
+
+            if isinstance(x, jax.core.Tracer):
+                return None
+            return np.asarray(x)
+        if lib == "array_api_strict":
+            return np.asarray(x._array)
+    except Exception:  # noqa: BLE001  (values not at hand: skip the check, never fail on it)
+        return None
+    return None

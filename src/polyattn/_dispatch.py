@@ -164,7 +164,7 @@ def load(name: str, xp: Any = None) -> ModuleType:
 def native_status(problem: Problem, return_lse: bool) -> str | None:
     """Why the input library's own attention cannot run this call (``None``: it can)."""
     return native.unavailable(problem.xp, problem.q, problem.k, problem.v,
-                              return_lse=return_lse)
+                              return_lse=return_lse, rules=problem.rules)
 
 
 def _budget_reason(score_bytes: int, budget: int, numpy: bool) -> tuple[str, str]:
@@ -280,6 +280,9 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Exp
 
 def run(problem: Problem, name: str) -> tuple[Any, Any]:
     """Call implementation ``name`` on a prepared problem."""
+    extra = {}
+    if problem.rules is not None and not problem.rules.simple:
+        extra["rules"] = problem.rules
     return load(name, problem.xp).attention(problem.q, problem.k, problem.v, mask=problem.mask,
                                 causal_offset=problem.causal_offset, scale=problem.scale,
-                                xp=problem.xp)
+                                xp=problem.xp, **extra)

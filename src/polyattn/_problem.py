@@ -12,7 +12,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._compat import Array, Namespace, check_same_device, contiguous, namespace_of
+from ._compat import (
+    Array,
+    Namespace,
+    check_same_device,
+    concrete_values,
+    contiguous,
+    device_of,
+    is_array,
+    namespace_of,
+)
 from ._validation import (
     ALIGNMENTS,
     LAYOUTS,
@@ -22,8 +31,11 @@ from ._validation import (
     check_floating,
     check_min_ndim,
     check_scale,
+    check_softcap,
+    check_window,
     shape_str,
 )
+from .implementations._rules import Rules
 from .masks import causal_offset as _causal_offset
 from .masks import normalise_mask
 
@@ -45,6 +57,7 @@ class Problem:
     compute_dtype: Any            # float32 or float64
     squeeze: bool                 # inputs were (T, E): drop the (1,) head axis again
     layout: str = "BHTE"          # the caller's layout of query, key, value and out
+    rules: Rules | None = None    # causal, window, key lengths, softcap, ALiBi (§4.1)
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -119,16 +132,22 @@ def _gqa_hint(query: Array, kv: list[Array]) -> str:
 
 def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array | None,
             is_causal: bool, causal_alignment: str, scale: float | None,
-            enable_gqa: bool, layout: str = "BHTE") -> Problem:
+            enable_gqa: bool, layout: str = "BHTE", window: Any = None,
+            softcap: Any = None, alibi_slopes: Array | None = None,
+            key_lengths: Any = None) -> Problem:
     """Validate an attention call and bring it to the implementations' layout.
 
     With ``layout="BTHE"`` query, key and value arrive as (B…, T, H, E) and
     are viewed as (B…, H, T, E) (``permute_dims``, no copy); shapes in error
     messages are then those of the views, which the messages say.
     """
-    arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
+    arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+              "alibi_slopes": alibi_slopes,
+              "key_lengths": key_lengths if is_array(key_lengths) else None}
     xp = namespace_of(arrays)
     check_same_device(arrays)
+    extras = {"window": check_window(window), "softcap": check_softcap(softcap),
+              "alibi_slopes": alibi_slopes, "key_lengths": key_lengths}
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
@@ -143,17 +162,22 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
         value = None if value is None else swap_heads_and_time(value, xp)
     try:
         return _prepare(xp, query, key, value, attn_mask, is_causal, causal_alignment, scale,
-                        enable_gqa, layout)
+                        enable_gqa, layout, extras)
     except ValueError as exc:
-        if layout == "BHTE" or str(exc).startswith("`attn_mask`"):   # masks have one layout
+        if layout == "BHTE" or str(exc).startswith(_ONE_LAYOUT):
             raise
         raise ValueError(f"{exc} (layout='BTHE': the shapes are shown as their "
                          "(B…, H, T, E) views)") from None
 
 
+#: Arguments whose shapes do not depend on the layout (their errors quote them as given).
+_ONE_LAYOUT = ("`attn_mask`", "`key_lengths`", "`alibi_slopes`")
+
+
 def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
              attn_mask: Array | None, is_causal: bool, causal_alignment: str,
-             scale: float | None, enable_gqa: bool, layout: str) -> Problem:
+             scale: float | None, enable_gqa: bool, layout: str,
+             extras: dict[str, Any]) -> Problem:
     """:func:`prepare` once the arrays are (B…, H, T, E) (views for "BTHE")."""
     named = {"query": query, "key": key, "value": value}
     min_ndim = 3 if enable_gqa else 2
@@ -218,6 +242,13 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
 
     tq, tk = query.shape[-2], key.shape[-2]
     mask = normalise_mask(attn_mask, (*batch, h, tq, tk), compute_dtype, xp)
+    bottom_right = causal_alignment == "bottom_right"
+    lengths = _key_lengths(extras["key_lengths"], tuple(batch), tk, xp, device_of(query))
+    rules = Rules(
+        tq=tq, tk=tk, causal=is_causal, offset=_causal_offset(tq, tk, causal_alignment),
+        key_lengths=lengths, lengths_shift=bottom_right and lengths is not None,
+        window=extras["window"], softcap=extras["softcap"],
+        alibi=_alibi(extras["alibi_slopes"], tuple(batch), h, compute_dtype, xp))
     return Problem(
         xp=xp,
         q=to_layout(query, h),
@@ -230,4 +261,47 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         compute_dtype=compute_dtype,
         squeeze=squeeze,
         layout=layout,
+        rules=rules,
     )
+
+
+def _alibi(slopes: Array | None, batch: tuple[int, ...], h: int, dtype: Any,
+           xp: Namespace) -> Array | None:
+    """ALiBi slopes as (B…|1, H|1) in the compute dtype, checked against (B…, H)."""
+    if slopes is None:
+        return None
+    check_floating("alibi_slopes", slopes, xp)
+    target = (*batch, h)
+    ok = 1 <= slopes.ndim <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(slopes.shape), reversed(target), strict=False))
+    if not ok:
+        raise ValueError(
+            f"`alibi_slopes` must be (H,) or (B…, H), broadcastable to (B…, H) = {target} "
+            f"(one slope per query head); got shape {shape_str(slopes)}")
+    slopes = xp.reshape(slopes, (1,) * (len(target) - slopes.ndim) + tuple(slopes.shape))
+    return slopes if slopes.dtype == dtype else xp.astype(slopes, dtype)
+
+
+def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
+                 device: Any) -> Array | None:
+    """``key_lengths`` as an integer array with ``len(B…)`` dimensions; values checked."""
+    if lengths is None:
+        return None
+    if not is_array(lengths):
+        if isinstance(lengths, bool) or not isinstance(lengths, int):
+            raise TypeError("`key_lengths` must be an integer array (B…,) or an int; got "
+                            f"{type(lengths).__name__} {lengths!r}")
+        lengths = xp.asarray(lengths, device=device)
+    if not xp.isdtype(lengths.dtype, "integral"):
+        raise TypeError(f"`key_lengths` must have an integer dtype (the number of keys of "
+                        f"each batch row); got {lengths.dtype} of shape {shape_str(lengths)}")
+    ok = lengths.ndim <= len(batch) and all(
+        s in (1, t) for s, t in zip(reversed(lengths.shape), reversed(batch), strict=False))
+    if not ok:
+        raise ValueError(f"`key_lengths` must broadcast to the batch dimensions B… = {batch} "
+                         f"(one length per batch row); got shape {shape_str(lengths)}")
+    values = concrete_values(lengths)
+    if values is not None and values.size and (values.min() < 0 or values.max() > tk):
+        raise ValueError(f"`key_lengths` must lie in [0, Tk] = [0, {tk}] (Tk: keys given); "
+                         f"got values from {int(values.min())} to {int(values.max())}")
+    return xp.reshape(lengths, (1,) * (len(batch) - lengths.ndim) + tuple(lengths.shape))

@@ -120,3 +120,36 @@ def check_broadcastable_to(name: str, x: Array, target: tuple[int, ...], target_
             f"`{name}` of shape {shape_str(x)} does not broadcast to {target_desc} "
             f"{tuple(target)}"
         )
+
+
+def check_window(window: object) -> tuple[int | None, int | None] | None:
+    """``(left, right)``, each an int >= 0 or ``None`` (unbounded); ``None`` for no window."""
+    if window is None:
+        return None
+    usage = ("`window` must be (left, right), each an integer >= 0 or None (unbounded), "
+             "e.g. (4096, 0) for a causal sliding window of 4097 keys")
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"{usage}; got {window!r}")
+    sides = []
+    for side, n in zip(("left", "right"), window, strict=True):
+        if n is None:
+            sides.append(None)
+            continue
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{usage}; got {window!r} (its {side} side is {type(n).__name__})")
+        if n < 0:
+            raise ValueError(f"{usage}; got {window!r} (its {side} side is negative)")
+        sides.append(int(n))
+    return sides[0], sides[1]
+
+
+def check_softcap(softcap: object) -> float | None:
+    """A finite real number > 0, or ``None``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"`softcap` must be a real number > 0 or None; got {softcap!r}")
+    if not (math.isfinite(float(softcap)) and softcap > 0):
+        raise ValueError(f"`softcap` must be a finite number > 0 (scores become "
+                         f"softcap·tanh(scores/softcap)); got {softcap!r}")
+    return float(softcap)

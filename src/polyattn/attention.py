@@ -35,7 +35,9 @@ def scaled_dot_product_attention(
     query: Array, key: Array, value: Array, /, *, attn_mask: Array | None = None,
     is_causal: bool = False, causal_alignment: str = "top_left", scale: float | None = None,
     enable_gqa: bool = False, return_lse: bool = False, implementation: str = "auto",
-    layout: str = "BHTE",
+    layout: str = "BHTE", window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None, alibi_slopes: Array | None = None,
+    key_lengths: Array | int | None = None,
 ) -> Array | tuple[Array, Array]:
     """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
 
@@ -65,6 +67,7 @@ def scaled_dot_product_attention(
     return_lse : bool
         Also return the log-sum-exp of each row's scores, which lets partial
         results over disjoint key sets be merged exactly.
+
     implementation : {"auto", "native", "reference", "chunked", "numba_cuda"}
         Which implementation runs; :func:`explain` tells what ``"auto"`` picks
         and why the others were not. ``"native"`` is the input library's own
@@ -78,6 +81,22 @@ def scaled_dot_product_attention(
         FlashAttention; read through strides, without a transposed copy. In
         both layouts ``attn_mask`` broadcasts to (B…, H, Tq, Tk) and ``lse`` is
         (B…, H, Tq).
+    window : (int or None, int or None), optional
+        Sliding window ``(left, right)``: query ``i`` sees keys ``j`` with
+        ``p_i - left <= j <= p_i + right`` (``None``: unbounded on that side).
+        ``(w, 0)`` with ``is_causal=True`` is Mistral's and Gemma's local
+        attention over the last ``w + 1`` keys.
+    softcap : float, optional
+        Logit soft-capping (Gemma 2): scaled scores ``s`` become
+        ``softcap · tanh(s / softcap)`` before ALiBi and masks.
+    alibi_slopes : array (H,) or (B…, H), optional
+        ALiBi: adds ``-slope_h · |p_i - j|`` to the scores of head ``h``
+        (:func:`polyattn.alibi_slopes` gives the paper's slopes).
+    key_lengths : integer array (B…,) or int, optional
+        Keys ``j >= key_lengths[b]`` of batch row ``b`` do not exist (ragged
+        batches, a preallocated :class:`polyattn.KVCache`). With
+        ``causal_alignment="bottom_right"`` query positions count back from
+        each row's own length.
 
     Returns
     -------
@@ -88,6 +107,16 @@ def scaled_dot_product_attention(
     lse : array (B…, H, Tq)
         Only with ``return_lse=True``; ``-inf`` for fully masked rows. Kept in
         the compute dtype (float32 for float16 inputs).
+
+    Notes
+    -----
+    Query ``i`` has position ``p_i = i`` (``"top_left"``) or
+    ``p_i = i + Tk_b - Tq`` (``"bottom_right"``), where ``Tk_b`` is
+    ``key_lengths[b]`` if given, else ``Tk``; causal masking, windows and
+    ALiBi all use it. Scores are computed in this order: ``scale · q·k`` →
+    soft-capping → ALiBi → float ``attn_mask`` → invisible keys removed →
+    softmax. Key blocks that no query of a block can see are skipped, so the
+    work of causal and windowed calls follows the visible area.
 
     Examples
     --------
@@ -109,12 +138,22 @@ def scaled_dot_product_attention(
     >>> k_bthe, v_bthe = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     >>> scaled_dot_product_attention(q_bthe, k_bthe, v_bthe, layout="BTHE").shape
     (2, 8, 4, 32)
+
+    A causal sliding window over the last 3 keys, soft-capped scores, and a
+    batch whose rows have 10 and 6 keys:
+
+    >>> out = scaled_dot_product_attention(
+    ...     q, k, v, is_causal=True, causal_alignment="bottom_right", window=(2, 0),
+    ...     softcap=30.0, key_lengths=np.array([10, 6]))
+    >>> out.shape
+    (2, 4, 8, 32)
     """
     check_choice("implementation", implementation, IMPLEMENTATIONS)
     check_bool("return_lse", return_lse)
     problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                       causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
-                      layout=layout)
+                      layout=layout, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                      key_lengths=key_lengths)
     choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
     if problem.score_elements == 0:
         out, lse = _empty_problem(problem)
@@ -132,7 +171,9 @@ def scaled_dot_product_attention(
 def attention_weights(
     query: Array, key: Array, /, *, attn_mask: Array | None = None, is_causal: bool = False,
     causal_alignment: str = "top_left", scale: float | None = None, enable_gqa: bool = False,
-    layout: str = "BHTE",
+    layout: str = "BHTE", window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None, alibi_slopes: Array | None = None,
+    key_lengths: Array | int | None = None,
 ) -> Array:
     """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
 
@@ -163,14 +204,16 @@ def attention_weights(
     """
     problem = prepare(query, key, None, attn_mask=attn_mask, is_causal=is_causal,
                       causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
-                      layout=layout)
+                      layout=layout, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                      key_lengths=key_lengths)
     xp = problem.xp
     if problem.score_elements == 0:
         alpha = xp.zeros((*problem.q.shape[:-1], problem.tk), dtype=problem.compute_dtype,
                          device=device_of(problem.q))
     else:
         alpha = reference.weights(problem.q, problem.k, mask=problem.mask,
-                                  causal_offset=problem.causal_offset, scale=problem.scale, xp=xp)
+                                  causal_offset=problem.causal_offset, scale=problem.scale, xp=xp,
+                                  rules=problem.rules)
     if alpha.dtype != problem.result_dtype:
         alpha = xp.astype(alpha, problem.result_dtype)
     return problem.finish(alpha, 2)
@@ -205,7 +248,8 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     below which materialising it was measured fastest
     """
     allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
-               "return_lse", "implementation", "layout"}
+               "return_lse", "implementation", "layout", "window", "softcap", "alibi_slopes",
+               "key_lengths"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -216,5 +260,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
                       is_causal=options.get("is_causal", False),
                       causal_alignment=options.get("causal_alignment", "top_left"),
                       scale=options.get("scale"), enable_gqa=options.get("enable_gqa", False),
-                      layout=options.get("layout", "BHTE"))
+                      layout=options.get("layout", "BHTE"), window=options.get("window"),
+                      softcap=options.get("softcap"), alibi_slopes=options.get("alibi_slopes"),
+                      key_lengths=options.get("key_lengths"))
     return _dispatch.choose(problem, implementation, return_lse=return_lse)

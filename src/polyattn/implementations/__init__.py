@@ -3,7 +3,7 @@
 Every module here offers the same internal function, called by
 :mod:`polyattn.attention` after validation::
 
-    attention(q, k, v, /, *, mask, causal_offset, scale, xp) -> (out, lse)
+    attention(q, k, v, /, *, mask, causal_offset, scale, xp, rules=None) -> (out, lse)
 
 q (B…, H, Tq, E), k (B…, Hkv, Tk, E), v (B…, Hkv, Tk, Ev)
     One leading batch shape B… (already broadcast), one floating dtype (the
@@ -18,6 +18,11 @@ causal_offset
     ``j <= i + causal_offset``.
 scale
     Python float multiplying ``q · k``.
+rules
+    ``None`` (only ``causal_offset`` applies) or a :class:`._rules.Rules`
+    with windows, key lengths, soft-capping or ALiBi (DESIGN §4.1). When
+    given it is complete: it carries the causal flag and the query
+    positions itself, and ``causal_offset`` is its static 0.1 form.
 
 It returns ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq) in the compute
 dtype. A fully masked row gives ``out = 0`` and ``lse = -inf``. Every

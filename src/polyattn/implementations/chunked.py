@@ -15,9 +15,9 @@ query row (Milakov & Gimelshein 2018; Dao et al. 2022):
 When a new block raises the maximum from ``m`` to ``m_new``, the old ``l``
 and ``acc`` are rescaled by ``exp(m - m_new)``; at the end ``out = acc / l``
 and ``lse = m + log(l)``. Memory is O(B·H·BLOCK_Q·BLOCK_K) for the scores
-plus the inputs and output. Key blocks that lie wholly beyond the causal
-window are skipped; only blocks that straddle the diagonal build a causal
-mask.
+plus the inputs and output. Key blocks that no query of a block can see
+(causal, sliding window) are skipped, so the work follows the visible area;
+only blocks that straddle an edge of it build a visibility mask.
 
 Block loops depend only on shapes, never on values, so the code traces
 under ``jax.jit`` and stays lazy on Dask.
@@ -30,14 +30,13 @@ from typing import Any
 from .._compat import device_of
 from ._common import (
     NEG_INF,
-    apply_masks,
-    causal_allowed,
     group_heads,
     log_of_sum,
     safe_divide,
     stable_shift,
     ungroup_heads,
 )
+from ._rules import Rules, score_transform
 
 Array = Any
 
@@ -57,27 +56,23 @@ def _mask_block(mask: Array | None, q0: int, q1: int, k0: int, k1: int) -> Array
 
 
 def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0: int,
-                        causal_offset: int | None, block_k: int, xp: Any,
+                        rules: Rules, block_k: int, xp: Any,
                         ) -> tuple[Array, Array]:
     """Online softmax of one query block over all key blocks.
 
     ``qg`` (B…, Hkv, G, bq, E) already scaled, ``kg``/``vg`` (B…, Hkv, 1, Tk, ·),
     ``mask`` grouped (B…, Hkv|1, G|1, Tq|1, Tk|1). Returns out and lse for the block.
     """
-    bq, tk = qg.shape[-2], kg.shape[-2]
+    bq = qg.shape[-2]
     q1 = q0 + bq
     dev = device_of(qg)
     m = l = acc = None
-    for k0 in range(0, tk, block_k):
-        k1 = min(k0 + block_k, tk)
-        if causal_offset is not None and k0 > q1 - 1 + causal_offset:
-            break  # this and every later key block lie beyond the causal window
+    lo, hi = rules.key_range(q0, q1)  # keys outside [lo, hi) are invisible to this block
+    for k0 in range(lo, hi, block_k):
+        k1 = min(k0 + block_k, hi)
         # --- scores of this (query block, key block) pair
         s = xp.matmul(qg, xp.matrix_transpose(kg[..., k0:k1, :]))  # (B…, Hkv, G, bq, bk)
-        causal = None
-        if causal_offset is not None and k1 - 1 > q0 + causal_offset:
-            causal = causal_allowed(q0, q1, k0, k1, causal_offset, xp, dev)  # (bq, bk)
-        s = apply_masks(s, _mask_block(mask, q0, q1, k0, k1), causal, xp)
+        s = score_transform(s, rules, _mask_block(mask, q0, q1, k0, k1), q0, q1, k0, k1, xp)
         # --- update the running maximum and rescale what was accumulated
         block_max = xp.max(s, axis=-1, keepdims=True)
         m_new = block_max if m is None else xp.maximum(m, block_max)
@@ -92,7 +87,7 @@ def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0:
             l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
             acc = acc * alpha + pv
         m = m_new
-    if m is None:  # the causal window excludes every key of this block
+    if m is None:  # causal or window rules exclude every key of this block
         shape = (*qg.shape[:-1], vg.shape[-1])
         zeros = xp.zeros(shape, dtype=qg.dtype, device=dev)
         return zeros, xp.full(qg.shape[:-1], NEG_INF, dtype=qg.dtype, device=dev)
@@ -103,13 +98,14 @@ def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0:
 
 
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any,
+              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
               block_q: int | None = None, block_k: int | None = None,
               ) -> tuple[Array, Array]:
     """Blocked online-softmax attention; see :mod:`polyattn.implementations`.
 
     ``block_q`` and ``block_k`` override the module's block sizes.
     """
+    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     block_q = block_q or BLOCK_Q
     block_k = block_k or BLOCK_K
     hkv, tq = k.shape[-3], q.shape[-2]
@@ -120,8 +116,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     outs, lses = [], []
     for q0 in range(0, tq, block_q):
         q1 = min(q0 + block_q, tq)
-        o, s = _attend_query_block(qg[..., q0:q1, :], kg, vg, maskg, q0, causal_offset,
-                                   block_k, xp)
+        o, s = _attend_query_block(qg[..., q0:q1, :], kg, vg, maskg, q0, rules, block_k, xp)
         outs.append(o)
         lses.append(s)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)

@@ -24,6 +24,8 @@ How each part of polyattn's contract (DESIGN §4) is kept:
 * **Precision.** JAX computes the softmax in float32 whatever the input, so
   float64 JAX arrays are not run natively (§3.1); float32 products run at
   ``"highest"`` matmul precision (no TF32 or bfloat16 passes on GPUs).
+* **Windows, key lengths, ALiBi** become one dense mask (bool, or float with
+  the ALiBi bias); soft-capping is not additive, so it is not native.
 * **lse.** Neither public function returns the log-sum-exp with gradients
   (JAX's ``return_residual`` stops them), so ``return_lse=True`` is not
   native.
@@ -36,6 +38,7 @@ from typing import Any
 
 from .._compat import device_of, library_name
 from ._common import NEG_INF, causal_allowed
+from ._rules import Rules, fold_into_mask
 
 Array = Any
 
@@ -50,7 +53,8 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: bool) -> str | None:
+def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: bool,
+                rules: Rules | None = None) -> str | None:
     """Why the native attention cannot run this call exactly; ``None`` when it can.
 
     ``q``, ``k``, ``v`` are the implementations' (B…, H, T, E) arrays in the
@@ -71,6 +75,9 @@ def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: boo
                     f"(key {tuple(k.shape)}, value {tuple(v.shape)})")
     else:
         return f"{lib} has no native attention function that polyattn uses"
+    if rules is not None and rules.softcap is not None:
+        return (f"softcap: {name} has no logit soft-capping, and tanh cannot be folded "
+                "into an additive mask")
     if return_lse:
         return (f"return_lse=True: {name} does not return the log-sum-exp"
                 + (" with its gradients (return_residual stops them)" if lib == "jax" else ""))
@@ -78,11 +85,17 @@ def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: boo
 
 
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any) -> tuple[Array, None]:
+              causal_offset: int | None, scale: float, xp: Any,
+              rules: Rules | None = None) -> tuple[Array, None]:
     """Run the native attention; returns ``(out, None)`` (no log-sum-exp).
 
     Call :func:`unavailable` first: this function assumes the call maps exactly.
+    Windows, key lengths and ALiBi are folded into one dense mask (which is
+    what both libraries build for them anyway).
     """
+    if rules is not None and not rules.simple:
+        mask = fold_into_mask(rules, mask, k.shape[-3], xp, q.dtype, device_of(q))
+        causal_offset = None
     if library_name(xp) == "torch":
         return _torch(q, k, v, mask, causal_offset, scale, xp), None
     return _jax(q, k, v, mask, causal_offset, scale, xp), None

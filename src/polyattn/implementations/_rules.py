@@ -1,0 +1,225 @@
+"""Positions and visibility: causal, windows, key lengths, soft-capping and ALiBi.
+
+DESIGN §4.1 in code. Query row ``i`` has position ``p_i = i + offset``, or
+``p_i = i + key_lengths[b] - Tq`` when the alignment is bottom-right and
+``key_lengths`` is given. Key ``j`` is visible to query ``i`` iff
+``j < key_lengths[b]``; and ``j <= p_i`` with causal; and
+``p_i - left <= j <= p_i + right`` with a window. Scores, in this order:
+``s = scale·q·k`` → ``softcap·tanh(s/softcap)`` → ``- slope_h·|p_i - j|`` →
+float mask added → invisible keys set to ``-inf``.
+
+:class:`Rules` is what every implementation receives besides the mask; the
+functions below build the pieces of one (query block, key block) tile in
+Array-API calls, in the grouped layout (B…, Hkv, G, bq, bk) of the reference
+and chunked paths. :meth:`Rules.key_range` gives, from shapes alone, the
+keys that any query of a block can see, so that blocks outside it are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .._compat import device_of
+
+Array = Any
+NEG_INF = -math.inf
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Everything that decides a score besides ``q·k``, ``scale`` and ``attn_mask``.
+
+    ``offset``: ``p_i = i + offset`` (0 top-left, ``Tk - Tq`` bottom-right).
+    ``key_lengths``: integer, ``len(B…)`` dimensions broadcastable to B…, or
+    ``None``. ``lengths_shift``: positions follow ``key_lengths`` (bottom-right
+    alignment with key lengths): ``p_i = i + key_lengths[b] - Tq``.
+    ``window``: ``(left, right)``, each an int or ``None`` (unbounded).
+    ``alibi``: slopes with ``len(B…) + 1`` dimensions, broadcastable to
+    (B…, H), in the compute dtype.
+    """
+
+    tq: int
+    tk: int
+    causal: bool = False
+    offset: int = 0
+    key_lengths: Array | None = None
+    lengths_shift: bool = False
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    alibi: Array | None = None
+
+    @classmethod
+    def from_causal_offset(cls, causal_offset: int | None, tq: int, tk: int) -> Rules:
+        """The 0.1 rules: causal with ``j <= i + causal_offset``, or nothing."""
+        if causal_offset is None:
+            return cls(tq, tk)
+        return cls(tq, tk, causal=True, offset=causal_offset)
+
+    @property
+    def causal_offset(self) -> int | None:
+        """``j <= i + causal_offset`` (the 0.1 form, exact when :attr:`simple`), or ``None``."""
+        return self.offset if self.causal else None
+
+    @property
+    def simple(self) -> bool:
+        """Only (static) causal, as in 0.1: no window, lengths, softcap or ALiBi."""
+        return (self.key_lengths is None and self.window is None and self.softcap is None
+                and self.alibi is None)
+
+    @property
+    def restricts(self) -> bool:
+        """Whether some keys may be invisible for reasons other than ``attn_mask``."""
+        return self.causal or self.window is not None or self.key_lengths is not None
+
+    def offset_range(self) -> tuple[int, int]:
+        """Smallest and largest position offset ``p_i - i`` over the batch (from shapes)."""
+        if self.lengths_shift:
+            return -self.tq, self.tk - self.tq
+        return self.offset, self.offset
+
+    def right_reach(self) -> int | None:
+        """How far right of ``p_i`` a key may be (``None``: unbounded)."""
+        right = None if self.window is None else self.window[1]
+        if self.causal:
+            return 0 if right is None else min(right, 0)
+        return right
+
+    def left_reach(self) -> int | None:
+        """How far left of ``p_i`` a key may be (``None``: unbounded)."""
+        return None if self.window is None else self.window[0]
+
+    def key_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` that some query in ``[q0, q1)`` may see, in some batch row.
+
+        Decided from shapes alone (key lengths only narrow it further), so
+        loops over key blocks stay value-independent.
+        """
+        lo_off, hi_off = self.offset_range()
+        hi = self.tk
+        right = self.right_reach()
+        if right is not None:
+            hi = min(hi, max(0, q1 - 1 + hi_off + right + 1))
+        lo = 0
+        left = self.left_reach()
+        if left is not None:
+            lo = max(0, min(self.tk, q0 + lo_off - left))
+        return lo, max(lo, hi)
+
+    def block_unrestricted(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Whether every key of ``[k0, k1)`` is visible to every query of ``[q0, q1)``."""
+        if self.key_lengths is not None:
+            return False
+        lo_off, hi_off = self.offset_range()
+        right = self.right_reach()
+        if right is not None and k1 - 1 > q0 + lo_off + right:
+            return False
+        left = self.left_reach()
+        return left is None or k0 >= q1 - 1 + hi_off - left
+
+
+def _batch_column(x: Array, extra: int, xp: Any) -> Array:
+    """(B…,) -> (B…, 1, …, 1) with ``extra`` trailing unit axes."""
+    return xp.reshape(x, (*x.shape, *([1] * extra)))
+
+
+def positions(rules: Rules, q0: int, q1: int, xp: Any, device: Any) -> Array:
+    """``p_i`` for queries ``[q0, q1)``: (bq, 1), or (B…, 1, 1, bq, 1) when it varies by row."""
+    i = xp.arange(q0, q1, device=device)
+    if rules.lengths_shift:
+        lengths = _batch_column(rules.key_lengths, 4, xp)        # (B…, 1, 1, 1, 1)
+        return xp.astype(i, lengths.dtype)[:, None] + lengths - rules.tq
+    return (i + rules.offset)[:, None]                             # (bq, 1)
+
+
+def visible(rules: Rules, q0: int, q1: int, k0: int, k1: int, xp: Any,
+            device: Any) -> Array | None:
+    """Bool (bq, bk) or (B…, 1, 1, bq, bk): key ``j`` visible to query ``i``; ``None``: all."""
+    if not rules.restricts or rules.block_unrestricted(q0, q1, k0, k1):
+        return None
+    j = xp.arange(k0, k1, device=device)[None, :]                 # (1, bk)
+    p = positions(rules, q0, q1, xp, device)
+    if rules.key_lengths is not None:
+        j = xp.astype(j, rules.key_lengths.dtype)
+    ok = None
+
+    def both(a: Array | None, b: Array) -> Array:
+        return b if a is None else xp.logical_and(a, b)
+
+    right, left = rules.right_reach(), rules.left_reach()
+    if right is not None:
+        ok = both(ok, j <= p + right)
+    if left is not None:
+        ok = both(ok, j >= p - left)
+    if rules.key_lengths is not None:
+        ok = both(ok, j < _batch_column(rules.key_lengths, 4, xp))
+    return ok
+
+
+def alibi_bias(rules: Rules, q0: int, q1: int, k0: int, k1: int, hkv: int, xp: Any,
+               dtype: Any, device: Any) -> Array:
+    """``-slope_h · |p_i - j|`` in the grouped layout (B…, Hkv, G, bq, bk)."""
+    slopes = rules.alibi
+    *batch, h = slopes.shape
+    if h == 1:
+        slopes = xp.reshape(slopes, (*batch, 1, 1, 1, 1))
+    else:
+        slopes = xp.reshape(slopes, (*batch, hkv, h // hkv, 1, 1))   # (B…, Hkv, G, 1, 1)
+    p = positions(rules, q0, q1, xp, device)
+    j = xp.arange(k0, k1, device=device)[None, :]
+    distance = xp.abs(xp.astype(p, dtype) - xp.astype(j, dtype))   # (…, bq, bk)
+    return -slopes * distance
+
+
+def score_transform(s: Array, rules: Rules, mask: Array | None, q0: int, q1: int, k0: int,
+                    k1: int, xp: Any) -> Array:
+    """Scaled scores of a tile -> the scores that enter the softmax (§4.1's order).
+
+    ``s`` (B…, Hkv, G, bq, bk) are ``scale·q·k``; ``mask`` the matching block of
+    the grouped ``attn_mask`` (or ``None``).
+    """
+    device = device_of(s)
+    if rules.softcap is not None:
+        c = rules.softcap
+        s = xp.tanh(s / c) * c
+    if rules.alibi is not None:
+        s = s + alibi_bias(rules, q0, q1, k0, k1, s.shape[-4], xp, s.dtype, device)
+    if mask is not None:
+        s = xp.where(mask, s, NEG_INF) if mask.dtype == xp.bool else s + mask
+    ok = visible(rules, q0, q1, k0, k1, xp, device)
+    if ok is not None:
+        s = xp.where(ok, s, NEG_INF)
+    return s
+
+
+def fold_into_mask(rules: Rules, mask: Array | None, hkv: int, xp: Any, dtype: Any,
+                   device: Any) -> Array | None:
+    """``attn_mask`` (B…, H, Tq, Tk)-broadcastable with ALiBi and visibility folded in.
+
+    For libraries that take one dense mask: the ALiBi bias is added (a boolean
+    mask becomes a float one), invisible keys become ``False``/``-inf``.
+    Soft-capping cannot be folded (it is not additive).
+    """
+    tq, tk = rules.tq, rules.tk
+    if rules.alibi is not None:
+        bias = alibi_bias(rules, 0, tq, 0, tk, hkv, xp, dtype, device)   # (B…, Hkv, G, Tq, Tk)
+        *batch, a, g, _, _ = bias.shape
+        bias = xp.reshape(bias, (*batch, a * g, tq, tk))                  # (B…, H, Tq, Tk)
+        if mask is None:
+            mask = bias
+        elif mask.dtype == xp.bool:
+            mask = xp.where(mask, bias, NEG_INF)
+        else:
+            mask = mask + bias
+    ok = visible(rules, 0, tq, 0, tk, xp, device)
+    if ok is not None:
+        if ok.ndim > 2:
+            ok = ok[..., 0, :, :]                                           # (B…, 1, Tq, Tk)
+        if mask is None:
+            mask = ok
+        elif mask.dtype == xp.bool:
+            mask = xp.logical_and(mask, ok)
+        else:
+            mask = xp.where(ok, mask, NEG_INF)
+    return mask
