@@ -19,7 +19,6 @@ from ._compat import (
     concrete_values,
     contiguous,
     device_of,
-    is_array,
     namespace_of,
 )
 from ._validation import (
@@ -143,7 +142,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     """
     arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
               "alibi_slopes": alibi_slopes,
-              "key_lengths": key_lengths if is_array(key_lengths) else None}
+              "key_lengths": key_lengths if _array_like(key_lengths) else None}
     xp = namespace_of(arrays)
     check_same_device(arrays)
     extras = {"window": check_window(window), "softcap": check_softcap(softcap),
@@ -265,6 +264,15 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
     )
 
 
+def _array_like(x: object) -> bool:
+    """An array (or NumPy scalar), as opposed to a Python int or ``None``.
+
+    Asked by attribute, not through array_api_compat, so that ``torch.compile``
+    traces it without stepping into cached type checks.
+    """
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def _alibi(slopes: Array | None, batch: tuple[int, ...], h: int, dtype: Any,
            xp: Namespace) -> Array | None:
     """ALiBi slopes as (B…|1, H|1) in the compute dtype, checked against (B…, H)."""
@@ -287,7 +295,7 @@ def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
     """``key_lengths`` as an integer array with ``len(B…)`` dimensions; values checked."""
     if lengths is None:
         return None
-    if not is_array(lengths):
+    if not _array_like(lengths):
         if isinstance(lengths, bool) or not isinstance(lengths, int):
             raise TypeError("`key_lengths` must be an integer array (B…,) or an int; got "
                             f"{type(lengths).__name__} {lengths!r}")
