@@ -7,17 +7,22 @@ arrays work too. See ``python -m polyattn info``.
 """
 
 from .attention import attention_weights, explain, scaled_dot_product_attention
+from .cache import KVCache
 from .masks import causal_mask
 from .merge import merge_attention
 from .multihead import MultiHeadAttention, multi_head_attention
-from .positional import sinusoidal_positional_encoding
+from .positional import alibi_slopes, sinusoidal_positional_encoding
+from .rotary import apply_rotary_embedding
 from .softmax import logsumexp, softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
     "MultiHeadAttention",
     "__version__",
+    "alibi_slopes",
+    "apply_rotary_embedding",
     "attention_weights",
     "causal_mask",
     "explain",

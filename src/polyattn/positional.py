@@ -1,10 +1,16 @@
-"""Sinusoidal positional encoding (Vaswani et al. 2017).
+"""Positional encodings: sinusoidal (Vaswani et al. 2017) and ALiBi slopes (Press et al. 2022).
 
 ``PE[pos, 2i] = sin(pos / base^(2i/d_model))`` and
 ``PE[pos, 2i+1] = cos(pos / base^(2i/d_model))``: each pair of features is a
 rotation at its own frequency, from one turn per ``2π`` positions down to one
 per ``2π·base``, so nearby positions have similar encodings and the encoding
 of ``pos + k`` is a fixed linear function of that of ``pos``.
+
+ALiBi adds no encoding to the tokens: head ``h`` subtracts
+``slope_h · |p_i - j|`` from its scores, and :func:`alibi_slopes` gives the
+paper's slopes for
+:func:`~polyattn.scaled_dot_product_attention`'s ``alibi_slopes``. The
+rotary embedding is in :mod:`polyattn.rotary`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import math
 import numbers
 from typing import Any
 
-from ._compat import Array, Namespace, default_float_dtype, resolve_xp
+from ._compat import Array, Namespace, default_float_dtype, library_name, resolve_xp
 from ._validation import check_nonnegative_int
 
 
@@ -60,10 +66,7 @@ def sinusoidal_positional_encoding(num_positions: int, d_model: int, /, *, base:
     if not 0 < base < math.inf:
         raise ValueError(f"`base` must be a positive finite number; got {base!r}")
     xp = resolve_xp(xp)
-    if dtype is None:
-        dtype = default_float_dtype(xp, device)
-    elif not xp.isdtype(dtype, "real floating"):
-        raise TypeError(f"`dtype` must be a real floating dtype; got {dtype}")
+    dtype = _float_dtype(xp, dtype, device)
     work = _working_dtype(xp, dtype, device)
     half = (d + 1) // 2
     pos = xp.arange(offset, offset + n, dtype=work, device=device)          # (n,)
@@ -84,3 +87,67 @@ def _working_dtype(xp: Namespace, dtype: Any, device: Any) -> Any:
     if "float64" in available:
         return xp.float64
     return dtype if dtype == xp.float64 else xp.float32  # pragma: no cover
+
+
+def alibi_slopes(num_heads: int, /, *, xp: Namespace = None, dtype: Any = None,
+                 device: Any = None) -> Array:
+    """The ALiBi paper's head slopes, (num_heads,).
+
+    For ``n`` heads, ``n`` a power of two, the slopes are the geometric
+    sequence ``2^(-8/n), 2^(-16/n), …, 2^(-8)``. For other ``n`` the paper's
+    rule (its reference ``get_slopes``): the slopes of ``n'``, the largest
+    power of two below ``n``, followed by the first ``n - n'`` of every
+    other slope of ``2n'``. Pass the result as ``alibi_slopes`` to
+    :func:`~polyattn.scaled_dot_product_attention` or
+    :func:`~polyattn.multi_head_attention`, which subtract
+    ``slope_h · |p_i - j|`` from the scores of head ``h``.
+
+    Parameters
+    ----------
+    num_heads : int
+        Number of query heads, at least 1.
+    xp : namespace, optional
+        Array library of the result (default NumPy).
+    dtype : optional
+        Real floating dtype (default: the library's default).
+    device : optional
+        Device of the result.
+
+    Examples
+    --------
+    >>> from polyattn import alibi_slopes
+    >>> alibi_slopes(8)  # 1/2, 1/4, ..., 1/256
+    array([0.5       , 0.25      , 0.125     , 0.0625    , 0.03125   ,
+           0.015625  , 0.0078125 , 0.00390625])
+    >>> alibi_slopes(6).round(4)  # the 4 of n' = 4 heads, then 2 of the 8-head ones
+    array([0.25  , 0.0625, 0.0156, 0.0039, 0.5   , 0.125 ])
+    """
+    n = check_nonnegative_int("num_heads", num_heads, minimum=1)
+    xp = resolve_xp(xp)
+    dtype = _float_dtype(xp, dtype, device)
+    return xp.asarray(_alibi_slope_values(n), dtype=dtype, device=device)
+
+
+def _alibi_slope_values(n: int) -> list[float]:
+    """The slopes as Python floats (powers of two computed exactly where they are exact)."""
+    def powers_of_two(m: int) -> list[float]:                # m a power of two
+        return [2.0 ** (-8.0 * (i + 1) / m) for i in range(m)]
+
+    below = 1 << (n.bit_length() - 1)                         # largest power of two <= n
+    if below == n:
+        return powers_of_two(n)
+    return powers_of_two(below) + powers_of_two(2 * below)[0::2][: n - below]
+
+
+def _float_dtype(xp: Namespace, dtype: Any, device: Any) -> Any:
+    """``dtype`` checked to be real floating, or the library's default floating dtype."""
+    if dtype is None:
+        return default_float_dtype(xp, device)
+    try:
+        floating = bool(xp.isdtype(dtype, "real floating"))
+    except Exception:          # not a dtype of this library at all (a str, another library's)
+        floating = False
+    if not floating:
+        raise TypeError(f"`dtype` must be a real floating dtype of {library_name(xp)} "
+                        f"(such as its float32 or float64); got {dtype!r}")
+    return dtype
