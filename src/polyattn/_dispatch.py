@@ -86,6 +86,8 @@ class Explanation:
     #: For ``"auto"``: each implementation -> why it was not chosen ("" for the one that was).
     candidates: dict[str, str] = field(default_factory=dict)
     layout: str = "BHTE"
+    #: The position and score keywords in use (window, softcap, ALiBi, key lengths).
+    features: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         shapes = ", ".join(f"{k} {v}" for k, v in self.shape.items())
@@ -103,6 +105,8 @@ class Explanation:
         if self.layout != "BHTE":
             lines.append(f"layout: {self.layout} (query, key, value and out are (B…, T, H, E); "
                          "shapes above are their (B…, H, T, E) views)")
+        if self.features:
+            lines.append("features: " + ", ".join(f"{k} {v}" for k, v in self.features.items()))
         if self.candidates:
             lines.append("candidates, in order of preference:")
             lines += [f"  {name}: {'chosen' if not why else 'not chosen: ' + why}"
@@ -275,7 +279,27 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Exp
         module=module_name(name, problem.xp),
         candidates=candidates,
         layout=problem.layout,
+        features=_features(problem),
     )
+
+
+def _features(problem: Problem) -> dict[str, str]:
+    """The §4.1 keywords of a call, for people."""
+    rules = problem.rules
+    if rules is None:
+        return {}
+    found = {}
+    if rules.window is not None:
+        found["window"] = str(rules.window)
+    if rules.softcap is not None:
+        found["softcap"] = str(rules.softcap)
+    if rules.alibi is not None:
+        found["alibi_slopes"] = str(tuple(rules.alibi.shape))
+    if rules.key_lengths is not None:
+        found["key_lengths"] = str(tuple(rules.key_lengths.shape)) + (
+            " (query positions count back from each row's length)"
+            if rules.lengths_shift else "")
+    return found
 
 
 def run(problem: Problem, name: str) -> tuple[Any, Any]:
