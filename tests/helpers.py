@@ -119,6 +119,7 @@ NATIVE_REFUSALS = (
     "computes the softmax in float32",      # float64 on JAX
     "values with as many features",         # JAX needs Ev == E
     "has no native attention function",     # libraries other than torch and JAX
+    "softcap: ",                            # soft-capping is not additive: no mask expresses it
 )
 
 
@@ -207,23 +208,23 @@ def to_numpy(x: Any) -> np.ndarray:
 # --- the float64 oracle, written without polyattn ----------------------------------------
 
 def ref_attention(q, k, v, *, mask=None, is_causal=False, alignment="top_left", scale=None,
-                  enable_gqa=False):
-    """float64 attention with the semantics of DESIGN §4: returns (out, lse, weights)."""
+                  enable_gqa=False, window=None, softcap=None, alibi_slopes=None,
+                  key_lengths=None):
+    """float64 attention with the semantics of DESIGN §4 and §4.1: returns (out, lse, weights).
+
+    ``window``, ``softcap``, ``alibi_slopes`` and ``key_lengths`` follow §4.1
+    element by element (:func:`ref_scores`); ``alibi_slopes`` (H,) or (B…, H),
+    ``key_lengths`` an int or integer (B…,).
+    """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     if enable_gqa:
         g = q.shape[-3] // k.shape[-3]
         k = np.repeat(k, g, axis=-3)
         v = np.repeat(v, g, axis=-3)
-    tq, tk = q.shape[-2], k.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = np.einsum("...qe,...ke->...qk", q, k) * scale
-    if mask is not None:
-        mask = np.asarray(mask)
-        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(np.float64)
-    if is_causal:
-        off = 0 if alignment == "top_left" else tk - tq
-        allowed = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + off
-        s = np.where(allowed, s, -np.inf)
+    s = ref_scores(q, k, mask=mask, is_causal=is_causal, alignment=alignment, scale=scale,
+                   window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                   key_lengths=key_lengths)
+    tk = k.shape[-2]
     with np.errstate(invalid="ignore", divide="ignore"):
         m = np.max(s, axis=-1, keepdims=True) if tk else np.full((*s.shape[:-1], 1), -np.inf)
         m_safe = np.where(np.isneginf(m), 0.0, m)
@@ -233,6 +234,60 @@ def ref_attention(q, k, v, *, mask=None, is_causal=False, alignment="top_left", 
         lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
     out = np.einsum("...qk,...kf->...qf", w, v)
     return out, lse, w
+
+
+def ref_scores(q, k, *, mask=None, is_causal=False, alignment="top_left", scale=None,
+               window=None, softcap=None, alibi_slopes=None, key_lengths=None):
+    """The scores that enter the softmax, (…, H, Tq, Tk) in float64, by DESIGN §4.1.
+
+    ``k`` has as many heads as ``q`` (GQA already expanded). Every element
+    ``(b…, h, i, j)`` gets, from index arrays over the whole score grid:
+    ``Tk_b`` (``key_lengths[b]`` or Tk); ``p_i = i`` (top-left) or
+    ``i + Tk_b - Tq`` (bottom-right); ``s = scale·q·k`` →
+    ``softcap·tanh(s/softcap)`` → ``- slope_h·|p_i - j|`` → float mask added →
+    ``-inf`` unless ``j < Tk_b``, ``j <= p_i`` (causal),
+    ``p_i - left <= j <= p_i + right`` (window) and a boolean mask allows it.
+    """
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    tq, tk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("...qe,...ke->...qk", q, k) * scale
+    mask = None if mask is None else np.asarray(mask)
+    if mask is not None:                          # a mask may add leading axes
+        s = np.broadcast_to(s, np.broadcast_shapes(s.shape, mask.shape))
+    matrix = s.ndim == 2                          # (Tq, Tk): one head, no batch
+    if matrix:
+        s = s[None]                               # (1, Tq, Tk)
+    grid = np.indices(s.shape)                    # one index array per axis of s
+    i, j = grid[-2], grid[-1]
+    batch_index = tuple(grid[:-3])                # (b…) of every element
+    head_index = grid[-3]
+    batch_shape = s.shape[:-3]
+    tk_b = np.broadcast_to(np.asarray(tk if key_lengths is None else key_lengths),
+                           batch_shape)[batch_index]
+    p = i if alignment == "top_left" else i + tk_b - tq
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64),
+                                 (*batch_shape, s.shape[-3]))
+        s = s - slopes[(*batch_index, head_index)] * np.abs(p - j)
+    visible = j < tk_b
+    if is_causal:
+        visible &= j <= p
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible &= j >= p - left
+        if right is not None:
+            visible &= j <= p + right
+    if mask is not None:
+        if mask.dtype == bool:
+            visible &= np.broadcast_to(mask, s.shape)
+        else:
+            s = s + mask.astype(np.float64)
+    s = np.where(visible, s, -np.inf)
+    return s[0] if matrix else s
 
 
 TOLERANCE = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
