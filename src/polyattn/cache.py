@@ -26,7 +26,6 @@ from ._compat import (
     check_same_device,
     concrete_values,
     device_of,
-    is_array,
     library_name,
     namespace_of,
     resolve_xp,
@@ -260,25 +259,26 @@ class KVCache:
         batch, dtype, dev = self.batch_shape, self.lengths.dtype, device_of(self.lengths)
         if lengths is None:
             lengths = tnew
-        if not is_array(lengths):
-            if isinstance(lengths, bool) or not isinstance(lengths, int):
-                raise TypeError(f"`lengths` must be an integer array (B…,) or an int; got "
-                                f"{type(lengths).__name__} {lengths!r}")
+        if isinstance(lengths, int) and not isinstance(lengths, bool):
             counts = xp.full(batch, lengths, dtype=dtype, device=dev)
+        elif not (hasattr(lengths, "shape") and hasattr(lengths, "dtype")):
+            raise TypeError(f"`lengths` must be an integer array (B…,) or an int; got "
+                            f"{type(lengths).__name__} {lengths!r}")
         else:
-            named = {"cache.lengths": self.lengths, "lengths": lengths}
+            given: Array = lengths
+            named = {"cache.lengths": self.lengths, "lengths": given}
             namespace_of(named)
             check_same_device(named)
-            if not xp.isdtype(lengths.dtype, "integral"):
+            if not xp.isdtype(given.dtype, "integral"):
                 raise TypeError(f"`lengths` must have an integer dtype (new tokens per row); "
-                                f"got {lengths.dtype} of shape {shape_str(lengths)}")
-            fits = lengths.ndim <= len(batch) and all(
-                s in (1, t) for s, t in zip(reversed(lengths.shape), reversed(batch),
+                                f"got {given.dtype} of shape {shape_str(given)}")
+            fits = given.ndim <= len(batch) and all(
+                s in (1, t) for s, t in zip(reversed(given.shape), reversed(batch),
                                             strict=False))
             if not fits:
                 raise ValueError(f"`lengths` must broadcast to the batch dimensions B… = "
-                                 f"{batch}; got shape {shape_str(lengths)}")
-            counts = xp.broadcast_to(xp.astype(lengths, dtype), batch)
+                                 f"{batch}; got shape {shape_str(given)}")
+            counts = xp.broadcast_to(xp.astype(given, dtype), batch)
         values = concrete_values(counts)
         if values is not None and values.size and (values.min() < 0 or values.max() > tnew):
             raise ValueError(f"`lengths` must lie in [0, Tnew] = [0, {tnew}] (Tnew: new tokens "

@@ -22,6 +22,7 @@ from ._compat import (
     Namespace,
     check_same_device,
     default_float_dtype,
+    device_of,
     is_array,
     library_name,
     namespace_of,
@@ -38,9 +39,13 @@ from ._validation import (
     shape_str,
 )
 from .attention import attention_weights, scaled_dot_product_attention
+from .cache import KVCache
+from .rotary import apply_rotary_embedding
 
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
+#: The options of :func:`~polyattn.apply_rotary_embedding` that ``rotary`` may set.
+ROTARY_OPTIONS = ("base", "interleaved", "rotary_dim")
 
 
 def _check_heads(embed_dim: int, num_heads: object, num_kv_heads: object,
@@ -130,9 +135,13 @@ def multi_head_attention(
     query: Array, key: Array, value: Array, /, params: Mapping[str, Array], *, num_heads: int,
     num_kv_heads: int | None = None, attn_mask: Array | None = None,
     key_padding_mask: Array | None = None, is_causal: bool = False,
-    causal_alignment: str = "top_left", need_weights: bool = False,
+    causal_alignment: str | None = None, need_weights: bool = False,
     average_attn_weights: bool = True, implementation: str = "auto",
-) -> Array | tuple[Array, Array]:
+    window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
+    alibi_slopes: Array | None = None, key_lengths: Array | int | None = None,
+    rotary: Mapping[str, Any] | None = None, positions: Array | None = None,
+    cache: KVCache | None = None,
+) -> Array | tuple[Array, ...]:
     """Multi-head attention with explicit parameters (functional form).
 
     Parameters
@@ -156,19 +165,56 @@ def multi_head_attention(
         Keys to ignore, **as torch's** ``key_padding_mask``: bool True = ignore
         the key (padding), or float added to the scores. Combined with
         ``attn_mask`` when both are given.
-    is_causal, causal_alignment, implementation
-        As in :func:`~polyattn.scaled_dot_product_attention`.
+    is_causal, implementation, window, softcap, alibi_slopes
+        As in :func:`~polyattn.scaled_dot_product_attention`, applied to the
+        projected heads (``alibi_slopes`` has one slope per query head).
+    causal_alignment : {"top_left", "bottom_right"}, optional
+        As in :func:`~polyattn.scaled_dot_product_attention`. Default
+        ``"top_left"``, and ``"bottom_right"`` with a ``cache`` (the new
+        queries are the last tokens of each row).
+    key_lengths : integer array (B…,) or int, optional
+        How many of this call's keys exist in each batch row (the first
+        ones; keys after them are padding). With a ``cache``: how many of
+        the new tokens each row appends (:meth:`KVCache.update`'s
+        ``lengths``); attention then runs with the cache's lengths.
     need_weights : bool
         Also return the attention weights.
     average_attn_weights : bool
         With ``need_weights``: the weights averaged over heads (B…, Tq, Tk)
         (default), or per head (B…, H, Tq, Tk) with False, as torch.
+    rotary : mapping, optional
+        Apply the rotary position embedding (RoPE) to the projected queries
+        and keys, before they are cached: a mapping of
+        :func:`~polyattn.apply_rotary_embedding`'s options ``base``,
+        ``interleaved``, ``rotary_dim`` (``{}`` for the defaults; e.g.
+        ``{"base": 100000.0}``). Needs self-attention shapes (Tq == Tk): the
+        key of token ``t`` is rotated by the position of query ``t``.
+    positions : integer array (B…, Tq) or (Tq,), optional
+        The tokens' positions for ``rotary``. Default: ``0 … Tq-1``, or with
+        a ``cache`` ``cache.lengths[b] + 0 … Tq-1`` (the cache's lengths
+        before this call's tokens are appended: right after each row's
+        past).
+    cache : KVCache, optional
+        Keys and values of earlier calls, (B…, Hkv, capacity, E) with B…
+        the batch dimensions of ``key`` and ``value``. This call's projected
+        (and rotated) keys and values are appended (:meth:`KVCache.update`),
+        and the queries attend over the whole cache with
+        ``key_lengths=cache.lengths``: causal decoding is
+        ``is_causal=True`` with the default ``"bottom_right"`` alignment.
+        ``key_padding_mask`` cannot be combined with it (pass
+        ``key_lengths``); an ``attn_mask`` broadcasts to
+        (B…, H, Tq, capacity).
 
     Returns
     -------
     out : array (B…, Tq, d_model)
     weights : array (B…, Tq, Tk) or (B…, H, Tq, Tk)
-        Only with ``need_weights=True``.
+        Only with ``need_weights=True`` (Tk is the capacity with a cache).
+    cache : KVCache
+        Only with ``cache``: the updated cache, last in the tuple:
+        ``(out, cache)``, or ``(out, weights, cache)`` with ``need_weights``.
+        It is the cache passed in, updated in place, on NumPy, CuPy, torch
+        and array-api-strict, and a new one on JAX and Dask.
 
     Examples
     --------
@@ -187,9 +233,24 @@ def multi_head_attention(
     ...                               need_weights=True, average_attn_weights=False)
     >>> w.shape, float(w[1, :, :, 3:].max())
     ((2, 4, 5, 5), 0.0)
+
+    Decoding with rotary embeddings and a cache: the prompt, then one token
+    at a time (the output of each step equals that of a causal call over the
+    whole sequence):
+
+    >>> from polyattn import KVCache
+    >>> cache = KVCache((2,), 4, 32, 4)                      # B, Hkv, capacity, E
+    >>> out, cache = multi_head_attention(x, x, x, mha.params, num_heads=4, is_causal=True,
+    ...                                   rotary={"base": 10000.0}, cache=cache)
+    >>> token = x[:, -1:]                                       # (B, 1, d_model)
+    >>> out, cache = multi_head_attention(token, token, token, mha.params, num_heads=4,
+    ...                                   is_causal=True, rotary={}, cache=cache)
+    >>> out.shape, cache.lengths
+    ((2, 1, 16), array([6, 6]))
     """
     arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
-              "key_padding_mask": key_padding_mask}
+              "key_padding_mask": key_padding_mask, "alibi_slopes": alibi_slopes,
+              "positions": positions}
     arrays.update({f"params['{k}']": v for k, v in (params.items()
                                                     if isinstance(params, Mapping) else ())})
     xp = namespace_of(arrays)
@@ -214,6 +275,14 @@ def multi_head_attention(
         if params.get(name) is not None:
             check_floating(f"params['{name}']", params[name], xp)
 
+    if cache is not None:
+        _check_cache(cache, key, value, hkv, d_model // h)
+        if key_padding_mask is not None:
+            raise ValueError("`key_padding_mask` cannot be combined with `cache` (its keys "
+                             "are the cache's); pass `key_lengths`, the number of real new "
+                             "tokens per row")
+    if causal_alignment is None:
+        causal_alignment = "top_left" if cache is None else "bottom_right"
     if key_padding_mask is not None:
         padding = _padding_to_attn_mask(key_padding_mask, key, xp)
         attn_mask = _combine_masks(attn_mask, padding, xp)
@@ -221,27 +290,96 @@ def multi_head_attention(
     q = _project(query, params["w_q"], params.get("b_q"), h, xp)      # (B…, Tq, H, E)
     k = _project(key, params["w_k"], params.get("b_k"), hkv, xp)      # (B…, Tk, Hkv, E)
     v = _project(value, params["w_v"], params.get("b_v"), hkv, xp)    # (B…, Tk, Hkv, Ev)
-    gqa = hkv != h
+    if rotary is not None:
+        options = _rotary_options(rotary)
+        p = _positions(positions, query, key, cache, xp)             # (B…, Tq) or (Tq,)
+        p = xp.expand_dims(p, axis=-1)                                # (…, Tq, 1): all heads
+        q = apply_rotary_embedding(q, p, **options)
+        k = apply_rotary_embedding(k, p, **options)
+    elif positions is not None:
+        raise ValueError("`positions` are the positions of the rotary embedding; pass "
+                         "`rotary` (e.g. rotary={} for its defaults) or leave them out")
+    attend: dict[str, Any] = dict(
+        attn_mask=attn_mask, is_causal=is_causal, causal_alignment=causal_alignment,
+        enable_gqa=hkv != h, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        key_lengths=key_lengths)
+    layout = "BTHE"
+    if cache is not None:
+        cache = cache.update(_swap(k, xp), _swap(v, xp), lengths=key_lengths)
+        q, k, v = _swap(q, xp), cache.keys, cache.values             # (B…, H|Hkv, T, E)
+        attend["key_lengths"] = cache.lengths
+        layout = "BHTE"
     if need_weights:
-        alpha = attention_weights(q, k, attn_mask=attn_mask, is_causal=is_causal,
-                                  causal_alignment=causal_alignment, enable_gqa=gqa,
-                                  layout="BTHE")                      # (B…, H, Tq, Tk)
-        vh = _swap(v, xp)                                             # (B…, Hkv, Tk, Ev)
+        alpha = attention_weights(q, k, layout=layout, **attend)     # (B…, H, Tq, Tk)
+        vh = v if layout == "BHTE" else _swap(v, xp)                  # (B…, Hkv, Tk, Ev)
         if hkv != h:
             vh = _repeat_heads(vh, h // hkv, xp)
         heads = _swap(xp.matmul(alpha, xp.astype(vh, alpha.dtype)), xp)   # (B…, Tq, H, Ev)
     else:
-        heads = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                             causal_alignment=causal_alignment, enable_gqa=gqa,
-                                             implementation=implementation,
-                                             layout="BTHE")          # (B…, Tq, H, Ev)
+        heads = scaled_dot_product_attention(q, k, v, implementation=implementation,
+                                             layout=layout, **attend)
+        if layout == "BHTE":
+            heads = _swap(heads, xp)                                  # (B…, Tq, H, Ev)
     heads = xp.reshape(heads, (*heads.shape[:-2], heads.shape[-2] * heads.shape[-1]))
     out = xp.matmul(heads, params["w_o"])                              # (B…, Tq, d_model)
     if params.get("b_o") is not None:
         out = out + params["b_o"]
+    result: tuple[Array, ...] = (out,)
     if need_weights:
-        return out, xp.mean(alpha, axis=-3) if average_attn_weights else alpha
-    return out
+        result += (xp.mean(alpha, axis=-3) if average_attn_weights else alpha,)
+    if cache is not None:
+        result += (cache,)
+    return result[0] if len(result) == 1 else result
+
+
+def _check_cache(cache: object, key: Array, value: Array, hkv: int, e: int) -> None:
+    """``TypeError``/``ValueError`` unless ``cache`` takes this call's projected keys and values."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"`cache` must be a polyattn.KVCache; got {type(cache).__name__}")
+    batch = tuple(key.shape[:-2])
+    if (cache.batch_shape, cache.num_kv_heads, cache.head_dim) != (batch, hkv, e) or \
+            tuple(value.shape[:-2]) != batch:
+        raise ValueError(
+            f"`cache` holds batch dimensions {cache.batch_shape}, {cache.num_kv_heads} "
+            f"key/value heads of {cache.head_dim} features, but this call has batch "
+            f"dimensions {batch} (key {shape_str(key)}, value {shape_str(value)}), "
+            f"num_kv_heads={hkv} and head_dim={e}; create it as "
+            f"KVCache({batch}, {hkv}, capacity, {e})")
+
+
+def _rotary_options(rotary: object) -> dict[str, Any]:
+    """``rotary`` checked to be a mapping of :func:`apply_rotary_embedding`'s options."""
+    if not isinstance(rotary, Mapping):
+        raise TypeError(f"`rotary` must be a mapping of the rotary embedding's options "
+                        f"{ROTARY_OPTIONS} (e.g. {{'base': 10000.0}}, or {{}} for the "
+                        f"defaults); got {type(rotary).__name__}")
+    unknown = sorted(set(rotary) - set(ROTARY_OPTIONS))
+    if unknown:
+        raise ValueError(f"`rotary` has unknown options {unknown} (known: {ROTARY_OPTIONS})")
+    return dict(rotary)
+
+
+def _positions(positions: Array | None, query: Array, key: Array, cache: KVCache | None,
+               xp: Namespace) -> Array:
+    """The tokens' positions for the rotary embedding: (B…, Tq) or (Tq,)."""
+    tq, tk = int(query.shape[-2]), int(key.shape[-2])
+    if tq != tk:
+        raise ValueError(f"`rotary` rotates each key by the position of the query of the "
+                         f"same token, so it needs as many keys as queries; got Tq = {tq}, "
+                         f"Tk = {tk} (query {shape_str(query)}, key {shape_str(key)})")
+    if positions is None:
+        if cache is None:
+            return xp.arange(tq, device=device_of(query))                     # (Tq,)
+        lengths = cache.lengths
+        i = xp.arange(tq, dtype=lengths.dtype, device=device_of(lengths))    # (Tq,)
+        return xp.expand_dims(lengths, axis=-1) + i                           # (B…, Tq)
+    target = (*query.shape[:-2], tq)
+    fits = positions.ndim <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(positions.shape), reversed(target), strict=False))
+    if not fits:
+        raise ValueError(f"`positions` must broadcast to (B…, Tq) = {tuple(target)} (one "
+                         f"position per query token); got shape {shape_str(positions)}")
+    return positions
 
 
 def _swap(x: Array, xp: Namespace) -> Array:
@@ -349,12 +487,14 @@ class MultiHeadAttention:
         self.params = _to_namespace(host, xp, dtype, device)
 
     def __call__(self, query: Array, key: Array | None = None, value: Array | None = None,
-                 /, **options: Any) -> Array | tuple[Array, Array]:
+                 /, **options: Any) -> Array | tuple[Array, ...]:
         """Attend: ``key`` defaults to ``query`` (self-attention), ``value`` to ``key``.
 
         Keywords are those of :func:`multi_head_attention` (``attn_mask``,
         ``key_padding_mask``, ``is_causal``, ``causal_alignment``,
-        ``need_weights``, ``average_attn_weights``, ``implementation``).
+        ``need_weights``, ``average_attn_weights``, ``implementation``,
+        ``window``, ``softcap``, ``alibi_slopes``, ``key_lengths``,
+        ``rotary``, ``positions``, ``cache``), and so is the result.
         With ``batch_first=False``, 3-D inputs are (T, B, features) and so is
         the output.
         """
@@ -388,7 +528,7 @@ class MultiHeadAttention:
                 f"MultiHeadAttention.from_torch(module, xp=torch)")
 
     def _call_time_first(self, query: Array, key: Array, value: Array,
-                         options: dict[str, Any]) -> Array | tuple[Array, Array]:
+                         options: dict[str, Any]) -> Array | tuple[Array, ...]:
         """``batch_first=False``: (T, B, F) inputs viewed as (B, T, F), the output back."""
         named = (("query", query), ("key", key), ("value", value))
         ndims = {getattr(x, "ndim", None) for _, x in named}
@@ -403,8 +543,8 @@ class MultiHeadAttention:
         swapped = [xp.permute_dims(x, (1, 0, 2)) for _, x in named]   # (B, T, F)
         result = MultiHeadAttention.__call__(_batch_first_view(self), *swapped, **options)
         if isinstance(result, tuple):
-            out, weights = result
-            return xp.permute_dims(out, (1, 0, 2)), weights           # (Tq, B, d), (B, …)
+            out, *rest = result                                       # weights, cache: as given
+            return (xp.permute_dims(out, (1, 0, 2)), *rest)           # (Tq, B, d_model), …
         return xp.permute_dims(result, (1, 0, 2))                      # (Tq, B, d_model)
 
     def __repr__(self) -> str:
