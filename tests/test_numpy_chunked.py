@@ -364,3 +364,320 @@ def test_hidden_keys_never_leak(tiles, dtype_name):
     clean[..., 5, :] = 0.0
     got = run(q, k2, v, dtype_name, mask=mask)
     check(got, ref_attention(q, clean, v, mask=mask), dtype_name)
+
+
+# --- windows, soft-capping, ALiBi and key lengths (DESIGN §4.1) --------------------------
+
+def oracle(q, k, v, mask=None, **kw):
+    """polyattn's reference implementation in float64 on the same problem: (out, lse)."""
+    def f64(x):
+        x = np.asarray(x)
+        return x.astype(np.float64) if x.dtype.kind == "f" else x
+
+    kw = {name: f64(a) if isinstance(a, np.ndarray) else a for name, a in kw.items()}
+    return polyattn.scaled_dot_product_attention(
+        f64(q), f64(k), f64(v), attn_mask=None if mask is None else f64(mask),
+        return_lse=True, implementation="reference", **kw)
+
+
+def check_rules(q, k, v, dtype_name, mask=None, **kw):
+    """The NumPy path in ``dtype_name`` against the float64 reference; returns (out, lse)."""
+    got = run(q, k, v, dtype_name, mask, **kw)
+    want_out, want_lse = oracle(q, k, v, mask, **kw)
+    check(got, (want_out, want_lse, None), dtype_name)
+    return got
+
+
+def problem(seed, *, b=2, h=4, hkv=2, tq=13, tk=17, e=5, ev=3):
+    """Random q (B, H, Tq, E), k (B, Hkv, Tk, E), v (B, Hkv, Tk, Ev) in float64."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((b, h, tq, e)), rng.standard_normal((b, hkv, tk, e)),
+            rng.standard_normal((b, hkv, tk, ev)))
+
+
+SIZES = [(13, 13), (7, 19), (19, 7)]
+ALIGNMENTS = ["top_left", "bottom_right"]
+
+
+@pytest.mark.parametrize("window", [(3, 0), (0, 0), (2, 5), (None, 1), (4, None), (0, None),
+                                    (40, 40)])
+@pytest.mark.parametrize(("tq", "tk"), SIZES)
+def test_window(dtype_name, tiles, window, tq, tk):
+    q, k, v = problem(30, tq=tq, tk=tk)
+    for alignment in ALIGNMENTS:
+        for causal in (False, True):
+            check_rules(q, k, v, dtype_name, window=window, is_causal=causal,
+                        causal_alignment=alignment, enable_gqa=True)
+
+
+@pytest.mark.parametrize("softcap", [0.3, 2.5, 50.0])
+@pytest.mark.parametrize(("tq", "tk"), SIZES)
+def test_softcap(dtype_name, tiles, softcap, tq, tk):
+    q, k, v = problem(31, tq=tq, tk=tk)
+    for causal in (False, True):
+        check_rules(q, k, v, dtype_name, softcap=softcap, is_causal=causal, enable_gqa=True)
+    # scores far beyond the cap (and beyond exp's range uncapped): every row's maximum
+    # rises from block to block, so the exact path runs with the cap applied
+    big = q * 300.0
+    big[..., 0] = np.abs(big[..., 0])
+    k2 = k.copy()
+    k2[..., 0] = np.linspace(-3, 3, tk)
+    check_rules(big, k2, v, dtype_name, softcap=softcap, scale=1.0, enable_gqa=True)
+
+
+@pytest.mark.parametrize("slopes_shape", [(4,), (2, 4), (1,), (2, 1)])
+@pytest.mark.parametrize(("tq", "tk"), SIZES)
+def test_alibi(dtype_name, tiles, slopes_shape, tq, tk):
+    """Per query head (query head h reads key/value head h // G), per batch row or shared."""
+    q, k, v = problem(32, tq=tq, tk=tk)
+    slopes = np.random.default_rng(33).uniform(0.05, 2.0, size=slopes_shape)
+    for alignment in ALIGNMENTS:
+        for causal in (False, True):
+            check_rules(q, k, v, dtype_name, alibi_slopes=slopes.astype(dtype_name),
+                        is_causal=causal, causal_alignment=alignment, enable_gqa=True)
+
+
+def test_alibi_far_keys_underflow(dtype_name, tiles):
+    """Steep slopes: far keys' scores underflow, near ones decide every row."""
+    q, k, v = problem(34, h=2, hkv=2, tq=23, tk=29)
+    slopes = np.array([4.0, 40.0], dtype=dtype_name)
+    check_rules(q, k, v, dtype_name, alibi_slopes=slopes)
+    check_rules(q, k, v, dtype_name, alibi_slopes=slopes, is_causal=True,
+                causal_alignment="bottom_right")
+
+
+@pytest.mark.parametrize(("tq", "tk"), SIZES)
+def test_key_lengths(dtype_name, tiles, tq, tk):
+    """Lengths 0 (fully masked rows: 0 and -inf), Tk and in between, in both alignments."""
+    q, k, v = problem(35, b=4, tq=tq, tk=tk)
+    lengths = np.array([0, tk, 1, tk // 2 + 1])
+    for alignment in ALIGNMENTS:
+        for causal in (False, True):
+            out, lse = check_rules(q, k, v, dtype_name, key_lengths=lengths, is_causal=causal,
+                                   causal_alignment=alignment, enable_gqa=True)
+            assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0]))
+    # one length for every batch row, a Python int
+    check_rules(q, k, v, dtype_name, key_lengths=tk - 2, is_causal=True, enable_gqa=True)
+
+
+def test_key_lengths_move_positions(dtype_name, tiles):
+    """Bottom-right with key lengths: row b's queries end at key ``key_lengths[b] - 1``.
+
+    Decoding one token per row of a batch whose caches hold different numbers of
+    keys: each query sees exactly the window before its own row's last key.
+    """
+    q, k, v = problem(36, b=3, h=2, hkv=1, tq=1, tk=20)
+    lengths = np.array([20, 7, 12])
+    out, _ = run(q, k, v, dtype_name, key_lengths=lengths, window=(3, 0), is_causal=True,
+                 causal_alignment="bottom_right", enable_gqa=True)
+    for b, n in enumerate(lengths):
+        want, _ = oracle(q[b:b + 1], k[b:b + 1, :, n - 4:n], v[b:b + 1, :, n - 4:n],
+                         enable_gqa=True)
+        assert_close(out[b:b + 1], want, dtype_name)
+
+
+@pytest.mark.parametrize(("tq", "tk"), [*SIZES, (1, 21), (21, 1)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_every_rule_together(dtype_name, tiles, tq, tk, kind):
+    """Window, softcap, ALiBi, key lengths, a broadcast mask and GQA in one call."""
+    q, k, v = problem(37, b=3, h=6, hkv=2, tq=tq, tk=tk)
+    rng = np.random.default_rng(38)
+    mask = (rng.random((1, 6, tq, tk)) < 0.8 if kind == "bool"
+            else rng.standard_normal((3, 1, tq, tk)).astype(dtype_name))
+    slopes = rng.uniform(0.05, 1.0, size=(3, 6)).astype(dtype_name)
+    lengths = np.array([tk, 0, max(1, tk - 5)], dtype=np.int32)
+    for alignment in ALIGNMENTS:
+        for window in [(2, 1), (5, 0), (None, 0)]:
+            check_rules(q, k, v, dtype_name, mask, window=window, softcap=1.5,
+                        alibi_slopes=slopes, key_lengths=lengths, is_causal=True,
+                        causal_alignment=alignment, enable_gqa=True, scale=0.8)
+        check_rules(q, k, v, dtype_name, mask, window=(3, 2), alibi_slopes=slopes,
+                    key_lengths=lengths, causal_alignment=alignment, enable_gqa=True)
+
+
+def test_rows_outside_every_window(dtype_name, tiles):
+    """Rows whose window holds no key (before the first, after the key length): 0, -inf."""
+    q, k, v = problem(39, tq=19, tk=7)
+    out, lse = check_rules(q, k, v, dtype_name, window=(1, 0), is_causal=True,
+                           causal_alignment="bottom_right", enable_gqa=True)
+    assert np.all(out[..., :12, :] == 0) and np.all(np.isneginf(lse[..., :12]))
+    out, lse = check_rules(q, k, v, dtype_name, window=(2, 2), key_lengths=np.array([7, 3]),
+                           enable_gqa=True)
+    assert np.all(out[1, :, 5:] == 0) and np.all(np.isneginf(lse[1, :, 5:]))
+    assert not np.isnan(out).any()
+
+
+def test_rules_with_strided_read_only_inputs(dtype_name, tiles):
+    """(B, H, T, E) views of (B, T, H, E) arrays: bits of contiguous inputs; inputs untouched."""
+    q, k, v, mask = bthe_problem(dtype_name)
+    slopes = np.linspace(0.1, 0.8, 4).astype(dtype_name)
+    lengths = np.array([17, 9])
+    before = [x.copy() for x in (q, k, v, slopes, lengths)]
+    for x in (q, k, v, slopes, lengths):
+        x.flags.writeable = False
+    for alignment in ALIGNMENTS:
+        kw = {"window": (4, 1), "softcap": 2.0, "alibi_slopes": slopes, "key_lengths": lengths,
+              "is_causal": True, "causal_alignment": alignment, "enable_gqa": True,
+              "attn_mask": mask, "return_lse": True, "implementation": "chunked"}
+        out, lse = polyattn.scaled_dot_product_attention(q, k, v, **kw)
+        want_out, want_lse = polyattn.scaled_dot_product_attention(
+            *(np.ascontiguousarray(x) for x in (q, k, v)), **kw)
+        assert out.tobytes() == want_out.tobytes() and lse.tobytes() == want_lse.tobytes()
+        assert np.swapaxes(out, 1, 2).flags.c_contiguous
+        ref_out, ref_lse = oracle(q, k, v, mask, **{n: kw[n] for n in (
+            "window", "softcap", "alibi_slopes", "key_lengths", "is_causal",
+            "causal_alignment", "enable_gqa")})
+        check((out, lse), (ref_out, ref_lse, None), dtype_name)
+        # layout="BTHE": the (B, T, H, E) arrays themselves
+        bthe = polyattn.scaled_dot_product_attention(
+            *(np.swapaxes(x, 1, 2) for x in (q, k, v)), layout="BTHE", **kw)
+        np.testing.assert_array_equal(bthe[0], np.swapaxes(out, 1, 2))
+    for x, x0 in zip((q, k, v, slopes, lengths), before, strict=True):
+        np.testing.assert_array_equal(x, x0)
+
+
+def test_rules_with_bthe_views_are_not_copied(dtype_name, monkeypatch):
+    """No copy of q, k or v with a window, ALiBi and key lengths either."""
+    from polyattn.implementations._rules import Rules
+
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)
+    q, k, v, _ = bthe_problem(dtype_name, b=1, tq=512, tk=512, h=8, hkv=8, e=32, ev=32)
+    rules = Rules(tq=512, tk=512, causal=True, window=(100, 0), key_lengths=np.array([400]),
+                  alibi=np.full((1, 8), 0.1, dtype=dtype_name), softcap=5.0)
+
+    def peak(arrays):
+        tracemalloc.start()
+        try:
+            numpy_chunked.attention(*arrays, mask=None, causal_offset=0, scale=0.3, xp=np,
+                                    rules=rules)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("np.ascontiguousarray called on an input")
+
+    base = peak([np.ascontiguousarray(x) for x in (q, k, v)])
+    monkeypatch.setattr(np, "ascontiguousarray", no_copy)
+    assert peak((q, k, v)) < base + q.nbytes // 4, "a whole input was copied"
+
+
+def test_rules_threads_bitwise_identical(dtype_name, monkeypatch):
+    """Every rule at once: the same bits on 1, 2 or 3 threads (and inline)."""
+    monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
+    monkeypatch.setattr(numpy_chunked, "BLOCK_K", 16)
+    q, k, v = (x.astype(dtype_name) for x in problem(40, b=3, h=4, hkv=2, tq=67, tk=80, e=8))
+    rng = np.random.default_rng(41)
+    kw = {"window": (20, 3), "softcap": 3.0, "enable_gqa": True, "is_causal": True,
+          "alibi_slopes": rng.uniform(0.01, 0.3, size=(4,)).astype(dtype_name),
+          "key_lengths": np.array([80, 0, 41]), "causal_alignment": "bottom_right"}
+    mask = rng.random((67, 80)) < 0.9
+    results = []
+    with items_on_threads():
+        for n in (1, 2, 3):
+            monkeypatch.setattr(numpy_chunked, "NUM_THREADS", n)
+            results.append(run(q, k, v, dtype_name, mask, **kw))
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+    check(results[0], (*oracle(q, k, v, mask, **kw), None), dtype_name)
+
+
+def _visible(rules, tq, tk, lengths=None):
+    """Bool (B…, Tq, Tk) of §4.1's visibility (no attn_mask), written out element by element."""
+    rows = []
+    for n in ([tk] if lengths is None else lengths):
+        off = n - tq if rules.lengths_shift else rules.offset
+        left, right = rules.window or (None, None)
+        ok = np.zeros((tq, tk), dtype=bool)
+        for i in range(tq):
+            p = i + off
+            for j in range(n):
+                ok[i, j] = ((not rules.causal or j <= p)
+                            and (left is None or j >= p - left)
+                            and (right is None or j <= p + right))
+        rows.append(ok)
+    return rows
+
+
+@pytest.mark.parametrize("window", [None, (0, 0), (3, 0), (2, 6), (None, 2), (5, None)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize(("bq", "bk"), [(6, 4), (5, 16), (1, 1), (64, 64)])
+def test_band_tiles_cover_each_visible_score_once(window, causal, shift, bq, bk):
+    """Each score visible by window, causal mask and key length lies in exactly one rectangle."""
+    from polyattn.implementations._rules import Rules
+
+    tq, tk = 23, 29
+    lengths = np.array([0, 29, 11, 1])
+    rules = Rules(tq=tq, tk=tk, causal=causal, offset=tk - tq if shift else 0,
+                  key_lengths=lengths, lengths_shift=shift, window=window)
+    z = np.zeros((4, 1, tq, 4))
+    p = numpy_chunked._Problem(z, np.zeros((4, 1, tk, 4)), np.zeros((4, 1, tk, 4)), None,
+                               None, 1.0, rules)
+    for b, visible in enumerate(_visible(rules, tq, tk, lengths)):
+        seen = np.zeros((tq, tk), dtype=int)
+        for q0 in range(0, tq, bq):
+            q1 = min(q0 + bq, tq)
+            for r0, r1, k0, k1 in numpy_chunked._tiles(p, q0, q1, bk, (b,)):
+                assert 0 <= r0 < r1 <= q1 - q0 and 0 <= k0 < k1 <= lengths[b]
+                seen[q0 + r0:q0 + r1, k0:k1] += 1
+        assert (seen <= 1).all()
+        np.testing.assert_array_equal(seen[visible], 1)
+        assert (seen[~visible.any(axis=1)] == 0).all()
+
+
+def test_window_work_follows_the_band():
+    """At T = 32768 with window (1024, 0), the scores computed grow with T·window, not T².
+
+    The rectangles of the default tiles hold the band's T·1025 visible scores and
+    a margin of at most the key block width per row.
+    """
+    from polyattn.implementations._rules import Rules
+
+    areas = {}
+    for t in (8192, 32768):
+        rules = Rules(tq=t, tk=t, causal=True, window=(1024, 0))
+        z = np.zeros((1, 1, t, 64), dtype=np.float32)
+        p = numpy_chunked._Problem(z, z, z, None, 0, 1.0, rules)
+        area = 0
+        for q0 in range(0, t, p.bq):
+            for r0, r1, k0, k1 in numpy_chunked._tiles(p, q0, min(q0 + p.bq, t),
+                                                       p.key_block(p.bq)):
+                area += (r1 - r0) * (k1 - k0)
+        assert area <= t * (1025 + p.block_k)
+        areas[t] = area
+    # each row past the first 8192 adds the same band, not more: no T² term
+    assert (areas[32768] - areas[8192]) / (32768 - 8192) <= 1025 + p.block_k
+
+
+def test_window_memory_follows_the_band(monkeypatch):
+    """Peak extra memory of a windowed call at T = 8192: far below one T×T score matrix.
+
+    Everything allocated during the call (tracemalloc), output and scratch included,
+    against T²·itemsize = 256 MiB for the scores alone.
+    """
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 2)
+    t, h, e = 8192, 2, 16
+    rng = np.random.default_rng(42)
+    q, k, v = (rng.standard_normal((1, h, t, e)).astype(np.float32) for _ in range(3))
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        out = polyattn.scaled_dot_product_attention(q, k, v, is_causal=True, window=(1024, 0),
+                                                    implementation="chunked")
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < t * t * 4 / 32, f"{peak / 2**20:.1f} MiB"
+    # the last row sees exactly keys t - 1025 .. t - 1
+    want, _ = oracle(q[..., -1:, :], k[..., -1025:, :], v[..., -1025:, :])
+    assert_close(out[..., -1:, :], want, "float32")
+
+
+def test_public_api_runs_the_numpy_path_with_rules():
+    q = np.zeros((1, 2, 256, 16), dtype=np.float32)
+    e = polyattn.explain(q, q, q, window=(16, 0), is_causal=True, softcap=3.0,
+                         alibi_slopes=np.ones(2, dtype=np.float32), key_lengths=np.array([200]),
+                         implementation="chunked")
+    assert e.module == "polyattn.implementations.numpy_chunked"

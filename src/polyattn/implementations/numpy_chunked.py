@@ -23,11 +23,20 @@ al. 2022), written against NumPy itself so that the CPU is used well:
   between such blocks the exponentials may exceed 1 but stay far from
   overflow, and the result is exact either way (the shift cancels in
   ``acc / l`` and is added back in ``lse``).
-- **Causal skipping.** Key blocks wholly beyond the causal diagonal are never
-  computed, and a block on the diagonal only for the rows that see some of
-  it (:func:`_tiles`). The mask writes only its triangle, and on the cheap
-  path after the exponential (as zeros): NumPy's float64 ``exp`` is about 3×
-  slower per element on -inf.
+- **The visible area only.** Each item first computes, per query row, the
+  keys ``[lo, hi)`` that its batch row's key length, the causal mask and the
+  window leave visible (DESIGN §4.1; both bounds grow with the row). Key
+  blocks run from the first such key to the last, and each block is computed
+  only for the rows that see some of it (:func:`_band_tiles`), so time and
+  memory follow the visible band: T·window under a sliding window, not T².
+  Only tiles that straddle an edge of the band write a mask, and only its
+  triangles; on the cheap path after the exponential (as zeros): NumPy's
+  float64 ``exp`` is about 3× slower per element on -inf.
+- **Scores in §4.1's order.** Soft-capping ``c·tanh(s/c)`` cannot take the
+  shift inside the product, so with it the queries' extra column stays 0 and
+  ``m`` is subtracted after the cap. ALiBi's ``-slope_h·|p_i - j|`` (the slope
+  of each query head of the item) and a float mask are added to the shifted
+  scores. Key lengths and slopes are read as NumPy arrays.
 - **Cores busy, other threads untouched.** NumPy releases the GIL inside BLAS
   and ufunc loops, so a thread pool runs the items concurrently, each writing
   its own slice of the output. The parallelism is across items, so each
@@ -76,6 +85,8 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+
+from ._rules import Rules
 
 #: Query rows per work item in float32, summed over the G heads of a group
 #: (bq = BLOCK_Q // G); half as many in float64, so a block of scores keeps its size.
@@ -254,19 +265,40 @@ def _blas_ready(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+def _row(a: np.ndarray, b: tuple[int, ...]) -> Any:
+    """``a[b]`` for an array whose leading ``len(b)`` axes broadcast against B… (size 1 or full)."""
+    return a[tuple(0 if a.shape[d] == 1 else b[d] for d in range(len(b)))]
+
+
 class _Problem:
-    """The arrays and sizes every work item reads, and the per-thread scratch."""
+    """The arrays, sizes and rules every work item reads, and the per-thread scratch.
+
+    ``rules`` (a :class:`._rules.Rules`) is authoritative where given; otherwise the
+    rules are those of ``causal_offset`` alone.
+    """
 
     def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                 causal_offset: int | None, scale: float) -> None:
+                 causal_offset: int | None, scale: float, rules: Rules | None = None) -> None:
         self.q, self.k, self.v, self.mask = q, k, v, mask
-        self.causal_offset = causal_offset
         self.dtype = q.dtype
         self.qscale = self.dtype.type(scale)
         self.hkv = k.shape[-3]
         self.g = q.shape[-3] // self.hkv
         self.tq, self.tk = q.shape[-2], k.shape[-2]
         self.e, self.ev = q.shape[-1], v.shape[-1]
+        self.rules = rules or Rules.from_causal_offset(causal_offset, self.tq, self.tk)
+        # how far left and right of its position a query sees (None: unbounded); a reach
+        # beyond Tq + Tk covers every key from every position, so it is capped there
+        reach = self.tq + self.tk
+        left, right = self.rules.left_reach(), self.rules.right_reach()
+        self.left = None if left is None else min(left, reach)
+        self.right = None if right is None else min(right, reach)
+        self.banded = self.left is not None or self.right is not None
+        self.lengths = (None if self.rules.key_lengths is None
+                        else np.asarray(self.rules.key_lengths))     # (B…|1 …), integers
+        self.slopes = (None if self.rules.alibi is None
+                       else np.asarray(self.rules.alibi, dtype=self.dtype))  # (B…|1 …, H|1)
+        self.softcap = None if self.rules.softcap is None else self.dtype.type(self.rules.softcap)
         self.block_k = max(1, int(BLOCK_K))
         rows = max(1, int(BLOCK_Q) * 4 // self.dtype.itemsize)
         self.bq = max(1, rows // self.g)             # query rows per head in an item
@@ -278,18 +310,63 @@ class _Problem:
         self.pending: dict[tuple[Any, ...], threading.Event] = {}  # set once built
         self.failed: dict[tuple[Any, ...], BaseException] = {}     # builds that raised
         self.scratch = threading.local()             # freed with the call
-        self._hidden: dict[tuple[int, int, int], np.ndarray] = {}
+        self._edges: tuple[np.ndarray, np.ndarray] | None = None
 
     def key_block(self, rows: int) -> int:
         """Keys per block for an item of ``rows`` query rows per head.
 
-        Without a causal mask, an item with fewer rows than a full block (short
-        Tq) takes wider key blocks, so its block of scores keeps the cache-sized
-        area; with one, narrower blocks waste less above the diagonal.
+        Where every row sees every key (up to its batch row's key length), an item
+        with fewer rows than a full block (short Tq) takes wider key blocks, so its
+        block of scores keeps the cache-sized area; under a causal mask or a window,
+        narrower blocks waste less outside the visible band.
         """
-        if self.causal_offset is not None:
+        if self.banded:
             return self.block_k
         return max(self.block_k, self.block_elems // (self.g * rows))
+
+    def key_ranges(self, b: tuple[int, ...], q0: int, q1: int,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Positions ``p_i`` and visible keys ``[lo_i, hi_i)`` of queries q0:q1 in batch row b.
+
+        Three int64 arrays (q1 - q0,). Key ``j`` is visible to query ``i`` (by key
+        length, causal mask and window; ``attn_mask`` aside) iff ``lo_i <= j < hi_i``.
+        Both bounds are non-decreasing in ``i``, so the rows that see some key
+        (``hi > lo``) are one run, and so are those that see any given key.
+        """
+        n = self.tk if self.lengths is None else int(_row(self.lengths, b))   # Tk_b
+        offset = n - self.tq if self.rules.lengths_shift else self.rules.offset
+        pos = np.arange(q0 + offset, q1 + offset, dtype=np.int64)   # p_i
+        if self.right is None:
+            hi = np.full(q1 - q0, n, dtype=np.int64)
+        else:
+            hi = np.clip(pos + (self.right + 1), 0, n)
+        if self.left is None:
+            lo = np.zeros(q1 - q0, dtype=np.int64)
+        else:
+            lo = np.clip(pos - self.left, 0, n)
+        return pos, lo, hi
+
+    def neg_slopes(self, b: tuple[int, ...], hk: int) -> np.ndarray | None:
+        """``-slope_h`` (G, 1, 1) of the query heads of item (b, hk); ``None`` without ALiBi."""
+        if self.slopes is None:
+            return None
+        heads = _row(self.slopes, b)                 # (H|1,)
+        if heads.shape[-1] != 1:
+            heads = heads[hk * self.g:(hk + 1) * self.g]
+        return -np.broadcast_to(heads.reshape(-1, 1, 1), (self.g, 1, 1))   # (G, 1, 1)
+
+    def edges(self, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bool (rows, cols) ``x >= t`` and its complement ``x < t`` (row t, column x).
+
+        Slices of two triangles built once per call: a window's or a causal mask's
+        edge moves one key per query row, so its hidden part of a tile is one of them.
+        """
+        e = self._edges
+        if e is None or e[0].shape[0] < rows or e[0].shape[1] < cols:
+            n_rows, n_cols = max(rows, self.bq), max(cols, self.block_k)
+            upper = np.arange(n_cols)[None, :] >= np.arange(n_rows)[:, None]
+            e = self._edges = (upper, ~upper)
+        return e[0][:rows, :cols], e[1][:rows, :cols]
 
     def extended_keys(self, b: tuple[int, ...], hk: int) -> np.ndarray:
         """``[k | 1]`` (Tk, E + 1) of (b, hk), built once per call.
@@ -327,14 +404,6 @@ class _Problem:
         ke[:, self.e] = 1.0
         return ke
 
-    def hidden(self, rows: int, cols: int, delta: int) -> np.ndarray:
-        """Bool (rows, cols): key c hidden from row r when ``c > r + delta`` (cached)."""
-        key = (rows, cols, delta)
-        h = self._hidden.get(key)
-        if h is None:
-            h = self._hidden[key] = np.arange(cols)[None, :] > np.arange(rows)[:, None] + delta
-        return h
-
     def buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A scratch array of this thread, reused by the items it runs in this call."""
         size = math.prod(shape)
@@ -358,65 +427,128 @@ class _Problem:
         return m[ix]
 
 
+class _Item:
+    """One work item: batch row ``b``, key/value head ``hk``, queries ``q0:q1``.
+
+    With the positions ``pos`` and visible keys ``[lo, hi)`` of its rows
+    (:meth:`_Problem.key_ranges`) and the negated ALiBi slopes of its G heads.
+    """
+
+    __slots__ = ("b", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1")
+
+    def __init__(self, p: _Problem, b: tuple[int, ...], hk: int, q0: int) -> None:
+        self.b, self.hk, self.q0 = b, hk, q0
+        self.q1 = min(q0 + p.bq, p.tq)
+        self.pos, self.lo, self.hi = p.key_ranges(b, q0, self.q1)
+        self.neg_slopes = p.neg_slopes(b, hk)
+
+
 def _flat(x: np.ndarray) -> np.ndarray:
     """(G, R, F) -> (G·R, F) when that is a view (one BLAS call instead of G)."""
     return x.reshape(-1, x.shape[-1]) if x.flags.c_contiguous else x
 
 
-def _scores(p: _Problem, qe: np.ndarray, ke: np.ndarray, b: tuple[int, ...], hk: int,
-            q0: int, q1: int, k0: int, k1: int, s: np.ndarray, *, hide: bool = True) -> None:
-    """``s = [q·scale | -m] @ [k | 1]ᵀ`` for queries q0:q1 and keys k0:k1, masked.
+def _scores(p: _Problem, it: _Item, qe: np.ndarray, ke: np.ndarray, m: np.ndarray, r0: int,
+            r1: int, k0: int, k1: int, s: np.ndarray, *, hide: bool = True) -> None:
+    """The scores of rows r0:r1 of item ``it`` and keys k0:k1, shifted by ``-m``, into ``s``.
 
-    ``qe`` (G, q1 - q0, E + 1) and ``s`` (G, q1 - q0, k1 - k0). A float mask is
-    added; hidden entries (boolean mask, causal) are -inf, or left as they are
-    with ``hide=False`` (for :func:`_hide` to zero after the exponential).
+    ``qe`` (G, r1 - r0, E + 1) holds the scaled queries and, without soft-capping,
+    the column ``-m``; ``m`` (G, r1 - r0); ``s`` (G, r1 - r0, k1 - k0). In §4.1's
+    order: ``[q·scale | -m] @ [k | 1]ᵀ`` (with soft-capping the product has a 0
+    column, the cap applies, then ``m`` is subtracted), ALiBi's ``-slope·|p - j|``,
+    the float mask. Hidden entries (boolean mask, key lengths, causal, window) are
+    -inf, or left as they are with ``hide=False`` (for :func:`_hide` to zero after
+    the exponential).
     """
     if qe.flags.c_contiguous:
-        np.matmul(_flat(qe), ke[k0:k1].T, out=_flat(s))  # (G·bq, bk)
+        np.matmul(_flat(qe), ke[k0:k1].T, out=_flat(s))  # (G·r, bk)
     else:
-        np.matmul(qe, ke[k0:k1].T, out=s)                # (G, bq, bk), one product per head
-    mb = p.mask_block(b, hk, q0, q1, k0, k1)
+        np.matmul(qe, ke[k0:k1].T, out=s)                # (G, r, bk), one product per head
+    if p.softcap is not None:                            # c·tanh(s / c) - m
+        np.divide(s, p.softcap, out=s)
+        np.tanh(s, out=s)
+        np.multiply(s, p.softcap, out=s)
+        np.subtract(s, m[..., None], out=s)
+    if it.neg_slopes is not None:                        # - slope_h·|p_i - j|
+        dist = p.buffer("dist", (r1 - r0, k1 - k0))
+        np.subtract(it.pos[r0:r1, None].astype(p.dtype), np.arange(k0, k1, dtype=p.dtype),
+                    out=dist)
+        np.abs(dist, out=dist)
+        bias = p.buffer("bias", s.shape)
+        np.multiply(it.neg_slopes, dist, out=bias)       # (G, r, bk)
+        s += bias
+    mb = p.mask_block(it.b, it.hk, it.q0 + r0, it.q0 + r1, k0, k1)
     if mb is not None and mb.dtype != np.bool_:
         s += mb
     if hide:
-        _hide(p, s, b, hk, q0, q1, k0, k1, -np.inf)
+        _hide(p, it, s, r0, r1, k0, k1, -np.inf)
 
 
-def _hide(p: _Problem, s: np.ndarray, b: tuple[int, ...], hk: int, q0: int, q1: int,
-          k0: int, k1: int, value: float) -> None:
-    """Set the entries of ``s`` hidden by a boolean mask or the causal mask to ``value``.
+def _hide(p: _Problem, it: _Item, s: np.ndarray, r0: int, r1: int, k0: int, k1: int,
+          value: float) -> None:
+    """Set the entries of ``s`` hidden by a boolean mask, a causal mask or a window to ``value``.
 
     The cheap path exponentiates first and then writes 0 here: NumPy's float64
     ``exp`` takes a slow path for -inf (about 3× the time per element), and an
     entry overwritten afterwards cannot leak, whatever the exponential made of it.
+    Key lengths need nothing here: no tile reaches past them (:func:`_band_tiles`).
     """
-    mb = p.mask_block(b, hk, q0, q1, k0, k1)
+    mb = p.mask_block(it.b, it.hk, it.q0 + r0, it.q0 + r1, k0, k1)
     if mb is not None and mb.dtype == np.bool_:
         np.copyto(s, value, where=~mb)
-    if p.causal_offset is not None:
-        d = q0 + p.causal_offset - k0            # row r of the tile sees columns c <= r + d
-        w = k1 - k0
-        if w - 1 > d:                            # some column is hidden from the first row
-            # only the triangle is written: columns before c are seen by every row,
-            # and rows from n on see every column
-            c = max(0, d + 1)
-            n = min(q1 - q0, w - 1 - d)
-            np.copyto(s[..., :n, c:], value, where=p.hidden(n, w - c, d - c))
+    if not p.banded:
+        return
+    w = k1 - k0
+    # rows whose visible keys end inside the block: a leading run of the tile's rows, row
+    # r0 + t seeing columns c < hi[r0] - k0 + t (the edge moves one key per row)
+    rh = min(r1, int(np.searchsorted(it.hi, k1, side="left")))
+    if rh > r0:
+        c = int(it.hi[r0]) - k0
+        right, _ = p.edges(rh - r0, w - c)
+        np.copyto(s[:, :rh - r0, c:], value, where=right)
+    # rows whose visible keys start inside the block: a trailing run, row rl + t seeing
+    # columns c >= lo[rl] - k0 + t; the first lo[rl] - k0 columns are hidden from all of them
+    rl = max(r0, int(np.searchsorted(it.lo, k0, side="right")))
+    if r1 > rl:
+        d = int(it.lo[rl]) - k0
+        n = r1 - rl
+        s[:, rl - r0:, :d] = value
+        _, left = p.edges(n, n - 1)
+        np.copyto(s[:, rl - r0:, d:d + n - 1], value, where=left)
 
 
-def _tiles(p: _Problem, q0: int, q1: int, bk: int) -> Iterator[tuple[int, int, int, int]]:
-    """The (r0, r1, k0, k1) rectangles of scores that rows q0:q1 of an item need.
+def _band_tiles(lo: np.ndarray, hi: np.ndarray, bk: int) -> Iterator[tuple[int, int, int, int]]:
+    """The (r0, r1, k0, k1) rectangles of scores that rows with visible keys [lo, hi) need.
+
+    Keys come in blocks of ``bk`` from the first key any row sees to the last; each
+    block covers only the rows that see some of it (a run, as both bounds grow with
+    the row). Rows that see no key at all are in no rectangle.
+    """
+    seen = np.flatnonzero(hi > lo)
+    if seen.size == 0:
+        return
+    k_start, k_stop = int(lo[seen[0]]), int(hi[seen[-1]])
+    for k0 in range(k_start, k_stop, bk):
+        k1 = min(k0 + bk, k_stop)
+        r0 = int(np.searchsorted(hi, k0, side="right"))   # first row with hi > k0
+        r1 = int(np.searchsorted(lo, k1, side="left"))    # first row with lo >= k1
+        if r0 < r1:
+            yield r0, r1, k0, k1
+
+
+def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (),
+           ) -> Iterator[tuple[int, int, int, int]]:
+    """The (r0, r1, k0, k1) rectangles of scores that rows q0:q1 of batch row ``b`` need.
 
     Rows are relative to q0; keys come in blocks of ``bk``. Under a causal mask
     (row q0 + r sees keys j <= q0 + r + offset) the blocks stop at the last key
     the item's last row sees, and each block starts at the first row that sees
-    any of it. Rows that see no key at all are in no rectangle.
+    any of it; a window also drops the rows that see only keys after the block,
+    and the blocks before the first key any row sees; key lengths end the blocks
+    at the batch row's last key. ``b`` is needed only with key lengths.
     """
-    off = p.causal_offset
-    k_stop = p.tk if off is None else min(p.tk, q1 + off)
-    for k0 in range(0, k_stop, bk):
-        r0 = 0 if off is None else max(0, k0 - off - q0)
-        yield r0, q1 - q0, k0, min(k0 + bk, k_stop)
+    _, lo, hi = p.key_ranges(b, q0, q1)
+    return _band_tiles(lo, hi, bk)
 
 
 def _attend_item(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.ndarray,
@@ -436,26 +568,23 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
 
     Per row: ``m`` (a shift at most ``log(RESCALE_LIMIT)`` below the running
     maximum), ``l = Σ exp(s - m)`` and ``acc = Σ exp(s - m) v``, with ``s`` the
-    scaled scores. Each key block takes the cheap path (exponentiate
+    scores of §4.1. Each key block takes the cheap path (exponentiate
     the already shifted scores, sum, multiply by ``v``) and is redone exactly
     (new maximum, rescaled ``l`` and ``acc``) only when a row's block sum is
     above ``RESCALE_LIMIT``, or below ``2**-60`` for a row that has no mass yet
-    (underflow, or a row fully masked so far). Under a causal mask the scores are
-    computed in the rectangles of :func:`_tiles`, which follow the diagonal.
+    (underflow, or a row fully masked so far). The scores are computed only in
+    the rectangles of :func:`_band_tiles`, which follow the visible band.
     """
+    it = _Item(p, b, hk, q0)
     g, e, ev = p.g, p.e, p.ev
-    q1 = min(q0 + p.bq, p.tq)
-    bq = q1 - q0
+    bq = it.q1 - q0
     bk = p.key_block(bq)
     heads = slice(hk * g, (hk + 1) * g)
-    ix: tuple[Any, ...] = (*b, heads, slice(q0, q1))
+    ix: tuple[Any, ...] = (*b, heads, slice(q0, it.q1))
     out_slice = out[ix]                              # (G, bq, Ev)
     lse_slice = lse[ix]                              # (G, bq)
 
-    ke = p.extended_keys(b, hk)                       # (Tk, E + 1)
-    vb = p.v[(*b, hk)]                                # (Tk, Ev)
-
-    # --- queries of the G heads, scaled once, extended by the column -m
+    # --- queries of the G heads, scaled once, extended by the column -m (0 with softcap)
     qe = p.buffer("q", (g, bq, e + 1))
     np.multiply(p.q[ix], p.qscale, out=qe[..., :e])
     qe[..., e] = 0.0
@@ -466,18 +595,22 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     l.fill(0.0)
     acc.fill(0.0)
 
-    for r0, r1, k0, k1 in _tiles(p, q0, q1, bk):
+    tiles = list(_band_tiles(it.lo, it.hi, bk))
+    if tiles:                                        # (none where no row sees a key)
+        ke = p.extended_keys(b, hk)                  # (Tk, E + 1)
+        vb = p.v[(*b, hk)]                           # (Tk, Ev)
+    for r0, r1, k0, k1 in tiles:
         rows = slice(r0, r1)
         r = r1 - r0
         s = p.buffer("s", (g, r, k1 - k0))
         l_blk = p.buffer("l_blk", (g, r))
         pv = p.buffer("pv", (g, r, ev))
         qr, mr, lr, accr = qe[:, rows], m[:, rows], l[:, rows], acc[:, rows]
-        _scores(p, qr, ke, b, hk, q0 + r0, q0 + r1, k0, k1, s, hide=False)
+        _scores(p, it, qr, ke, mr, r0, r1, k0, k1, s, hide=False)
         # --- cheap path: p = exp(s - m) in place, hidden entries then set to 0;
         # l_blk = p·1, a matrix-vector product
         np.exp(s, out=s)
-        _hide(p, s, b, hk, q0 + r0, q0 + r1, k0, k1, 0.0)
+        _hide(p, it, s, r0, r1, k0, k1, 0.0)
         np.matmul(s, p.ones[:k1 - k0], out=l_blk)
         # two reductions settle the usual case; the row-wise test only runs when they
         # do not (a large or tiny sum somewhere, or a NaN)
@@ -488,7 +621,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
             lr += l_blk
             continue
         # --- exact path: d = how far each row's shift moves
-        _scores(p, qr, ke, b, hk, q0 + r0, q0 + r1, k0, k1, s)
+        _scores(p, it, qr, ke, mr, r0, r1, k0, k1, s)
         d = p.buffer("d", (g, r))
         alpha = p.buffer("alpha", (g, r))
         np.max(s, axis=-1, out=d)
@@ -511,7 +644,8 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         lr *= alpha
         lr += l_blk
         mr += d
-        np.negative(mr, out=qr[..., e])
+        if p.softcap is None:
+            np.negative(mr, out=qr[..., e])
 
     # --- normalise: out = acc / l, lse = m + log l; l == 0 (fully masked, including rows
     # that see no key): 0, -inf. A NaN in l, from a NaN input, propagates to out and lse.
@@ -541,16 +675,33 @@ def _output(q: np.ndarray, ev: int) -> np.ndarray:
 
 
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
-              scale: float, xp: Any) -> tuple[Any, Any]:
+              scale: float, xp: Any, rules: Rules | None = None) -> tuple[Any, Any]:
     """Blocked, multi-threaded attention on NumPy arrays; see :mod:`polyattn.implementations`.
 
     ``xp`` is accepted for the common signature; the arrays must be NumPy arrays. They
     may be strided views (no copy is made of ``q`` or ``k``, nor of ``v`` where its rows
     are contiguous), and ``out`` follows the memory order of ``q`` (:func:`_output`).
+    ``rules`` (windows, key lengths, soft-capping, ALiBi) replaces ``causal_offset``
+    where given; its key lengths and slopes are read as NumPy arrays.
+
+    Examples
+    --------
+    A causal sliding window of 2 keys to the left on a (B, H, T, E) problem:
+
+    >>> import numpy as np
+    >>> from polyattn.implementations import numpy_chunked
+    >>> from polyattn.implementations._rules import Rules
+    >>> q = k = v = np.ones((1, 2, 6, 4))
+    >>> rules = Rules(tq=6, tk=6, causal=True, window=(2, 0))
+    >>> out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.5,
+    ...                                    xp=np, rules=rules)
+    >>> out.shape, np.exp(lse[0, 0] - 0.5 * 4).round(6).tolist()   # keys seen per row
+    ((1, 2, 6, 4), [1.0, 2.0, 3.0, 3.0, 3.0, 3.0])
     """
     q, k = np.asarray(q), np.asarray(k)   # read into per-item buffers only: any strides
     v = _blas_ready(np.asarray(v))        # a BLAS operand as it is
-    problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset, scale)
+    problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset, scale,
+                       rules)
     out = _output(q, problem.ev)                  # (B…, H, Tq, Ev)
     lse = np.empty(q.shape[:-1], dtype=q.dtype)   # (B…, H, Tq)
     items = [(b, hk, q0) for b in np.ndindex(*q.shape[:-3]) for hk in range(problem.hkv)
