@@ -10,6 +10,7 @@ float64 NumPy reference written here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -43,7 +44,11 @@ if not SIMULATOR and _gpu_reason() is not None:
         allow_module_level=True,
     )
 
+import polyattn  # noqa: E402
+from polyattn._problem import prepare  # noqa: E402
 from polyattn.implementations import numba_cuda  # noqa: E402
+from polyattn.implementations import reference as reference_implementation  # noqa: E402
+from polyattn.implementations._rules import Rules  # noqa: E402
 
 # Small tiles: small shapes then cover several query blocks and key tiles.
 SMALL_TILES = {"block_q": 8, "block_k": 4}
@@ -389,15 +394,303 @@ def test_head_buckets():
 
 def test_specializations_cover_every_combination():
     specs = list(numba_cuda.specializations())
-    expected = (len(numba_cuda.DTYPES) * len(numba_cuda.HEAD_DIM_BUCKETS)
-                * len(numba_cuda.MASK_KINDS))
+    attention_kernels = (len(numba_cuda.DTYPES) * len(numba_cuda.HEAD_DIM_BUCKETS)
+                         * len(numba_cuda.MASK_KINDS) * 2)  # plain and with score modifiers
+    expected = attention_kernels + len(numba_cuda.DTYPES)  # and one split merge per dtype
     assert len(specs) == expected
     assert len({fn.__name__ for fn, _ in specs}) == expected
+    assert sum("_mods" in fn.__name__ for fn, _ in specs) == attention_kernels // 2
 
 
 def test_availability_reports_a_reason():
     usable, reason = numba_cuda.availability(namespace(), (to_library(np.zeros((1, 1, 1))),))
     assert usable and reason
+
+
+# --------------------------------------------------------------------------- #
+# Rules: windows, soft-capping, ALiBi, key lengths, positions (DESIGN §4.1)
+# --------------------------------------------------------------------------- #
+
+def prepared(q, k, v, dtype, *, mask=None, is_causal=False, alignment="top_left",
+             window=None, softcap=None, alibi_slopes=None, key_lengths=None):
+    """The Problem that the public API hands to implementations, for inputs cast to
+    ``dtype`` (float64: the values the float32 run sees, rounded, then widened)."""
+    def cast(a):
+        return None if a is None else a.astype(dtype)
+
+    if mask is not None and mask.dtype != bool:
+        mask = cast(mask)
+    return prepare(cast(q), cast(k), cast(v), attn_mask=mask, is_causal=is_causal,
+                   causal_alignment=alignment, scale=None, enable_gqa=True, window=window,
+                   softcap=softcap, alibi_slopes=cast(alibi_slopes), key_lengths=key_lengths)
+
+
+def run_rules(q, k, v, *, dtype="float64", tiles=None, **options):
+    """Kernel (out, lse) on the prepared problem, and polyattn's reference on the float64
+    problem built from the same (rounded) values."""
+    rounded = [None if a is None else a.astype(dtype).astype(np.float64)
+               for a in (q, k, v, options.get("alibi_slopes"))]
+    ref_options = dict(options, alibi_slopes=rounded[3])
+    mask = options.get("mask")
+    if mask is not None and mask.dtype != bool:
+        ref_options["mask"] = mask.astype(dtype).astype(np.float64)
+    ref = prepared(*rounded[:3], "float64", **ref_options)
+    ref_out, ref_lse = reference_implementation.attention(
+        ref.q, ref.k, ref.v, mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale,
+        xp=ref.xp, rules=ref.rules)
+    got = prepared(q, k, v, dtype, **options)
+    out, lse = numba_cuda.attention(
+        convert_problem(got.q), convert_problem(got.k), convert_problem(got.v),
+        mask=None if got.mask is None else convert_problem(got.mask),
+        causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
+        rules=rules_on_device(got.rules), **(SMALL_TILES if tiles is None else tiles))
+    return (out, lse), (np.asarray(ref_out), np.asarray(ref_lse))
+
+
+def convert_problem(a):
+    return to_library(np.asarray(a))
+
+
+def rules_on_device(rules):
+    """The prepared rules with their arrays in the kernel's array library."""
+    arrays = {name: getattr(rules, name) for name in ("key_lengths", "alibi")}
+    moved = {n: None if a is None else convert_problem(a) for n, a in arrays.items()}
+    return dataclasses.replace(rules, **moved)
+
+
+def feature_options(names, rng, *, batch, h, tk):
+    """Keyword arguments turning on ``names``: a narrow window, a bending softcap,
+    slopes per batch row and head, and batch rows with fewer keys than Tk."""
+    options = {}
+    if "window" in names:
+        options["window"] = (3, 1)
+    if "softcap" in names:
+        options["softcap"] = 1.5
+    if "alibi" in names:
+        options["alibi_slopes"] = rng.uniform(0.1, 1.0, (*batch, h))
+    if "key_lengths" in names:
+        options["key_lengths"] = np.array([tk, tk - 5, 2][:batch[0]])
+    return options
+
+
+FEATURES = ("window", "softcap", "alibi", "key_lengths")
+COMBOS = [("window",), ("softcap",), ("alibi",), ("key_lengths",), ("window", "key_lengths"),
+          ("softcap", "alibi"), FEATURES]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("combo", COMBOS, ids="+".join)
+def test_rules_against_the_reference(combo, alignment, causal, dtype):
+    rng = np.random.default_rng(20)
+    tq, tk = (9, 13) if alignment == "top_left" else (6, 14)
+    q, k, v = make_inputs(rng, (2,), 4, 2, tq, tk, 4, 3)
+    options = feature_options(combo, rng, batch=(2,), h=4, tk=tk)
+    got, ref = run_rules(q, k, v, dtype=dtype, is_causal=causal, alignment=alignment,
+                         **options)
+    assert_matches(*got, *ref, dtype)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("decode", [False, True], ids=["rows", "decode"])
+def test_every_rule_with_a_mask_gqa_and_broadcast_batch(kind, decode):
+    rng = np.random.default_rng(21)
+    tq, tk = (3, 17) if decode else (10, 17)
+    q, k, v = make_inputs(rng, (2, 2), 4, 2, tq, tk, 5, 3)
+    mask = make_mask(rng, kind, (2, 1, 1, tq, tk))
+    options = dict(window=(6, None), softcap=2.0, alibi_slopes=rng.uniform(0.1, 1, (2, 1, 4)),
+                   key_lengths=np.array([[17, 9], [0, 12]]), is_causal=True,
+                   alignment="bottom_right", mask=mask)
+    tiles = dict(SMALL_TILES, decode=decode, num_splits=3 if decode else 1)
+    got, ref = run_rules(q, k, v, dtype="float64", tiles=tiles, **options)
+    assert_matches(*got, *ref, "float64")
+
+
+@pytest.mark.parametrize("window", [(0, 0), (2, None), (None, 3), (40, 40)],
+                         ids=["diagonal", "left", "right", "wider_than_keys"])
+def test_window_sides(window):
+    rng = np.random.default_rng(22)
+    q, k, v = make_inputs(rng, (1,), 2, 2, 11, 11, 4, 4)
+    got, ref = run_rules(q, k, v, window=window)
+    assert_matches(*got, *ref, "float64")
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (2,)], ids=["scalar", "one", "per_row"])
+def test_key_lengths_broadcast_and_integer_dtypes(shape):
+    rng = np.random.default_rng(23)
+    q, k, v = make_inputs(rng, (2,), 2, 1, 4, 10, 4, 4)
+    lengths = np.array([7, 3][:shape[0]] if shape else 6, dtype=np.int32).reshape(shape)
+    got, ref = run_rules(q, k, v, key_lengths=lengths, is_causal=True, alignment="bottom_right")
+    assert_matches(*got, *ref, "float64")
+
+
+@pytest.mark.parametrize("slopes_shape", [(1, 3), (2, 1), (1, 1)])
+def test_alibi_slopes_broadcast(slopes_shape):
+    rng = np.random.default_rng(24)
+    q, k, v = make_inputs(rng, (2,), 3, 3, 5, 8, 4, 4)
+    slopes = rng.uniform(0.2, 1.0, slopes_shape)
+    got, ref = run_rules(q, k, v, alibi_slopes=slopes, is_causal=True)
+    assert_matches(*got, *ref, "float64")
+
+
+def test_rules_without_features_equal_the_causal_offset():
+    rng = np.random.default_rng(25)
+    q, k, v = make_inputs(rng, (1,), 2, 2, 7, 12, 4, 4)
+    rules = Rules(tq=7, tk=12, causal=True, offset=5)
+    plain = numba_cuda.attention(*(to_library(a) for a in (q, k, v)), mask=None,
+                                 causal_offset=5, scale=0.5, xp=namespace(), **SMALL_TILES)
+    ruled = numba_cuda.attention(*(to_library(a) for a in (q, k, v)), mask=None,
+                                 causal_offset=None, scale=0.5, xp=namespace(), rules=rules,
+                                 **SMALL_TILES)
+    ref = reference(q, k, v, None, 5, 0.5)
+    assert_matches(*plain, *ref, "float64")
+    assert_matches(*ruled, *ref, "float64")
+
+
+def test_keys_outside_the_visible_area_are_never_read():
+    # NaN keys and values past each row's key length and left of the window: a
+    # kernel that loaded and multiplied them (even by a zero weight) would give NaN.
+    rng = np.random.default_rng(26)
+    q, k, v = make_inputs(rng, (2,), 2, 2, 2, 30, 4, 4)
+    lengths = np.array([30, 19])
+    options = dict(window=(4, 0), is_causal=True, alignment="bottom_right",
+                   key_lengths=lengths)
+    _, ref = run_rules(q, k, v, **options)
+    for b, n in enumerate(lengths):
+        k[b, :, : n - 6] = v[b, :, : n - 6] = np.nan
+        k[b, :, n:] = v[b, :, n:] = np.nan
+    for tiles in (SMALL_TILES, dict(SMALL_TILES, decode=True, num_splits=3),
+                  dict(SMALL_TILES, decode=False)):
+        (out, lse), _ = run_rules(q, k, v, tiles=tiles, **options)
+        assert_matches(out, lse, *ref, "float64")
+
+
+# --------------------------------------------------------------------------- #
+# Decoding: key lanes and split keys (flash-decoding)
+# --------------------------------------------------------------------------- #
+
+def test_launch_plan_follows_the_shape():
+    bq = numba_cuda.BLOCK_Q
+    long_keys = numba_cuda.SPLIT_MIN_KEYS * numba_cuda.MAX_SPLITS
+    rows, lanes, splits = numba_cuda.launch_plan(1, long_keys, 4, bq)
+    assert rows == 1 and lanes == bq and splits > 1            # one step over a long cache
+    rows, lanes, splits = numba_cuda.launch_plan(5, long_keys, 4, bq)
+    assert rows == 8 and rows * lanes == bq and splits > 1     # a few speculative tokens
+    assert numba_cuda.launch_plan(1, numba_cuda.SPLIT_MIN_KEYS - 1, 4, bq)[2] == 1
+    assert numba_cuda.launch_plan(bq * 8, bq * 8, 4096, bq) == (bq, 1, 1)  # prefill
+    blocks = numba_cuda.TARGET_BLOCKS
+    assert numba_cuda.launch_plan(1, long_keys * 4, blocks, bq)[2] == 1   # grid already full
+    assert numba_cuda.launch_plan(1, long_keys * 4, 1, bq)[2] == numba_cuda.MAX_SPLITS
+    assert numba_cuda.launch_plan(3, 100, 4, 8, decode=False, num_splits=5) == (8, 1, 5)
+
+
+# (Tq, Tk, key lengths): one step, a few tokens, Tq > lanes' rows; splits beyond tiles
+DECODE = {"step": (1, 37, [37, 20]), "tokens": (3, 29, [29, 0]), "eight": (8, 21, [5, 21])}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("name", list(DECODE))
+def test_split_keys_match_the_reference_and_the_plain_launch(name, splits, dtype):
+    tq, tk, lengths = DECODE[name]
+    rng = np.random.default_rng(27)
+    q, k, v = make_inputs(rng, (2,), 4, 2, tq, tk, 4, 5)
+    mask = make_mask(rng, "bool", (2, 4, tq, tk))
+    mask[1, 2] = False  # a fully masked head
+    options = dict(is_causal=True, alignment="bottom_right", key_lengths=np.array(lengths),
+                   softcap=3.0, alibi_slopes=rng.uniform(0.0, 0.3, (4,)), mask=mask)
+    split, ref = run_rules(q, k, v, dtype=dtype, tiles=dict(SMALL_TILES, decode=True,
+                                                           num_splits=splits), **options)
+    plain, _ = run_rules(q, k, v, dtype=dtype, tiles=dict(SMALL_TILES, decode=False,
+                                                         num_splits=1), **options)
+    assert_matches(*split, *ref, dtype)
+    assert_matches(*plain, *ref, dtype)
+    out, lse = to_numpy(split[0]), to_numpy(split[1])
+    assert rel_error(out, to_numpy(plain[0])) <= TOL[dtype]
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(to_numpy(plain[1])))
+    assert np.all(out[1, 2] == 0) and np.all(np.isneginf(lse[1, 2]))
+    if 0 in lengths:
+        b = lengths.index(0)
+        assert np.all(out[b] == 0) and np.all(np.isneginf(lse[b]))
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_keys_without_rules(splits):
+    rng = np.random.default_rng(28)
+    q, k, v = make_inputs(rng, (2,), 2, 1, 2, 31, 4, 4)
+    for offset in (None, 29, -2):  # none, bottom-right, nothing visible
+        got, ref = run(q, k, v, causal_offset=offset,
+                       tiles=dict(SMALL_TILES, decode=True, num_splits=splits))
+        assert_matches(*got, *ref, "float64")
+
+
+def test_split_keys_chosen_by_shape(monkeypatch):
+    # Long keys, one query: the plan splits the keys without being asked.
+    monkeypatch.setattr(numba_cuda, "SPLIT_MIN_KEYS", 8)
+    _, lanes, splits = numba_cuda.launch_plan(1, 40, 2, SMALL_TILES["block_q"])
+    assert lanes > 1 and splits > 1
+    rng = np.random.default_rng(29)
+    got, ref = run(*make_inputs(rng, (1,), 2, 2, 1, 40, 4, 4), causal_offset=39)
+    assert_matches(*got, *ref, "float64")
+
+
+def test_lanes_merge_in_several_rounds():
+    # Head 80 with 2-key tiles: 4 lane states fit the two tiles at once, so the
+    # first round of the 8 lanes' tree merge takes two passes.
+    rng = np.random.default_rng(30)
+    q, k, v = make_inputs(rng, (1,), 1, 1, 1, 23, 80, 72)
+    got, ref = run(q, k, v, causal_offset=22,
+                   tiles={"block_q": 8, "block_k": 2, "decode": True, "num_splits": 2})
+    assert_matches(*got, *ref, "float64")
+
+
+# --------------------------------------------------------------------------- #
+# The public API on the kernel
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("layout", ["BHTE", "BTHE"])
+def test_public_api_numba_cuda_with_every_keyword(layout, monkeypatch):
+    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
+    rng = np.random.default_rng(31)
+    q, k, v = make_inputs(rng, (2,), 4, 2, 6, 11, 4, 3)
+    if layout == "BTHE":
+        q, k, v = (np.swapaxes(a, 1, 2) for a in (q, k, v))
+    options = dict(is_causal=True, causal_alignment="bottom_right", window=(4, 0),
+                   softcap=2.5, alibi_slopes=rng.uniform(0.1, 0.5, (4,)), enable_gqa=True,
+                   key_lengths=np.array([11, 7]), return_lse=True, layout=layout)
+    ref_out, ref_lse = polyattn.scaled_dot_product_attention(
+        q, k, v, implementation="reference", **options)
+    out, lse = polyattn.scaled_dot_product_attention(
+        *(to_library(a) for a in (q, k, v)), implementation="numba_cuda",
+        **dict(options, alibi_slopes=to_library(options["alibi_slopes"]),
+               key_lengths=to_library(options["key_lengths"])))
+    assert_matches(out, lse, np.asarray(ref_out), np.asarray(ref_lse), "float64")
+
+
+def test_public_api_numba_cuda_decodes_from_a_kv_cache(monkeypatch):
+    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
+    monkeypatch.setattr(numba_cuda, "SPLIT_MIN_KEYS", 4)  # split even these few keys
+    rng = np.random.default_rng(32)
+    # prompts of 5 and 3 tokens (a ragged batch), then one token per step
+    prompt_k, prompt_v = rng.standard_normal((2, 2, 2, 5, 4))  # (B, Hkv, T, E) each
+    cache = polyattn.KVCache((2,), 2, 12, 4, xp=namespace()).update(
+        to_library(prompt_k), to_library(prompt_v), lengths=to_library(np.array([5, 3])))
+    for _ in range(3):
+        q = rng.standard_normal((2, 4, 1, 4))
+        k, v = rng.standard_normal((2, 2, 2, 1, 4))
+        cache = cache.update(to_library(k), to_library(v))
+        options = dict(is_causal=True, causal_alignment="bottom_right", enable_gqa=True,
+                       return_lse=True, window=(4, None), alibi_slopes=np.full(4, 0.25))
+        out, lse = polyattn.scaled_dot_product_attention(
+            to_library(q), cache.keys, cache.values, key_lengths=cache.lengths,
+            implementation="numba_cuda",
+            **dict(options, alibi_slopes=to_library(options["alibi_slopes"])))
+        ref = polyattn.scaled_dot_product_attention(
+            q, to_numpy(cache.keys), to_numpy(cache.values),
+            key_lengths=to_numpy(cache.lengths), implementation="reference", **options)
+        assert_matches(out, lse, *(np.asarray(a) for a in ref), "float64")
+    np.testing.assert_array_equal(to_numpy(cache.lengths), [8, 6])
 
 
 # --------------------------------------------------------------------------- #

@@ -2,15 +2,15 @@
 
 Algorithm
 ---------
-The kernel computes ``out = softmax(scale · q kᵀ + mask) v`` and the row
-log-sum-exp ``lse`` in one pass over the keys (the online softmax of
-FlashAttention). One launch covers every (batch, head) pair:
+The kernel computes ``out = softmax(scores) v`` and the row log-sum-exp
+``lse`` in one pass over the keys (the online softmax of FlashAttention).
+One launch covers every (batch, head) pair:
 
-* a thread block owns ``BLOCK_Q`` query rows of one (batch, head) pair, one
-  thread per row; the grid is flat, heaviest causal tiles first;
+* a thread block owns the query rows of one query tile of one (batch, head)
+  pair; the grid is flat, heaviest causal tiles first;
 * the block streams the keys in tiles of ``block_k`` rows: the threads load a
-  K tile and a V tile together into shared memory, then every thread scores
-  its query row against the tile;
+  K tile and a V tile together into shared memory, then score their query
+  rows against the tile;
 * each thread keeps the running maximum ``m``, the running sum ``l`` and the
   accumulator ``acc`` (one value per value feature) in registers, in float32
   for float32 inputs and float64 for float64 inputs; a tile updates them as
@@ -23,29 +23,66 @@ FlashAttention). One launch covers every (batch, head) pair:
   visible key (``l = 0``) writes ``out = 0`` and ``lse = -inf``.
 
 Scores never leave the thread that computed them: the T×T matrix is never
-written, and memory use is that of q, k, v and the outputs.
+written, and no mask is built, on the host or on the device.
+
+Scores and visibility (DESIGN §4.1)
+-----------------------------------
+Query row ``i`` of batch row ``b`` has position ``p_i = i + offset`` (or
+``i - Tq + key_lengths[b]`` when positions follow the key lengths); key
+``j`` is visible iff ``j < key_lengths[b]`` and
+``p_i - left <= j <= p_i + right``, where causality and the window are folded
+into ``left`` and ``right`` (an unbounded side is a large sentinel). A score
+is ``s = scale·q·k`` → ``softcap·tanh(s/softcap)`` → ``- slope_h·|p_i - j|``
+→ ``+ attn_mask`` (or ``-inf`` where a boolean mask is False) → ``-inf``
+where the key is invisible.
+
+Work follows the visible area: each block computes, from its rows' positions
+and its batch row's key length, the keys ``[lo, hi)`` any of its rows can see,
+and loads and scores only the key tiles that cover them. Keys outside
+``[lo, hi)`` are never read (loads past them are zero-filled), so whatever a
+preallocated cache holds past ``key_lengths`` cannot reach the output.
+
+Decoding: lanes and split-K
+---------------------------
+With few query rows (decoding: ``Tq <= DECODE_MAX_TQ``) one thread per row
+would leave most of a block idle. There a block owns the smallest power of
+two ``rows ≥ Tq`` rows, and the ``lanes = block_q / rows`` threads of a row
+share its keys (lane ``c`` takes keys ``c, c + lanes, …`` of every tile),
+each with its own ``m``, ``l`` and ``acc``; at the end the lanes are merged
+by log-sum-exp in a tree through shared memory. The K and V tiles carry one
+padding column, so that lanes reading different keys hit different banks.
+
+When the grid would still be small (few pairs, long keys), the keys
+``[lo, hi)`` of each block are also split across ``num_splits`` blocks
+(flash-decoding): each writes its normalised partial ``out`` and ``lse`` to
+scratch arrays in the compute dtype, and a second small kernel merges the
+splits by log-sum-exp (``exp(lse_s - max)`` weights). The plan is chosen
+from shapes alone in :func:`launch_plan`.
 
 Specialisation
 --------------
-A kernel factory builds one kernel per (dtype, head-size bucket, mask kind):
-the per-thread query row and accumulator are local arrays whose size is a
-compile-time constant, the bucket ``HEAD_DIM_BUCKETS`` entry that holds
-``max(E, Ev)``. Shared tiles and the query row are zero-padded to the bucket,
-so the feature loops have constant trip counts the compiler can unroll.
-Causality is not a specialisation: a key ``j`` is visible to query ``i`` iff
-``j <= i + causal_offset``, and a non-causal call passes ``causal_offset = Tk``.
-Key tiles past the last visible key of a block are never loaded.
+A kernel factory builds one kernel per (dtype, head-size bucket, mask kind,
+score modifiers): the per-thread query row and accumulator are local arrays
+whose size is a compile-time constant, the bucket ``HEAD_DIM_BUCKETS`` entry
+that holds ``max(E, Ev)``; shared tiles and the query row are zero-padded to
+it, so the feature loops have constant trip counts the compiler can unroll.
+``mods`` kernels carry soft-capping and ALiBi (a zero slope when only
+soft-capping is asked for, a zero softcap meaning none); plain kernels have
+neither in their inner loop. Causality, windows, key lengths, positions, the
+lane layout and the number of splits are run-time integers, not
+specialisations. The merge kernel has one specialisation per dtype.
 
 Masks are read in place through their strides: a size-1 axis is indexed at 0,
 and the leading batch axes, which may broadcast in any pattern, are reached
 through a small table ``mask_batch`` (batch index -> mask batch index), so a
-broadcast mask is never materialised.
+broadcast mask is never materialised. Key lengths (B,) and ALiBi slopes
+(B|1, H|1) are small device arrays.
 
 Arrays
 ------
 Any array exposing ``__cuda_array_interface__`` (CuPy arrays, torch CUDA
 tensors) is used in place, strides included; outputs are allocated by the
-input library and returned as its arrays. The kernel runs on the library's
+input library and returned as its arrays. The kernels run on the library's
 current stream. Leading batch axes are merged with ``reshape`` (a copy only
 when their strides cannot be merged). With ``NUMBA_ENABLE_CUDASIM=1``, NumPy
 arrays run on Numba's CPU simulator (slow; for testing the kernel logic).
@@ -54,14 +91,16 @@ Limits and costs
 ----------------
 * Head sizes up to ``MAX_HEAD_DIM`` (256); larger ones raise ``ValueError``
   (the ``chunked`` implementation has no limit).
-* One thread per query row means one shared-memory load per multiply-add and
-  no tensor cores. ptxas (sm_90) keeps ``q_row`` and ``acc`` in registers for
-  float32 head sizes up to 64 (about 220 registers, no spills); the 128 and
-  256 buckets, and float64 from 64 up, keep part of them in local memory.
-* The K and V tiles use at most ``SHARED_MEMORY_BYTES`` of static shared
+* One thread per query row (per key lane when decoding) means one
+  shared-memory load per multiply-add and no tensor cores. ptxas (sm_90)
+  keeps ``q_row`` and ``acc`` in registers for float32 head sizes up to 64;
+  the 128 and 256 buckets, and float64 from 64 up, keep part of them in
+  local memory.
+* The K and V tiles use about ``SHARED_MEMORY_BYTES`` of static shared
   memory (Numba's static limit is 48 KiB).
 * Leading batch axes whose strides cannot be merged, and a mask whose batch
-  axes cannot be merged, are copied once (never broadcast).
+  axes cannot be merged, are copied once (never broadcast). Split-K scratch
+  holds ``num_splits · B·H·Tq·(Ev + 1)`` values.
 """
 
 from __future__ import annotations
@@ -76,17 +115,27 @@ from typing import Any
 
 import numpy as np
 
+from ._rules import Rules
+
 Array = Any
 
 # Tile sizes and limits.
-BLOCK_Q = 64  # query rows per thread block (one thread per row)
+BLOCK_Q = 64  # threads per block: query rows (one thread each), or rows × key lanes
 MAX_BLOCK_K = 64  # most key rows per shared-memory tile
-SHARED_MEMORY_BYTES = 32 * 1024  # budget for one K tile plus one V tile
+SHARED_MEMORY_BYTES = 32 * 1024  # budget for one K tile plus one V tile (before padding)
 HEAD_DIM_BUCKETS = (8, 16, 32, 64, 128, 256)  # compile-time sizes of q row and acc
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
-MAX_GRID_BLOCKS = 2**31 - 1  # one flat grid of B·H·ceil(Tq / BLOCK_Q) blocks
+MAX_GRID_BLOCKS = 2**31 - 1  # one flat grid of B·H·ceil(Tq / rows)·splits blocks
 MASK_KINDS = ("none", "bool", "float")
 DTYPES = ("float32", "float64")
+# Decoding and split-K.
+DECODE_MAX_TQ = 16  # up to this many query rows, threads of a row share its keys
+TARGET_BLOCKS = 264  # split keys until the grid has about this many blocks (2 per SM)
+SPLIT_MIN_KEYS = 256  # fewest keys per split
+MAX_SPLITS = 64
+MERGE_THREADS = 128  # threads per block of the split-merge kernel
+# Positions and reaches are int64; an unbounded window side is this far.
+UNBOUNDED = 2**40
 
 
 # --------------------------------------------------------------------------- #
@@ -190,22 +239,37 @@ def default_block_k(dtype: str, bucket: int) -> int:
 
 
 def _signature(dtype: str, mask_kind: str) -> Any:
-    """Numba signature of the kernel: strided inputs, contiguous outputs."""
+    """Numba signature of the attention kernel: strided inputs and outputs, C scratch."""
     from numba import types
 
     t = getattr(types, dtype)
     strided = types.Array(t, 4, "A")
     mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
+    table = types.Array(types.int64, 1, "A")
+    i64 = types.int64
     return types.void(
         strided, strided, strided,  # q, k, v
-        mask_t, types.Array(types.int64, 1, "A"),  # mask, mask_batch
-        types.Array(t, 4, "C"), types.Array(t, 3, "C"),  # out, lse
-        t, types.int64,  # scale, causal_offset
+        mask_t, table,  # mask, mask_batch
+        table, types.Array(t, 2, "A"),  # key lengths (B|1,), ALiBi slopes (B|1, H|1)
+        strided, types.Array(t, 3, "A"),  # out, lse
+        types.Array(t, 5, "C"), types.Array(t, 4, "C"),  # split scratch: out, lse
+        t, t,  # scale, softcap (0: none)
+        i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
+        i64, i64, i64,  # rows per block, lanes per row, splits
     )
 
 
+def _merge_signature(dtype: str) -> Any:
+    """Numba signature of the split-merge kernel."""
+    from numba import types
+
+    t = getattr(types, dtype)
+    return types.void(types.Array(t, 5, "C"), types.Array(t, 4, "C"),
+                      types.Array(t, 4, "A"), types.Array(t, 3, "A"))
+
+
 @functools.cache
-def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
+def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
                          block_q: int = BLOCK_Q, block_k: int | None = None) -> Any:
     """The Python kernel function for one specialisation (not yet compiled)."""
     _cuda()
@@ -217,24 +281,50 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
     np_t = np.dtype(dtype).type
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
     HEAD, BQ, BK = bucket, block_q, block_k
-    BOOL_MASK, FLOAT_MASK = mask_kind == "bool", mask_kind == "float"
+    PADDED = HEAD + 1  # tile rows padded by one column: lanes reading different keys
+    CAP = 2 * BK  # lane states the two tiles hold at once when lanes merge
+    BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
 
-    def attention_kernel(q, k, v, mask, mask_batch, out, lse, scale, causal_offset):
-        """Out and lse for BQ query rows of one (batch, head) pair."""
+    def attention_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, o_part,
+                         lse_part, scale, softcap, offset, shift, left, right, rows, lanes,
+                         n_splits):
+        """Out and lse (or one split's partial) for one query tile of one (batch, head)."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
         ev = v.shape[3]
         group = n_heads // k.shape[1]
         n_pairs = n_batch * n_heads
-        n_qtiles = (tq + BQ - 1) // BQ
+        n_qtiles = (tq + rows - 1) // rows
         pair = cuda.blockIdx.x % n_pairs
-        qt = n_qtiles - 1 - cuda.blockIdx.x // n_pairs  # largest causal work first
+        rest = cuda.blockIdx.x // n_pairs
+        split = rest % n_splits
+        qt = n_qtiles - 1 - rest // n_splits  # largest causal work first
         b = pair // n_heads
         h = pair % n_heads
         hk = h // group
         tid = cuda.threadIdx.x
-        i = qt * BQ + tid
-        row_ok = i < tq
+        lane = tid // rows  # which keys of a tile this thread scores
+        i = qt * rows + tid % rows
+        row_ok = i < tq and lane < lanes
+
+        # Positions of this batch row: p_i = i + pos_offset.
+        len_b = lengths[0]
+        if lengths.shape[0] > 1:
+            len_b = lengths[b]
+        pos_offset = offset + shift * len_b
+        p = i + pos_offset
+
+        # Keys [lo, hi) that some row of the block may see; this split's share
+        # of them, [k_start, k_end), in whole tiles.
+        first_row = qt * rows
+        last_row = min(first_row + rows, tq) - 1
+        lo = max(0, first_row + pos_offset - left)
+        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        n_tiles_all = max(0, (hi - lo + BK - 1) // BK)
+        per_split = (n_tiles_all + n_splits - 1) // n_splits * BK
+        k_start = lo + split * per_split
+        k_end = min(hi, k_start + per_split)
+        n_ktiles = max(0, (k_end - k_start + BK - 1) // BK)
 
         # Where this thread reads the mask: size-1 axes broadcast at index 0.
         mb = 0
@@ -250,11 +340,29 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
             if mask.shape[3] > 1:
                 mj_step = 1
 
+        # Score modifiers: soft-capping (softcap > 0) and this head's ALiBi slope.
+        cap = ZERO
+        inv_cap = ZERO
+        slope = ZERO
+        if MODS:
+            cap = softcap
+            if cap > ZERO:
+                inv_cap = ONE / cap
+            sb = 0
+            sh = 0
+            if slopes.shape[0] > 1:
+                sb = b
+            if slopes.shape[1] > 1:
+                sh = h
+            slope = slopes[sb, sh]
+
         q_row = cuda.local.array(HEAD, acc_t)
         acc = cuda.local.array(HEAD, acc_t)
         s = cuda.local.array(BK, acc_t)
-        k_tile = cuda.shared.array((BK, HEAD), acc_t)
-        v_tile = cuda.shared.array((BK, HEAD), acc_t)
+        k_tile = cuda.shared.array((BK, PADDED), acc_t)
+        v_tile = cuda.shared.array((BK, PADDED), acc_t)
+        m_lane = cuda.shared.array(CAP, acc_t)
+        l_lane = cuda.shared.array(CAP, acc_t)
 
         # Load the scaled query row (zero-padded to HEAD) and clear the state.
         # Feature loops run to the constant HEAD so q_row and acc can live in
@@ -268,22 +376,18 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
         m = NEG_INF
         l = ZERO
 
-        # Keys past the last one visible to the block's last row are skipped.
-        last_row = min(qt * BQ + BQ, tq) - 1
-        key_end = min(tk, last_row + causal_offset + 1)
-        n_ktiles = max(0, (key_end + BK - 1) // BK)
-
         for kt in range(n_ktiles):
-            j0 = kt * BK
+            j0 = k_start + kt * BK
 
-            # Load one K tile and one V tile into shared memory, zero-padded.
+            # Load one K tile and one V tile into shared memory; keys past
+            # k_end (and padding features) are zeros, never read.
             for idx in range(tid, BK * HEAD, BQ):
                 jj = idx // HEAD
                 d = idx % HEAD
                 j = j0 + jj
                 k_val = ZERO
                 v_val = ZERO
-                if j < tk:
+                if j < k_end:
                     if d < e:
                         k_val = k[b, hk, j, d]
                     if d < ev:
@@ -293,14 +397,18 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
             cuda.syncthreads()
 
             if row_ok:
-                # Scores of this row against the tile, masked keys at -inf.
+                # Scores of this row against this lane's keys of the tile.
                 m_tile = NEG_INF
-                for jj in range(BK):
+                for jj in range(lane, BK, lanes):
                     j = j0 + jj
                     x = ZERO
                     for d in range(HEAD):
                         x += q_row[d] * k_tile[jj, d]
-                    if j >= tk or j > i + causal_offset:
+                    if MODS:
+                        if cap > ZERO:
+                            x = cap * math.tanh(x * inv_cap)
+                        x -= slope * np_t(abs(p - j))
+                    if j >= k_end or j > p + right or j < p - left:
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi, j * mj_step]:
@@ -316,46 +424,147 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str,
                 if m_tile > m or m_tile != m_tile:
                     m_new = m_tile
                 if m_new != NEG_INF:
-                    alpha = math.exp(m - m_new)
-                    l *= alpha
-                    for d in range(HEAD):
-                        acc[d] *= alpha
-                    for jj in range(BK):
-                        p = math.exp(s[jj] - m_new)
-                        l += p
+                    if m_new != m:
+                        alpha = math.exp(m - m_new)
+                        l *= alpha
                         for d in range(HEAD):
-                            acc[d] += p * v_tile[jj, d]
+                            acc[d] *= alpha
+                    for jj in range(lane, BK, lanes):
+                        weight = math.exp(s[jj] - m_new)
+                        l += weight
+                        for d in range(HEAD):
+                            acc[d] += weight * v_tile[jj, d]
                     m = m_new
             cuda.syncthreads()
 
-        # Normalise and write; a row with no visible key gives 0 and -inf
-        # (a NaN in l, from a NaN input, propagates to out and lse).
-        if row_ok:
+        # Merge the lanes of each row, a tree through the (now free) tiles:
+        # lanes [step, 2·step) hand their state to lanes [0, step), CAP at a time.
+        step = lanes // 2
+        while step > 0:
+            n_slots = step * rows
+            for base in range(0, n_slots, CAP):
+                if row_ok and lane >= step and lane < 2 * step:
+                    slot = (lane - step) * rows + tid % rows - base
+                    if slot >= 0 and slot < CAP:
+                        for d in range(HEAD):
+                            if slot < BK:
+                                k_tile[slot, d] = acc[d]
+                            else:
+                                v_tile[slot - BK, d] = acc[d]
+                        m_lane[slot] = m
+                        l_lane[slot] = l
+                cuda.syncthreads()
+                if row_ok and lane < step:
+                    slot = lane * rows + tid % rows - base
+                    if slot >= 0 and slot < CAP:
+                        m_other = m_lane[slot]
+                        m_new = m
+                        if m_other > m or m_other != m_other:
+                            m_new = m_other
+                        if m_new != NEG_INF:
+                            alpha = math.exp(m - m_new)
+                            beta = math.exp(m_other - m_new)
+                            l = l * alpha + l_lane[slot] * beta
+                            for d in range(HEAD):
+                                y = ZERO
+                                if slot < BK:
+                                    y = k_tile[slot, d]
+                                else:
+                                    y = v_tile[slot - BK, d]
+                                acc[d] = acc[d] * alpha + y * beta
+                            m = m_new
+                cuda.syncthreads()
+            step //= 2
+
+        # Normalise and write (a split writes its partial to the scratch); a row
+        # with no visible key gives 0 and -inf (a NaN in l, from a NaN input,
+        # propagates to out and lse).
+        if row_ok and lane == 0:
             inv_l = ZERO
             lse_i = NEG_INF
             if l != ZERO:
                 inv_l = ONE / l
                 lse_i = m + math.log(l)
-            for d in range(HEAD):
-                if d < ev:
-                    out[b, h, i, d] = acc[d] * inv_l
-            lse[b, h, i] = lse_i
+            if n_splits == 1:
+                for d in range(HEAD):
+                    if d < ev:
+                        out[b, h, i, d] = acc[d] * inv_l
+                lse[b, h, i] = lse_i
+            else:
+                for d in range(HEAD):
+                    if d < ev:
+                        o_part[split, b, h, i, d] = acc[d] * inv_l
+                lse_part[split, b, h, i] = lse_i
 
-    name = f"attention_{dtype}_head{bucket}_{mask_kind}_q{block_q}_k{block_k}"
+    suffix = "_mods" if mods else ""
+    name = f"attention_{dtype}_head{bucket}_{mask_kind}{suffix}_q{block_q}_k{block_k}"
     attention_kernel.__name__ = attention_kernel.__qualname__ = name
     return attention_kernel
 
 
 @functools.cache
-def compiled_kernel(dtype: str, bucket: int, mask_kind: str,
+def make_merge_function(dtype: str) -> Any:
+    """The kernel that merges split-K partials by log-sum-exp (not yet compiled)."""
+    _cuda()
+    np_t = np.dtype(dtype).type
+    ZERO, NEG_INF = np_t(0.0), np_t(-np.inf)
+
+    def merge_kernel(o_part, lse_part, out, lse):
+        """out = Σ_s w_s o_s / Σ_s w_s with w_s = exp(lse_s − max_s lse_s); one thread
+        per output element (one per row when Ev = 0)."""
+        n_splits, n_batch, n_heads, tq, ev = o_part.shape
+        width = max(ev, 1)
+        idx = cuda.grid(1)
+        if idx < n_batch * n_heads * tq * width:
+            d = idx % width
+            row = idx // width
+            i = row % tq
+            b = row // tq // n_heads
+            h = row // tq % n_heads
+            # The largest partial lse (NaN sticks).
+            m = NEG_INF
+            for sp in range(n_splits):
+                x = lse_part[sp, b, h, i]
+                if x > m or x != x:
+                    m = x
+            # Weighted sum; a row no split saw stays 0 with lse -inf.
+            total = ZERO
+            value = ZERO
+            if m != NEG_INF:
+                for sp in range(n_splits):
+                    w = math.exp(lse_part[sp, b, h, i] - m)
+                    total += w
+                    if d < ev:
+                        value += w * o_part[sp, b, h, i, d]
+            lse_i = NEG_INF
+            if total != ZERO:
+                value /= total
+                lse_i = m + math.log(total)
+            if d < ev:
+                out[b, h, i, d] = value
+            if d == 0:
+                lse[b, h, i] = lse_i
+
+    merge_kernel.__name__ = merge_kernel.__qualname__ = f"merge_splits_{dtype}"
+    return merge_kernel
+
+
+@functools.cache
+def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
                     block_q: int = BLOCK_Q, block_k: int | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached.
 
     It is compiled for exactly one signature, so a launch skips type dispatch:
-    the launcher checks dtypes, and allocates ``out`` and ``lse`` contiguous.
+    the launcher checks dtypes, and allocates the scratch contiguous.
     """
-    fn = make_kernel_function(dtype, bucket, mask_kind, block_q, block_k)
+    fn = make_kernel_function(dtype, bucket, mask_kind, mods, block_q, block_k)
     return _cuda().jit(_signature(dtype, mask_kind))(fn)
+
+
+@functools.cache
+def compiled_merge(dtype: str) -> Any:
+    """The split-merge kernel for ``dtype``, compiled on first use and cached."""
+    return _cuda().jit(_merge_signature(dtype))(make_merge_function(dtype))
 
 
 def specializations() -> Iterator[tuple[Any, Any]]:
@@ -363,7 +572,10 @@ def specializations() -> Iterator[tuple[Any, Any]]:
     for dtype in DTYPES:
         for bucket in HEAD_DIM_BUCKETS:
             for mask_kind in MASK_KINDS:
-                yield make_kernel_function(dtype, bucket, mask_kind), _signature(dtype, mask_kind)
+                for mods in (False, True):
+                    yield (make_kernel_function(dtype, bucket, mask_kind, mods),
+                           _signature(dtype, mask_kind))
+        yield make_merge_function(dtype), _merge_signature(dtype)
 
 
 # --------------------------------------------------------------------------- #
@@ -498,14 +710,65 @@ def _dtype_name(x: Array) -> str:
     return name
 
 
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def launch_plan(tq: int, tk: int, n_pairs: int, block_q: int, *, decode: bool | None = None,
+                num_splits: int | None = None) -> tuple[int, int, int]:
+    """``(rows, lanes, splits)``: query rows per block, threads per row, key splits.
+
+    By shape: with ``Tq <= DECODE_MAX_TQ`` a block holds the smallest power of
+    two of rows that covers Tq (at most ``block_q``) and the remaining threads
+    become key lanes; otherwise one thread per row. Keys are split while the
+    grid has fewer than ``TARGET_BLOCKS`` blocks and each split keeps at least
+    ``SPLIT_MIN_KEYS`` keys. ``decode`` and ``num_splits`` override the choice.
+
+    Examples
+    --------
+    >>> launch_plan(1, 32768, 8, 64)        # one decoding step over a long cache
+    (1, 64, 33)
+    >>> launch_plan(4096, 4096, 64, 64)     # prefill: one thread per row, no split
+    (64, 1, 1)
+    """
+    if decode is None:
+        decode = tq <= DECODE_MAX_TQ
+    rows = min(block_q, _power_of_two_at_least(tq)) if decode else block_q
+    lanes = 1 << ((block_q // rows).bit_length() - 1)  # a power of two, for the tree merge
+    if num_splits is None:
+        blocks = n_pairs * -(-tq // rows)
+        num_splits = min(-(-TARGET_BLOCKS // max(blocks, 1)), tk // SPLIT_MIN_KEYS, MAX_SPLITS)
+    return rows, lanes, max(1, int(num_splits))
+
+
+def _visibility(rules: Rules | None, causal_offset: int | None, tq: int,
+                tk: int) -> tuple[Rules, int, int, int, int]:
+    """The rules, and the kernel's position offset, shift flag, left and right reach."""
+    if rules is None:
+        rules = Rules.from_causal_offset(causal_offset, tq, tk)
+    offset, shift = (-tq, 1) if rules.lengths_shift else (rules.offset, 0)
+    left, right = rules.left_reach(), rules.right_reach()
+
+    def bounded(x: int | None) -> int:
+        return UNBOUNDED if x is None else max(-UNBOUNDED, min(int(x), UNBOUNDED))
+
+    return rules, bounded(offset), shift, bounded(left), bounded(right)
+
+
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any,
-              block_q: int | None = None, block_k: int | None = None) -> tuple[Array, Array]:
-    """Fused attention on a CUDA GPU: ``(out, lse)`` in one kernel launch.
+              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
+              block_q: int | None = None, block_k: int | None = None,
+              decode: bool | None = None, num_splits: int | None = None,
+              ) -> tuple[Array, Array]:
+    """Fused attention on a CUDA GPU: ``(out, lse)`` in one kernel launch (two with
+    split keys).
 
     See the module docstring for the algorithm and :mod:`polyattn.implementations`
-    for the shared contract. ``block_q`` and ``block_k`` override the tile sizes
-    (query rows per block, key rows per tile); they exist for tests and tuning.
+    for the shared contract; ``rules`` (windows, key lengths, soft-capping,
+    ALiBi, per-row positions) are applied inside the kernel. ``block_q`` and
+    ``block_k`` override the tile sizes (threads per block, key rows per tile),
+    ``decode`` and ``num_splits`` the launch plan (:func:`launch_plan`); they
+    exist for tests and tuning.
 
     Raises
     ------
@@ -527,6 +790,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     dev = _Device(q)
     cuda = dev.cuda
     n_batch = math.prod(batch)
+    np_t = np.dtype(dtype).type
 
     if _time_major(q):
         # a (B…, Tq, H, E) array seen as (B…, H, Tq, E) (layout="BTHE"): the output is
@@ -553,36 +817,80 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
             else:
                 raise TypeError(f"`mask` must be bool or {dtype}, got {mask.dtype}")
             mask4, table = _mask_layout(mask, batch, (n_heads, tq, tk), xp)
-        # Causality as a visibility window; non-causal = every key visible.
-        offset = tk if causal_offset is None else max(-tq, min(int(causal_offset), tk))
+        rules, offset, shift, left, right = _visibility(rules, causal_offset, tq, tk)
+        lengths, slopes = _rule_tables(rules, batch, n_heads, q.dtype, dev, xp)
+        mods = rules.softcap is not None or rules.alibi is not None
+        softcap = np_t(0.0 if rules.softcap is None else rules.softcap)
 
         bq = BLOCK_Q if block_q is None else int(block_q)
-        kernel = compiled_kernel(dtype, bucket, mask_kind, bq,
+        rows, lanes, splits = launch_plan(tq, tk, n_batch * n_heads, bq, decode=decode,
+                                          num_splits=num_splits)
+        kernel = compiled_kernel(dtype, bucket, mask_kind, mods, bq,
                                  None if block_k is None else int(block_k))
-        n_blocks = n_batch * n_heads * ((tq + bq - 1) // bq)
+        n_blocks = n_batch * n_heads * -(-tq // rows) * splits
         if n_blocks > MAX_GRID_BLOCKS:
             raise ValueError(
-                f"B·H·ceil(Tq/{bq}) = {n_blocks} thread blocks exceed the CUDA grid limit "
-                f"{MAX_GRID_BLOCKS} (query {tuple(q.shape)}); split the batch"
+                f"B·H·ceil(Tq/{rows})·{splits} = {n_blocks} thread blocks exceed the CUDA "
+                f"grid limit {MAX_GRID_BLOCKS} (query {tuple(q.shape)}); split the batch"
             )
-        args = [dev.view(a) for a in (q4, k4, v4, mask4, dev.from_numpy(table))]
+        scratch_shape = (splits, n_batch, n_heads, tq) if splits > 1 else (1, 1, 1, 1)
+        o_part = dev.view(dev.empty((*scratch_shape, ev if splits > 1 else 1), q.dtype))
+        lse_part = dev.view(dev.empty(scratch_shape, q.dtype))
+        args = [dev.view(a) for a in (q4, k4, v4, mask4, dev.from_numpy(table), lengths,
+                                      slopes)]
         out_d, lse_d = dev.view(out), dev.view(lse)
-        np_t = np.dtype(dtype).type
-        device_id = dev.device_id()
-        with warnings.catch_warnings():
+        args += [out_d, lse_d, o_part, lse_part, np_t(scale), softcap, offset, shift, left,
+                 right, rows, lanes, splits]
+        with warnings.catch_warnings(), _on_device(cuda, dev.device_id()):
             # Small grids trigger Numba's occupancy warning; the grid is the problem's.
             warnings.simplefilter("ignore", category=_performance_warning())
-            if device_id is None:
-                kernel[n_blocks, bq, dev.stream()](*args, out_d, lse_d, np_t(scale), offset)
-            else:
-                with cuda.gpus[device_id]:
-                    kernel[n_blocks, bq, dev.stream()](*args, out_d, lse_d, np_t(scale),
-                                                       offset)
+            stream = dev.stream()
+            kernel[n_blocks, bq, stream](*args)
+            if splits > 1:
+                # Merge the splits: one thread per output element.
+                n_threads = n_batch * n_heads * tq * max(ev, 1)
+                per_block = min(MERGE_THREADS, n_threads)
+                compiled_merge(dtype)[-(-n_threads // per_block), per_block, stream](
+                    o_part, lse_part, out_d, lse_d)
         if dev.simulated:
             out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
     out = xp.reshape(out, (*batch, n_heads, tq, ev))  # (B…, H, Tq, Ev)
     lse = xp.reshape(lse, (*batch, n_heads, tq))  # (B…, H, Tq)
     return out, lse
+
+
+def _rule_tables(rules: Rules, batch: tuple[int, ...], n_heads: int, dtype: Any,
+                 dev: _Device, xp: Any) -> tuple[Array, Array]:
+    """Key lengths as int64 (B,) (or (1,) holding Tk) and ALiBi slopes (B, H|1) (or a
+    zero (1, 1)), as arrays of the input library on its device."""
+    n_batch = math.prod(batch)
+    if rules.key_lengths is None:
+        lengths = dev.from_numpy(np.full(1, rules.tk, dtype=np.int64))
+    else:
+        lengths = xp.broadcast_to(rules.key_lengths, batch)  # (B…,)
+        lengths = xp.astype(xp.reshape(lengths, (n_batch,)), xp.int64)  # (B,)
+    if rules.alibi is None:
+        slopes = dev.from_numpy(np.zeros((1, 1), dtype=_dtype_name(dev.like)))
+    else:
+        heads = n_heads if rules.alibi.shape[-1] > 1 else 1
+        slopes = xp.broadcast_to(rules.alibi, (*batch, heads))  # (B…, H|1)
+        slopes = xp.astype(xp.reshape(slopes, (n_batch, heads)), dtype)  # (B, H|1)
+    return lengths, slopes
+
+
+class _on_device:
+    """Context: the input's GPU current for Numba (nothing on the simulator)."""
+
+    def __init__(self, cuda: Any, device_id: int | None) -> None:
+        self.context = None if device_id is None else cuda.gpus[device_id]
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
 
 
 def _performance_warning() -> type[Warning]:
