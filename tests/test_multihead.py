@@ -7,7 +7,7 @@ import pytest
 from helpers import assert_close, assert_namespace_device, ref_attention, to_numpy, to_xp
 
 import polyattn
-from polyattn import MultiHeadAttention, multi_head_attention
+from polyattn import KVCache, MultiHeadAttention, multi_head_attention
 
 
 def np_mha(query, key, value, p, h, hkv, mask=None, is_causal=False, alignment="top_left"):
@@ -277,3 +277,184 @@ def test_inputs_of_another_library_say_how_to_load_the_parameters():
     mha = MultiHeadAttention(8, 2, seed=0)                       # NumPy parameters
     with pytest.raises(TypeError, match=r"xp=torch"):
         mha(torch.zeros(2, 3, 8))
+
+
+# --- 0.2: window, softcap, ALiBi, key lengths, rotary embeddings, a KV cache -----------------
+
+def np_mha_rope(x, p, h, hkv, positions, *, interleaved=False, rotary_dim=None, base=10000.0,
+                is_causal=True):
+    """float64 self-attention with RoPE on the projected queries and keys, written out."""
+    from test_positional import rope_gptj, rope_llama
+
+    rope = rope_gptj if interleaved else rope_llama
+
+    def proj(w, b, heads):
+        y = x @ p[w] + p.get(b, 0)
+        return np.moveaxis(y.reshape(*y.shape[:-1], heads, -1), -2, -3)   # (B, heads, T, F)
+
+    pos = np.asarray(positions)
+    pos = pos[:, None, :] if pos.ndim == 2 else pos                       # (B, 1, T) or (T,)
+    q = rope(proj("w_q", "b_q", h), pos, base=base, rotary_dim=rotary_dim)
+    k = rope(proj("w_k", "b_k", hkv), pos, base=base, rotary_dim=rotary_dim)
+    v = proj("w_v", "b_v", hkv)
+    out, _, _ = ref_attention(q, k, v, is_causal=is_causal, enable_gqa=hkv != h)
+    out = np.moveaxis(out, -3, -2)
+    return out.reshape(*out.shape[:-2], -1) @ p["w_o"] + p.get("b_o", 0)
+
+
+def _module(xp, device, dtype_name="float64", h=4, hkv=2, d=16):
+    mha = MultiHeadAttention(d, h, num_kv_heads=hkv, xp=xp, dtype=getattr(xp, dtype_name),
+                             device=device, seed=11)
+    rng = np.random.default_rng(12)     # non-zero biases, so that they are rotated too
+    mha.params.update({k: to_xp(rng.standard_normal(tuple(v.shape)), xp, dtype=dtype_name,
+                                device=device)
+                       for k, v in mha.params.items() if k.startswith("b_")})
+    return mha
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 2])
+@pytest.mark.parametrize("given_positions", [False, True])
+def test_rotary_matches_numpy(xp, device, dtype_name, interleaved, rotary_dim, given_positions):
+    mha = _module(xp, device, dtype_name)
+    x = np.random.default_rng(13).standard_normal((2, 6, 16))
+    rotary = {"base": 50.0, "interleaved": interleaved, "rotary_dim": rotary_dim}
+    positions = np.arange(6) + np.array([[0], [9]]) if given_positions else np.arange(6)
+    extra = {"positions": to_xp(positions, xp, device=device)} if given_positions else {}
+    out = mha(to_xp(x, xp, dtype=dtype_name, device=device), is_causal=True, rotary=rotary,
+              **extra)
+    ref = np_mha_rope(x, host_params(mha), 4, 2, positions, interleaved=interleaved,
+                      rotary_dim=rotary_dim, base=50.0)
+    assert_namespace_device(out, xp, device, getattr(xp, dtype_name))
+    assert_close(out, ref, dtype_name)
+    plain, _ = np_mha(x, x, x, host_params(mha), 4, 2, is_causal=True)
+    assert not np.allclose(ref, plain), "the rotation changed nothing"
+
+
+def test_new_keywords_pass_through(xp, device):
+    """window, softcap, alibi_slopes and key_lengths reach the attention of the heads."""
+    mha = _module(xp, device)
+    x = np.random.default_rng(14).standard_normal((2, 7, 16))
+    xx = to_xp(x, xp, device=device)
+    p = host_params(mha)
+    slopes = polyattn.alibi_slopes(4)
+    options = {"window": (2, 1), "softcap": 3.0, "key_lengths": np.array([7, 4])}
+
+    def heads(w, b, n):
+        y = x @ p[w] + p[b]
+        return np.moveaxis(y.reshape(2, 7, n, -1), -2, -3)
+
+    for name, value in [*options.items(), ("alibi_slopes", slopes)]:
+        arg = to_xp(value, xp, device=device) if isinstance(value, np.ndarray) else value
+        out = mha(xx, is_causal=name != "window", **{name: arg})
+        o = polyattn.scaled_dot_product_attention(
+            heads("w_q", "b_q", 4), heads("w_k", "b_k", 2), heads("w_v", "b_v", 2),
+            is_causal=name != "window", enable_gqa=True, **{name: value})   # (B, H, T, Ev)
+        ref = np.moveaxis(o, 1, 2).reshape(2, 7, 16) @ p["w_o"] + p["b_o"]
+        assert_close(out, ref, "float64", what=name)
+        without = to_numpy(mha(xx, is_causal=name != "window"))
+        assert not np.allclose(without, ref), f"{name} changed nothing"
+    w = mha(xx, is_causal=True, window=(1, 0), need_weights=True, average_attn_weights=False)[1]
+    band = np.tril(np.triu(np.ones((7, 7)), -1))
+    np.testing.assert_array_equal(to_numpy(w) > 0, np.broadcast_to(band > 0, (2, 4, 7, 7)))
+
+
+@pytest.mark.parametrize("case", ["rotary", "rotary_alibi_window", "plain_mqa"])
+def test_cached_decoding_equals_full_causal_call(xp, device, dtype_name, case):
+    hkv = 1 if case == "plain_mqa" else 2
+    mha = _module(xp, device, dtype_name, hkv=hkv)
+    x = np.random.default_rng(15).standard_normal((2, 9, 16))
+    conv = lambda a: to_xp(a, xp, dtype=dtype_name, device=device)       # noqa: E731
+    options = {"is_causal": True}
+    if case != "plain_mqa":
+        options["rotary"] = {"base": 1000.0}
+    if case == "rotary_alibi_window":
+        options.update(window=(3, 0), alibi_slopes=to_xp(polyattn.alibi_slopes(4), xp,
+                                                          dtype=dtype_name, device=device))
+    full = to_numpy(mha(conv(x), **options))
+    cache = KVCache((2,), hkv, 12, 4, xp=xp, dtype=getattr(xp, dtype_name), device=device)
+    outs = []
+    for lo, hi in [(0, 4), *((s, s + 1) for s in range(4, 9))]:
+        out, cache = mha(conv(x[:, lo:hi]), cache=cache, **options)
+        outs.append(to_numpy(out))
+    assert_close(np.concatenate(outs, axis=-2), full, dtype_name)
+    np.testing.assert_array_equal(to_numpy(cache.lengths), [9, 9])
+    assert_namespace_device(cache.keys, xp, device, getattr(xp, dtype_name))
+
+
+def test_cached_ragged_prompts_then_decode(xp, device):
+    """Right-padded prompts (key_lengths) enter an empty cache top-left, then decode."""
+    mha = _module(xp, device)
+    x = np.random.default_rng(16).standard_normal((2, 8, 16))
+    conv = lambda a: to_xp(a, xp, device=device)                         # noqa: E731
+    options = {"is_causal": True, "rotary": {}}
+    full = to_numpy(mha(conv(x), **options))
+    prompt = np.array([5, 3])
+    cache = KVCache((2,), 2, 10, 4, xp=xp, dtype=xp.float64, device=device)
+    out, cache = mha(conv(x[:, :5]), key_lengths=conv(prompt), causal_alignment="top_left",
+                     cache=cache, **options)
+    out = to_numpy(out)
+    for row, n in enumerate(prompt):
+        assert_close(out[row, :n], full[row, :n], "float64")
+    for step in range(3):
+        token = np.stack([x[r, n + step:n + step + 1] for r, n in enumerate(prompt)])
+        out, cache = mha(conv(token), cache=cache, **options)
+        want = np.stack([full[r, n + step:n + step + 1] for r, n in enumerate(prompt)])
+        assert_close(out, want, "float64")
+
+
+def test_cache_with_weights_time_first_and_the_module():
+    mha = MultiHeadAttention(8, 2, batch_first=False, dtype=np.float64, seed=0)
+    x = np.random.default_rng(17).standard_normal((3, 2, 8))           # (T, B, d_model)
+    cache = KVCache((2,), 2, 6, 4)
+    out, w, c = mha(x, is_causal=True, cache=cache, need_weights=True)
+    assert c is cache and out.shape == (3, 2, 8) and w.shape == (2, 3, 6)
+    assert not w[..., 3:].any()
+    full = np.moveaxis(mha(x, is_causal=True), 1, 0)
+    np.testing.assert_allclose(np.moveaxis(out, 1, 0), full, rtol=1e-12, atol=1e-12)
+
+
+def test_jax_jitted_decoder_step():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    mha = _module(jnp, None)
+    x = np.random.default_rng(18).standard_normal((2, 6, 16))
+    full = np.asarray(mha(jnp.asarray(x), is_causal=True, rotary={}))
+
+    @jax.jit
+    def step(params, cache, token):
+        return multi_head_attention(token, token, token, params, num_heads=4, num_kv_heads=2,
+                                    is_causal=True, rotary={}, cache=cache)
+
+    cache = KVCache((2,), 2, 8, 4, xp=jnp, dtype=jnp.float64)
+    outs = []
+    for s in range(6):
+        out, cache = step(mha.params, cache, jnp.asarray(x[:, s:s + 1]))
+        outs.append(np.asarray(out))
+    assert_close(np.concatenate(outs, axis=1), full, "float64")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"positions": np.arange(3)}, ValueError, r"`positions` are the positions of the rotary"),
+    ({"rotary": 10000.0}, TypeError, r"`rotary` must be a mapping.*got float"),
+    ({"rotary": {"theta": 1.0}}, ValueError, r"`rotary` has unknown options \['theta'\]"),
+    ({"rotary": {}, "positions": np.arange(4)}, ValueError,
+     r"`positions` must broadcast to \(B…, Tq\) = \(2, 3\).*got shape \(4,\)"),
+    ({"rotary": {}, "positions": np.arange(3.0)}, TypeError, r"`positions` must have an integer"),
+    ({"rotary": {}, "_key": np.zeros((2, 5, 8))}, ValueError, r"Tq = 3, Tk = 5"),
+    ({"cache": "cache"}, TypeError, r"`cache` must be a polyattn.KVCache; got str"),
+    ({"cache": KVCache((3,), 2, 8, 4)}, ValueError,
+     r"`cache` holds batch dimensions \(3,\).*KVCache\(\(2,\), 2, capacity, 4\)"),
+    ({"cache": KVCache((2,), 2, 8, 4), "key_padding_mask": np.zeros((2, 3), dtype=bool)},
+     ValueError, r"`key_padding_mask` cannot be combined with `cache`"),
+    ({"cache": KVCache((2,), 2, 8, 4, dtype=np.float32)}, TypeError,
+     r"`key` is float64 but the cache holds float32"),
+])
+def test_rotary_and_cache_errors(kwargs, error, match):
+    mha = MultiHeadAttention(8, 2, dtype=np.float64, seed=0)
+    x = np.zeros((2, 3, 8))
+    key = kwargs.pop("_key", x)
+    with pytest.raises(error, match=match):
+        mha(x, key, key, **kwargs)
