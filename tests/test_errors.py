@@ -183,6 +183,32 @@ PORTABLE = [
          lambda xp, dev: _mha(xp, dev, key=z(xp, dev, 3, 5, 8), value=z(xp, dev, 3, 5, 8)),
          ValueError, ("batch dimensions", "query (2,)", "key (3,)", "query (2, 5, 8)",
                       "key (3, 5, 8)")),
+    # apply_rotary_embedding
+    Case("float positions", "apply_rotary_embedding",
+         lambda xp, dev: polyattn.apply_rotary_embedding(z(xp, dev, 4, 6), z(xp, dev, 4)),
+         TypeError, ("`positions`", "integer dtype", "float64", "(4,)")),
+    Case("odd rotary_dim", "apply_rotary_embedding",
+         lambda xp, dev: polyattn.apply_rotary_embedding(
+             z(xp, dev, 4, 6), z(xp, dev, 4, dtype="int64"), rotary_dim=3),
+         ValueError, ("`rotary_dim`", "even", "6 features", "(4, 6)", "got 3")),
+    Case("positions do not broadcast", "apply_rotary_embedding",
+         lambda xp, dev: polyattn.apply_rotary_embedding(
+             z(xp, dev, 2, 3, 4, 6), z(xp, dev, 2, 4, dtype="int64")),
+         ValueError, ("`positions`", "(2, 4)", "x.shape[:-1] = (2, 3, 4)", "(B, 1, T)")),
+    # alibi_slopes
+    Case("no heads", "alibi_slopes", lambda xp, dev: polyattn.alibi_slopes(0, xp=xp),
+         ValueError, ("`num_heads`", "at least 1", "0")),
+    # KVCache
+    Case("key of the wrong shape", "KVCache",
+         lambda xp, dev: polyattn.KVCache((2,), 3, 8, 4, xp=xp, device=dev,
+                                          dtype=xp.float64).update(z(xp, dev, 2, 3, 1, 5),
+                                                                   z(xp, dev, 2, 3, 1, 4)),
+         ValueError, ("`key`", "(B…, Hkv, Tnew, E) = (2, 3, Tnew, 4)", "(2, 3, 1, 5)")),
+    Case("float lengths", "KVCache",
+         lambda xp, dev: polyattn.KVCache((2,), 3, 8, 4, xp=xp, device=dev,
+                                          dtype=xp.float64).update(
+             z(xp, dev, 2, 3, 1, 4), z(xp, dev, 2, 3, 1, 4), lengths=z(xp, dev, 2)),
+         TypeError, ("`lengths`", "integer dtype", "float64", "(2,)")),
 ]
 
 
@@ -378,6 +404,37 @@ NUMPY = [
          ValueError, ("`causal_alignment`", "got 'right'")),
     Case("numpy inputs, torch parameter", "multi_head_attention", _mha_torch_params,
          TypeError, ("`query` is a numpy array", "`params['w_q']` is a torch array")),
+    # apply_rotary_embedding
+    Case("odd features without rotary_dim", "apply_rotary_embedding",
+         lambda xp, dev: polyattn.apply_rotary_embedding(np.zeros((4, 5)), np.arange(4)),
+         ValueError, ("`x`", "odd number of features, 5", "(4, 5)", "`rotary_dim`")),
+    Case("rotary_dim above E", "apply_rotary_embedding",
+         lambda xp, dev: polyattn.apply_rotary_embedding(np.zeros((4, 6)), np.arange(4),
+                                                         rotary_dim=8),
+         ValueError, ("`rotary_dim`", "at most the 6 features", "got 8")),
+    # alibi_slopes
+    Case("integer dtype", "alibi_slopes",
+         lambda xp, dev: polyattn.alibi_slopes(4, dtype=np.int32),
+         TypeError, ("`dtype`", "real floating", "int32")),
+    # KVCache
+    Case("capacity exceeded", "KVCache",
+         lambda xp, dev: polyattn.KVCache((2,), 1, 2, 4).update(np.zeros((2, 1, 3, 4)),
+                                                                 np.zeros((2, 1, 3, 4))),
+         ValueError, ("capacity is 2", "appending 3", "holding 0", "needs 3")),
+    Case("float64 into a float32 cache", "KVCache",
+         lambda xp, dev: polyattn.KVCache((2,), 1, 2, 4, dtype=np.float32).update(
+             np.zeros((2, 1, 1, 4)), np.zeros((2, 1, 1, 4))),
+         TypeError, ("`key`", "float64", "float32", "dtype=float64")),
+    Case("no capacity", "KVCache", lambda xp, dev: polyattn.KVCache((2,), 1, 0, 4),
+         ValueError, ("`capacity`", "at least 1", "0")),
+    # multi_head_attention: rotary embeddings and caches
+    Case("rotary with Tq != Tk", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, key=np.zeros((2, 3, 8)), value=np.zeros((2, 3, 8)),
+                              rotary={}),
+         ValueError, ("`rotary`", "Tq = 5, Tk = 3")),
+    Case("cache of other shapes", "multi_head_attention",
+         lambda xp, dev: _mha(np, None, cache=polyattn.KVCache((3,), 2, 8, 4)),
+         ValueError, ("`cache`", "(3,)", "(2,)", "KVCache((2,), 2, capacity, 4)")),
     # MultiHeadAttention
     Case("embed_dim not divisible by num_heads", "MultiHeadAttention",
          lambda xp, dev: polyattn.MultiHeadAttention(10, 3),

@@ -359,7 +359,9 @@ def test_new_keywords_pass_through(xp, device):
     np.testing.assert_array_equal(to_numpy(w) > 0, np.broadcast_to(band > 0, (2, 4, 7, 7)))
 
 
-@pytest.mark.parametrize("case", ["rotary", "rotary_alibi_window", "plain_mqa"])
+@pytest.mark.parametrize(("case", "dtype_name"), [
+    ("rotary", "float64"), ("rotary_alibi_window", "float64"), ("rotary_alibi_window", "float32"),
+    ("plain_mqa", "float64")])
 def test_cached_decoding_equals_full_causal_call(xp, device, dtype_name, case):
     hkv = 1 if case == "plain_mqa" else 2
     mha = _module(xp, device, dtype_name, hkv=hkv)
