@@ -125,6 +125,13 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(default=False, tags=["bench"])
+def bench_window(session: nox.Session) -> None:
+    """Sliding-window benchmark: NumPy path time and memory against T, window vs full causal."""
+    install(session, "-e", ".", "torch", "threadpoolctl", "matplotlib")
+    session.run("python", "benchmarks/window.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["bench"])
 def bench_torch(session: nox.Session) -> None:
     """torch CPU benchmark: polyattn "auto" on torch tensors vs torch SDPA vs naive torch."""
     install(session, "-e", ".", "torch", "threadpoolctl")
