@@ -157,6 +157,21 @@ def visible(rules: Rules, q0: int, q1: int, k0: int, k1: int, xp: Any,
     return ok
 
 
+def drop_padding(x: Array, rules: Rules | None, xp: Any) -> Array:
+    """Keys or values (B…, Hkv, Tk, F) with every position ``j >= key_lengths[b]`` set to 0.
+
+    Those keys do not exist: a preallocated cache may hold anything there, NaN
+    and inf included. Their scores are removed, but ``0 · NaN`` in the products
+    ``q·k`` and ``p·v`` would not be, so the padding is zeroed first.
+    """
+    if rules is None or rules.key_lengths is None:
+        return x
+    lengths = _batch_column(rules.key_lengths, 3, xp)              # (B…, 1, 1, 1)
+    j = xp.astype(xp.arange(x.shape[-2], device=device_of(x)), lengths.dtype)
+    keep = j[:, None] < lengths                                     # (B…, 1, Tk, 1)
+    return xp.where(keep, x, 0.0)
+
+
 def alibi_bias(rules: Rules, q0: int, q1: int, k0: int, k1: int, hkv: int, xp: Any,
                dtype: Any, device: Any) -> Array:
     """``-slope_h · |p_i - j|`` in the grouped layout (B…, Hkv, G, bq, bk)."""

@@ -36,7 +36,7 @@ from ._common import (
     stable_shift,
     ungroup_heads,
 )
-from ._rules import Rules, score_transform
+from ._rules import Rules, drop_padding, score_transform
 
 Array = Any
 
@@ -110,8 +110,8 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     block_k = block_k or BLOCK_K
     hkv, tq = k.shape[-3], q.shape[-2]
     qg = group_heads(q * scale, hkv, xp)          # (B…, Hkv, G, Tq, E)
-    kg = xp.expand_dims(k, axis=-3)               # (B…, Hkv, 1, Tk, E)
-    vg = xp.expand_dims(v, axis=-3)               # (B…, Hkv, 1, Tk, Ev)
+    kg = xp.expand_dims(drop_padding(k, rules, xp), axis=-3)   # (B…, Hkv, 1, Tk, E)
+    vg = xp.expand_dims(drop_padding(v, rules, xp), axis=-3)   # (B…, Hkv, 1, Tk, Ev)
     maskg = None if mask is None else group_heads(mask, hkv, xp)
     outs, lses = [], []
     for q0 in range(0, tq, block_q):

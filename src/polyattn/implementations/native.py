@@ -38,7 +38,7 @@ from typing import Any
 
 from .._compat import device_of, library_name
 from ._common import NEG_INF, causal_allowed
-from ._rules import Rules, fold_into_mask
+from ._rules import Rules, drop_padding, fold_into_mask
 
 Array = Any
 
@@ -96,6 +96,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     if rules is not None and not rules.simple:
         mask = fold_into_mask(rules, mask, k.shape[-3], xp, q.dtype, device_of(q))
         causal_offset = None
+        k, v = drop_padding(k, rules, xp), drop_padding(v, rules, xp)
     if library_name(xp) == "torch":
         return _torch(q, k, v, mask, causal_offset, scale, xp), None
     return _jax(q, k, v, mask, causal_offset, scale, xp), None

@@ -17,7 +17,7 @@ from ._common import (
     stable_shift,
     ungroup_heads,
 )
-from ._rules import Rules, score_transform
+from ._rules import Rules, drop_padding, score_transform
 
 Array = Any
 
@@ -48,6 +48,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               rules: Rules | None = None) -> tuple[Array, Array]:
     """Attention by the formula; see :mod:`polyattn.implementations` for the contract."""
     rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
+    k, v = drop_padding(k, rules, xp), drop_padding(v, rules, xp)
     s = _masked_scores(q, k, mask, rules, scale, xp)
     weights, lse = _normalised(s, xp)                # (B…, Hkv, G, Tq, Tk)
     vg = xp.expand_dims(v, axis=-3)                  # (B…, Hkv, 1, Tk, Ev)
@@ -60,6 +61,6 @@ def weights(q: Array, k: Array, /, *, mask: Array | None, causal_offset: int | N
             scale: float, xp: Any, rules: Rules | None = None) -> Array:
     """The attention weights α (B…, H, Tq, Tk); rows sum to 1, fully masked rows to 0."""
     rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
-    s = _masked_scores(q, k, mask, rules, scale, xp)
+    s = _masked_scores(q, drop_padding(k, rules, xp), mask, rules, scale, xp)
     alpha, _ = _normalised(s, xp)
     return ungroup_heads(alpha, xp)
