@@ -681,3 +681,21 @@ def test_public_api_runs_the_numpy_path_with_rules():
                          alibi_slopes=np.ones(2, dtype=np.float32), key_lengths=np.array([200]),
                          implementation="chunked")
     assert e.module == "polyattn.implementations.numpy_chunked"
+
+
+def test_keys_past_key_lengths_are_never_read(dtype_name, tiles):
+    """Padding past ``key_lengths[b]`` (a preallocated cache) may hold NaN or inf, in keys
+    and values: no tile reaches it, so the result is that of finite padding."""
+    q, k, v = problem(43, b=3, tq=9, tk=21)
+    lengths = np.array([21, 5, 12])
+    dirty_k, dirty_v = k.copy(), v.copy()
+    for b, n in enumerate(lengths):
+        dirty_k[b, :, n:] = np.nan
+        dirty_v[b, :, n:] = np.inf
+    for alignment in ALIGNMENTS:
+        kw = {"key_lengths": lengths, "window": (4, None), "is_causal": True,
+              "causal_alignment": alignment, "enable_gqa": True, "alibi_slopes":
+              np.array([0.5, 0.25, 0.125, 0.0625], dtype=dtype_name)}
+        out, lse = run(q, dirty_k, dirty_v, dtype_name, **kw)
+        assert not np.isnan(out).any() and not np.isnan(lse).any()
+        check((out, lse), (*oracle(q, k, v, **kw), None), dtype_name)
