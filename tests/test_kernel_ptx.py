@@ -1,9 +1,12 @@
 """Compile every kernel specialisation to PTX for sm_80 and sm_90, without a GPU.
 
-float32 kernels must not touch float64 at all: one stray untyped literal
-(``0.0`` instead of ``float32(0.0)``) would put double-precision instructions,
-at a fraction of the float32 rate, into the inner loop. Where ``ptxas`` is on
-PATH, its register and spill report for sm_90 is printed (``pytest -s``).
+Every attention kernel (dtype × head bucket × mask kind × plain or with score
+modifiers) and the split-merge kernel of each dtype. float32 kernels must not
+touch float64 at all: one stray untyped literal (``0.0`` instead of
+``float32(0.0)``) would put double-precision instructions, at a fraction of
+the float32 rate, into the inner loop. Plain kernels must carry no score
+modifier code. Where ``ptxas`` is on PATH, its register and spill report for
+sm_90 is printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ def _ids() -> list[str]:
     return [fn.__name__.removeprefix("attention_") for fn, _ in SPECS]
 
 
+# ALiBi's distance |p_i - j| converted from int64 to the compute dtype.
+INT_TO_FLOAT = re.compile(r"\bcvt\.rn\.f(32|64)\.s64\b")
+
+
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
 @pytest.mark.parametrize("index", range(len(SPECS)), ids=_ids())
 def test_compiles_with_float64_only_where_asked(index, cc):
@@ -87,6 +94,24 @@ def test_compiles_with_float64_only_where_asked(index, cc):
             f64[:20])
     else:
         assert any(F64_ARITHMETIC.search(line) for line in body)
+
+
+ATTENTION = [i for i, (fn, _) in enumerate(SPECS) if fn.__name__.startswith("attention_")]
+
+
+@pytest.mark.parametrize("index", ATTENTION, ids=[_ids()[i] for i in ATTENTION])
+def test_score_modifiers_only_where_asked(index):
+    fn, _ = SPECS[index]
+    body = _instructions(ptx_for(index, (9, 0)))
+    has_alibi = any(INT_TO_FLOAT.search(line) for line in body)
+    assert has_alibi == ("_mods" in fn.__name__), fn.__name__
+
+
+def test_every_specialisation_is_compiled():
+    names = {fn.__name__ for fn, _ in SPECS}
+    assert any(name.startswith("merge_splits_") for name in names)
+    assert sum("_mods" in name for name in names) == sum(
+        name.startswith("attention_") and "_mods" not in name for name in names)
 
 
 def _ptxas(ptx: str, arch: str) -> subprocess.CompletedProcess[str]:

@@ -571,18 +571,20 @@ def test_keys_outside_the_visible_area_are_never_read():
 # --------------------------------------------------------------------------- #
 
 def test_launch_plan_follows_the_shape():
-    bq = numba_cuda.BLOCK_Q
+    bq, bk = numba_cuda.BLOCK_Q, numba_cuda.MAX_BLOCK_K
+    plan = numba_cuda.launch_plan
     long_keys = numba_cuda.SPLIT_MIN_KEYS * numba_cuda.MAX_SPLITS
-    rows, lanes, splits = numba_cuda.launch_plan(1, long_keys, 4, bq)
-    assert rows == 1 and lanes == bq and splits > 1            # one step over a long cache
-    rows, lanes, splits = numba_cuda.launch_plan(5, long_keys, 4, bq)
-    assert rows == 8 and rows * lanes == bq and splits > 1     # a few speculative tokens
-    assert numba_cuda.launch_plan(1, numba_cuda.SPLIT_MIN_KEYS - 1, 4, bq)[2] == 1
-    assert numba_cuda.launch_plan(bq * 8, bq * 8, 4096, bq) == (bq, 1, 1)  # prefill
+    rows, lanes, splits = plan(1, long_keys, 4, bq, bk)
+    assert rows == 1 and lanes == min(bq, bk) and splits > 1  # one step over a long cache
+    rows, lanes, splits = plan(5, long_keys, 4, bq, bk)
+    assert rows == 8 and rows * lanes == bq and splits > 1    # a few speculative tokens
+    assert plan(1, long_keys, 4, bq, 4)[1] == 4                # no more lanes than tile keys
+    assert plan(1, numba_cuda.SPLIT_MIN_KEYS - 1, 4, bq, bk)[2] == 1
+    assert plan(bq * 8, bq * 8, 4096, bq, bk) == (bq, 1, 1)   # prefill
     blocks = numba_cuda.TARGET_BLOCKS
-    assert numba_cuda.launch_plan(1, long_keys * 4, blocks, bq)[2] == 1   # grid already full
-    assert numba_cuda.launch_plan(1, long_keys * 4, 1, bq)[2] == numba_cuda.MAX_SPLITS
-    assert numba_cuda.launch_plan(3, 100, 4, 8, decode=False, num_splits=5) == (8, 1, 5)
+    assert plan(1, long_keys * 4, blocks, bq, bk)[2] == 1      # the grid is already full
+    assert plan(1, long_keys * 4, 1, bq, bk)[2] == numba_cuda.MAX_SPLITS
+    assert plan(3, 100, 4, 8, 4, decode=False, num_splits=5) == (8, 1, 5)
 
 
 # (Tq, Tk, key lengths): one step, a few tokens, Tq > lanes' rows; splits beyond tiles
@@ -628,20 +630,21 @@ def test_split_keys_without_rules(splits):
 def test_split_keys_chosen_by_shape(monkeypatch):
     # Long keys, one query: the plan splits the keys without being asked.
     monkeypatch.setattr(numba_cuda, "SPLIT_MIN_KEYS", 8)
-    _, lanes, splits = numba_cuda.launch_plan(1, 40, 2, SMALL_TILES["block_q"])
+    _, lanes, splits = numba_cuda.launch_plan(1, 40, 2, *SMALL_TILES.values())
     assert lanes > 1 and splits > 1
     rng = np.random.default_rng(29)
     got, ref = run(*make_inputs(rng, (1,), 2, 2, 1, 40, 4, 4), causal_offset=39)
     assert_matches(*got, *ref, "float64")
 
 
-def test_lanes_merge_in_several_rounds():
-    # Head 80 with 2-key tiles: 4 lane states fit the two tiles at once, so the
-    # first round of the 8 lanes' tree merge takes two passes.
+def test_lanes_merge_in_several_passes():
+    # Two-key tiles hold four lane states at once; 8 rows × 2 lanes hand over
+    # 8 states, in two passes.
     rng = np.random.default_rng(30)
-    q, k, v = make_inputs(rng, (1,), 1, 1, 1, 23, 80, 72)
-    got, ref = run(q, k, v, causal_offset=22,
-                   tiles={"block_q": 8, "block_k": 2, "decode": True, "num_splits": 2})
+    q, k, v = make_inputs(rng, (1,), 1, 1, 7, 23, 4, 4)
+    tiles = {"block_q": 16, "block_k": 2, "decode": True, "num_splits": 2}
+    assert numba_cuda.launch_plan(7, 23, 1, 16, 2, decode=True)[:2] == (8, 2)
+    got, ref = run(q, k, v, causal_offset=16, tiles=tiles)
     assert_matches(*got, *ref, "float64")
 
 

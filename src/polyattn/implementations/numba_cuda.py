@@ -6,8 +6,8 @@ The kernel computes ``out = softmax(scores) v`` and the row log-sum-exp
 ``lse`` in one pass over the keys (the online softmax of FlashAttention).
 One launch covers every (batch, head) pair:
 
-* a thread block owns the query rows of one query tile of one (batch, head)
-  pair; the grid is flat, heaviest causal tiles first;
+* a thread block owns ``block_q`` query rows of one (batch, head) pair, one
+  thread per row; the grid is flat, heaviest causal tiles first;
 * the block streams the keys in tiles of ``block_k`` rows: the threads load a
   K tile and a V tile together into shared memory, then score their query
   rows against the tile;
@@ -46,11 +46,13 @@ Decoding: lanes and split-K
 ---------------------------
 With few query rows (decoding: ``Tq <= DECODE_MAX_TQ``) one thread per row
 would leave most of a block idle. There a block owns the smallest power of
-two ``rows ≥ Tq`` rows, and the ``lanes = block_q / rows`` threads of a row
-share its keys (lane ``c`` takes keys ``c, c + lanes, …`` of every tile),
-each with its own ``m``, ``l`` and ``acc``; at the end the lanes are merged
-by log-sum-exp in a tree through shared memory. The K and V tiles carry one
-padding column, so that lanes reading different keys hit different banks.
+two ``rows ≥ Tq`` rows, and ``lanes`` threads per row (``rows · lanes <=
+block_q``, ``lanes <= block_k``, a power of two) share its keys: lane ``c``
+takes keys ``c, c + lanes, …`` of every tile, with its own ``m``, ``l`` and
+``acc``; at the end the lanes are merged by log-sum-exp in a tree through
+shared memory. The block has ``rows · lanes`` threads; only rows past Tq sit idle.
+The K and V tiles carry one padding column, so that lanes reading different
+keys hit different banks.
 
 When the grid would still be small (few pairs, long keys), the keys
 ``[lo, hi)`` of each block are also split across ``num_splits`` blocks
@@ -270,7 +272,7 @@ def _merge_signature(dtype: str) -> Any:
 
 @functools.cache
 def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                         block_q: int = BLOCK_Q, block_k: int | None = None) -> Any:
+                         block_k: int | None = None) -> Any:
     """The Python kernel function for one specialisation (not yet compiled)."""
     _cuda()
     from numba import types
@@ -280,7 +282,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     acc_t = getattr(types, dtype)
     np_t = np.dtype(dtype).type
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
-    HEAD, BQ, BK = bucket, block_q, block_k
+    HEAD, BK = bucket, block_k
     PADDED = HEAD + 1  # tile rows padded by one column: lanes reading different keys
     CAP = 2 * BK  # lane states the two tiles hold at once when lanes merge
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
@@ -381,7 +383,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 
             # Load one K tile and one V tile into shared memory; keys past
             # k_end (and padding features) are zeros, never read.
-            for idx in range(tid, BK * HEAD, BQ):
+            for idx in range(tid, BK * HEAD, cuda.blockDim.x):
                 jj = idx // HEAD
                 d = idx % HEAD
                 j = j0 + jj
@@ -497,7 +499,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 lse_part[split, b, h, i] = lse_i
 
     suffix = "_mods" if mods else ""
-    name = f"attention_{dtype}_head{bucket}_{mask_kind}{suffix}_q{block_q}_k{block_k}"
+    name = f"attention_{dtype}_head{bucket}_{mask_kind}{suffix}_k{block_k}"
     attention_kernel.__name__ = attention_kernel.__qualname__ = name
     return attention_kernel
 
@@ -551,13 +553,13 @@ def make_merge_function(dtype: str) -> Any:
 
 @functools.cache
 def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                    block_q: int = BLOCK_Q, block_k: int | None = None) -> Any:
+                    block_k: int | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached.
 
     It is compiled for exactly one signature, so a launch skips type dispatch:
     the launcher checks dtypes, and allocates the scratch contiguous.
     """
-    fn = make_kernel_function(dtype, bucket, mask_kind, mods, block_q, block_k)
+    fn = make_kernel_function(dtype, bucket, mask_kind, mods, block_k)
     return _cuda().jit(_signature(dtype, mask_kind))(fn)
 
 
@@ -714,27 +716,33 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def launch_plan(tq: int, tk: int, n_pairs: int, block_q: int, *, decode: bool | None = None,
+def launch_plan(tq: int, tk: int, n_pairs: int, block_q: int, block_k: int, *,
+                decode: bool | None = None,
                 num_splits: int | None = None) -> tuple[int, int, int]:
     """``(rows, lanes, splits)``: query rows per block, threads per row, key splits.
 
-    By shape: with ``Tq <= DECODE_MAX_TQ`` a block holds the smallest power of
-    two of rows that covers Tq (at most ``block_q``) and the remaining threads
-    become key lanes; otherwise one thread per row. Keys are split while the
-    grid has fewer than ``TARGET_BLOCKS`` blocks and each split keeps at least
-    ``SPLIT_MIN_KEYS`` keys. ``decode`` and ``num_splits`` override the choice.
+    A block has ``rows · lanes`` threads. By shape: with ``Tq <= DECODE_MAX_TQ``
+    a block holds the smallest power of two of rows that covers Tq (at most
+    ``block_q``) and up to ``block_q`` threads in all become key lanes, as many
+    as a key tile has keys (a power of two); otherwise one thread per row.
+    Keys are split while the grid has fewer than ``TARGET_BLOCKS`` blocks and
+    each split keeps at least ``SPLIT_MIN_KEYS`` keys. ``decode`` and
+    ``num_splits`` override the choice.
 
     Examples
     --------
-    >>> launch_plan(1, 32768, 8, 64)        # one decoding step over a long cache
+    >>> launch_plan(1, 32768, 8, 64, 64)     # one decoding step over a long cache
     (1, 64, 33)
-    >>> launch_plan(4096, 4096, 64, 64)     # prefill: one thread per row, no split
+    >>> launch_plan(4, 32768, 8, 64, 32)     # four tokens; 32-key tiles: 32 lanes at most
+    (4, 16, 33)
+    >>> launch_plan(4096, 4096, 64, 64, 64)  # prefill: one thread per row, no split
     (64, 1, 1)
     """
     if decode is None:
         decode = tq <= DECODE_MAX_TQ
     rows = min(block_q, _power_of_two_at_least(tq)) if decode else block_q
-    lanes = 1 << ((block_q // rows).bit_length() - 1)  # a power of two, for the tree merge
+    lanes = min(block_q // rows, block_k)
+    lanes = 1 << (lanes.bit_length() - 1)  # a power of two, for the tree merge
     if num_splits is None:
         blocks = n_pairs * -(-tq // rows)
         num_splits = min(-(-TARGET_BLOCKS // max(blocks, 1)), tk // SPLIT_MIN_KEYS, MAX_SPLITS)
@@ -823,10 +831,11 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
         softcap = np_t(0.0 if rules.softcap is None else rules.softcap)
 
         bq = BLOCK_Q if block_q is None else int(block_q)
-        rows, lanes, splits = launch_plan(tq, tk, n_batch * n_heads, bq, decode=decode,
+        bk = default_block_k(dtype, bucket) if block_k is None else int(block_k)
+        rows, lanes, splits = launch_plan(tq, tk, n_batch * n_heads, bq, bk, decode=decode,
                                           num_splits=num_splits)
-        kernel = compiled_kernel(dtype, bucket, mask_kind, mods, bq,
-                                 None if block_k is None else int(block_k))
+        kernel = compiled_kernel(dtype, bucket, mask_kind, mods,
+                                 None if block_k is None else bk)
         n_blocks = n_batch * n_heads * -(-tq // rows) * splits
         if n_blocks > MAX_GRID_BLOCKS:
             raise ValueError(
@@ -845,7 +854,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
             # Small grids trigger Numba's occupancy warning; the grid is the problem's.
             warnings.simplefilter("ignore", category=_performance_warning())
             stream = dev.stream()
-            kernel[n_blocks, bq, stream](*args)
+            kernel[n_blocks, rows * lanes, stream](*args)
             if splits > 1:
                 # Merge the splits: one thread per output element.
                 n_threads = n_batch * n_heads * tq * max(ev, 1)
