@@ -130,7 +130,7 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
              "e.g. (4096, 0) for a causal sliding window of 4097 keys")
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"{usage}; got {window!r}")
-    sides = []
+    sides: list[int | None] = []
     for side, n in zip(("left", "right"), window, strict=True):
         if n is None:
             sides.append(None)
@@ -149,7 +149,7 @@ def check_softcap(softcap: object) -> float | None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"`softcap` must be a real number > 0 or None; got {softcap!r}")
-    if not (math.isfinite(float(softcap)) and softcap > 0):
+    if not (math.isfinite(float(softcap)) and float(softcap) > 0):
         raise ValueError(f"`softcap` must be a finite number > 0 (scores become "
                          f"softcap·tanh(scores/softcap)); got {softcap!r}")
     return float(softcap)
