@@ -1,4 +1,4 @@
-"""Command line: ``polyattn info | demo | bench`` (or ``python -m polyattn ...``).
+"""Command line: ``polyattn info | demo | bench | generate`` (or ``python -m polyattn ...``).
 
 ``info``
     versions, the array libraries found, whether the CUDA kernel can run.
@@ -8,6 +8,10 @@
     ``--model minilm`` shows a head of a real sentence encoder instead.
 ``bench``
     a quick side-by-side timing of polyattn against the naive formula.
+``generate``
+    continue a prompt with SmolLM2-135M-Instruct, a real language model whose
+    attention is polyattn's; the text is printed as the tokens come, the speed
+    at the end (on stderr).
 
 A mistake in the arguments or a missing optional package gives one line on
 stderr that names the fix, and exit status 2; no traceback.
@@ -475,6 +479,74 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Array libraries ``generate`` runs on.
+GENERATE_BACKENDS = ("numpy", "torch", "jax", "cupy")
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Every check on ``generate``'s arguments that can fail before the model is read.
+
+    Raises
+    ------
+    CLIError
+        With one line naming the argument and the fix.
+    """
+    if not args.prompt.strip():
+        raise CLIError("the prompt is empty; give some text, e.g. "
+                       "polyattn generate \"The capital of France is\"")
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    if not 0.0 <= args.temperature < float("inf"):
+        raise CLIError(f"--temperature must be a finite number >= 0 (0: greedy); got "
+                       f"{args.temperature}")
+    check_backend(args.backend)
+    from .models import smollm2
+
+    try:
+        smollm2.check_requirements()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        raise CLIError(str(exc)) from exc
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``generate``: SmolLM2-135M-Instruct continues a prompt, streamed token by token."""
+    import codecs
+
+    check_generate_args(args)
+    from .models import smollm2
+
+    start = time.perf_counter()
+    try:
+        model = smollm2.load(xp=args.backend, dtype=args.dtype)
+    except ImportError as exc:
+        raise CLIError(f"--backend {args.backend}: {_first_line(exc)}") from exc
+    loaded = time.perf_counter()
+    tok = model.tokenizer
+    text = smollm2.chat_prompt(args.prompt) if args.chat else args.prompt
+    ids = tok.encode(text)
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    special = set(tok.special)
+    count = 0
+    first = end = loaded
+    for token in model.stream(ids, args.max_new_tokens, temperature=args.temperature,
+                              seed=args.seed):
+        count += 1
+        if count == 1:
+            first = time.perf_counter()
+        if tok.tokens[token] not in special:
+            print(utf8.decode(tok.token_bytes(token)), end="", flush=True)
+    end = time.perf_counter()
+    print(utf8.decode(b"", final=True))
+    decode_rate = (count - 1) / (end - first) if count > 1 and end > first else float("nan")
+    print(f"{count} tokens in {end - loaded:.2f} s: prompt of {len(ids)} tokens "
+          f"{(first - loaded) * 1e3:.0f} ms, then {decode_rate:.1f} tokens/s "
+          f"({args.backend}, {args.dtype}; model read in {loaded - start:.1f} s)",
+          file=sys.stderr)
+    return 0
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``prog`` is the command name shown in messages."""
     parser = argparse.ArgumentParser(prog=prog or "polyattn",
@@ -497,6 +569,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true")
     bench.add_argument("--repeat", type=int, default=5, help="timed runs of each (default 5)")
+    gen = sub.add_parser("generate", help="continue a prompt with SmolLM2-135M-Instruct "
+                                          "(a real language model; see the docs)")
+    gen.add_argument("prompt", help='the text to continue, e.g. "The capital of France is"')
+    gen.add_argument("--max-new-tokens", type=int, default=32,
+                     help="tokens to produce, at most (default 32)")
+    gen.add_argument("--backend", choices=GENERATE_BACKENDS, default="numpy")
+    gen.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (default): greedy; above 0: sampled at this temperature")
+    gen.add_argument("--seed", type=int, help="seed of the sampling (with --temperature)")
+    gen.add_argument("--chat", action="store_true",
+                     help="put the prompt in the chat template: the model answers it")
     return parser
 
 
@@ -512,7 +596,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    handlers = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
+    handlers = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench,
+                "generate": cmd_generate}
     try:
         status = handlers[args.command](args)
         sys.stdout.flush()

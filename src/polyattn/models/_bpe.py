@@ -174,6 +174,7 @@ class BPETokenizer:
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.special = ([t for t, kind in zip(self.tokens, token_types, strict=True)
                          if kind == CONTROL] if token_types is not None else [])
+        self._special = frozenset(self.special)
         longest_first = sorted(self.special, key=len, reverse=True)
         self._special_re = (re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
                             if longest_first else None)
@@ -185,18 +186,26 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         return len(self.tokens)
 
-    def encode(self, text: str) -> list[int]:
-        """The token ids of ``text`` (no BOS/EOS added)."""
+    def split(self, text: str) -> list[str]:
+        """The pieces ``text`` is cut into before BPE: control tokens whole, then
+        :func:`pretokenize` between them."""
         if not isinstance(text, str):
             raise TypeError(f"`text` must be a str; got {type(text).__name__}")
-        ids: list[int] = []
         chunks = self._special_re.split(text) if self._special_re is not None else [text]
+        pieces: list[str] = []
         for k, chunk in enumerate(chunks):
             if k % 2:                      # a control token, matched whole
-                ids.append(self.ids[chunk])
+                pieces.append(chunk)
             elif chunk:
-                for piece in pretokenize(chunk):
-                    ids.extend(self._encode_piece(piece))
+                pieces.extend(pretokenize(chunk))
+        return pieces
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` (no BOS/EOS added)."""
+        ids: list[int] = []
+        for piece in self.split(text):
+            special = self.ids.get(piece) if piece in self._special else None
+            ids.extend([special] if special is not None else self._encode_piece(piece))
         return ids
 
     def _encode_piece(self, piece: str) -> list[int]:

@@ -142,7 +142,8 @@ def read(path: Path) -> GGUFModel:
     )
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # a copy: unquantized tensors come back as read-only views of the file's memory map
+        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(s) for s in reversed(t.shape)))    # GGUF lists the fast axis first
         if t.name.endswith("attn_q.weight"):
             w = unpermute_rows(w, config.num_heads)

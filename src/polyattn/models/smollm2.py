@@ -409,11 +409,12 @@ class SmolLM2:
         qkv = h @ self.params["layers"][i]["w_qkv"]                     # (B·T, (H+2Hkv)·E)
         qkv = xp.reshape(qkv, (b, t, nh + 2 * nkv, e))                  # (B, T, H+2Hkv, E)
         qkv = xp.permute_dims(qkv, (0, 2, 1, 3))                        # (B, H+2Hkv, T, E)
-        q = qkv[:, :nh, ...]                                            # (B, H, T, E)
-        k = qkv[:, nh:nh + nkv, ...]                                    # (B, Hkv, T, E)
+        # queries and keys rotated in one call: the same positions for every head
+        qk = polyattn.apply_rotary_embedding(qkv[:, :nh + nkv, ...], positions,
+                                             base=c.rope_base)          # (B, H+Hkv, T, E)
+        q = qk[:, :nh, ...]                                             # (B, H, T, E)
+        k = qk[:, nh:, ...]                                             # (B, Hkv, T, E)
         v = qkv[:, nh + nkv:, ...]                                      # (B, Hkv, T, E)
-        q = polyattn.apply_rotary_embedding(q, positions, base=c.rope_base)
-        k = polyattn.apply_rotary_embedding(k, positions, base=c.rope_base)
         return q, k, v
 
     def _layer(self, i: int, x: Array, b: int, t: int, positions: Array,
