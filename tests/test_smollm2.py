@@ -288,7 +288,7 @@ def test_ragged_batch_with_cache_equals_each_row_alone(backend, prompt_ids):
     step = _numpy(model(nxt, cache))[:, 0]                            # (B, V)
     assert _numpy(cache.lengths).tolist() == [n + 1 for n in lengths]
     for b, p in enumerate(prompt_ids):
-        alone = _numpy(model(p + [int(nxt[b, 0])]))[-1]
+        alone = _numpy(model([*p, int(nxt[b, 0])]))[-1]
         assert _relative(step[b], alone) <= 1e-5
 
 

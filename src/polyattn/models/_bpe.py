@@ -76,8 +76,8 @@ def split_gpt2(text: str) -> list[str]:
     Examples
     --------
     >>> from polyattn.models._bpe import split_gpt2
-    >>> split_gpt2("I'll see  you\\n\\nthere!")
-    ['I', "'ll", ' see', ' ', ' you', '\\n\\n', 'there', '!']
+    >>> split_gpt2("I'll see  you\\n\\nthere!")   # a newline before a word stays apart
+    ['I', "'ll", ' see', ' ', ' you', '\\n', '\\n', 'there', '!']
     """
     pieces = []
     n = len(text)

@@ -368,9 +368,9 @@ class SmolLM2:
         ids = self._ids(token_ids)
         hidden = self.hidden_states(ids, cache, lengths=lengths)
         logits = hidden @ self.params["lm_head"]                        # (B, T, V)
-        if hasattr(token_ids, "ndim") and token_ids.ndim == 1 or (
-                not hasattr(token_ids, "ndim") and np.ndim(token_ids) == 1):
-            return logits[0, ...]
+        ndim = token_ids.ndim if hasattr(token_ids, "ndim") else np.ndim(token_ids)
+        if ndim == 1:
+            return logits[0, ...]                                       # (T, V)
         return logits
 
     def hidden_states(self, token_ids: Any, cache: Cache | None = None, *,
