@@ -432,7 +432,8 @@ def test_zero_slopes_are_no_alibi(xp, device, dtype_name, implementation):
     assert_same(zero, plain, dtype_name)
 
 
-@pytest.mark.parametrize("features", [(), FEATURES], ids=["lengths_only", "all_features"])
+@pytest.mark.parametrize(("features", "dtype_name"), [((), "float32"), (FEATURES, "float64")],
+                         ids=["lengths_only-float32", "all_features-float64"])
 def test_padding_beyond_key_lengths_is_ignored(xp, device, dtype_name, implementation,
                                                features):
     """Keys past a row's length may hold anything (a preallocated cache): NaN, inf, -inf."""
@@ -493,7 +494,7 @@ def test_parts_over_disjoint_key_sets_merge_into_the_whole(xp, device, dtype_nam
 # JAX tracing, Dask laziness, explain()
 # --------------------------------------------------------------------------- #
 
-@pytest.mark.parametrize("name", CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", [n for n in CPU_IMPLEMENTATIONS if n != "auto"])
 def test_jax_jit_with_traced_key_lengths_and_slopes(name, dtype_name, monkeypatch):
     """Key lengths and slopes are traced arguments: new values reuse the compiled function."""
     jax = pytest.importorskip("jax")
@@ -583,3 +584,15 @@ def test_explain_native_refuses_softcap(backend, xp, device):
     out = sdpa(*args, softcap=3.0, enable_gqa=True)
     ref, _, _ = oracle(q, k, v, "float32", softcap=3.0, enable_gqa=True)
     assert_close(out, ref, "float32")
+
+
+def test_key_lengths_out_of_range_on_every_backend(backend, xp, device):
+    """Lengths outside [0, Tk] are refused wherever their values are at hand."""
+    if backend is Backend.DASK:
+        pytest.skip("a Dask array's values exist only once its graph runs, so they are "
+                    "not checked")
+    q, k, v = (to_xp(a, xp, device=device) for a in inputs(np.random.default_rng(17), tq=4,
+                                                             tk=6, h=2, hkv=2))
+    for lengths, shown in (([7, 2], "from 2 to 7"), ([-1, 3], "from -1 to 3")):
+        with pytest.raises(ValueError, match=rf"`key_lengths`.*\[0, 6\].*{shown}"):
+            sdpa(q, k, v, key_lengths=to_xp(np.array(lengths), xp, device=device))
