@@ -57,7 +57,8 @@ def prepared(name, backend, monkeypatch):
 
 @pytest.fixture(params=[n for n in IMPLEMENTATIONS if n != "auto"])
 def implementation(request, backend, monkeypatch):
-    """Each implementation by name ("auto" has its own tests, which pick among these)."""
+    """Each implementation by name; "auto", which picks among them, runs in
+    :func:`test_features_and_combinations` and :func:`test_explain_native_refuses_softcap`."""
     return prepared(request.param, backend, monkeypatch)
 
 
