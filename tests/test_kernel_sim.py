@@ -5,7 +5,11 @@ NumPy arrays, with small shapes and small tiles so that every case spans
 several query blocks and key tiles. Where CuPy and a CUDA GPU are present
 (and the simulator is off), the same cases run on CuPy arrays, followed by
 larger shapes with the production tile sizes. Every result is compared with a
-float64 NumPy reference written here.
+float64 NumPy reference written here or, for windows, soft-capping, ALiBi and
+key lengths, with polyattn's reference implementation on the problem that
+``polyattn._problem.prepare`` builds (what the public API hands the kernel).
+Decoding runs both launches, one thread per query row and key lanes with
+split keys, on the same inputs.
 """
 
 from __future__ import annotations
@@ -712,6 +716,8 @@ GPU_CASES = {
     "head_256": ((1,), 2, 2, 70, 90, 256, 256, None, None, None),
     "head_1": ((1,), 2, 2, 300, 400, 1, 1, None, None, 0),
     "many_heads": ((64,), 32, 8, 65, 65, 16, 16, None, None, None),
+    "decode_split": ((4,), 8, 2, 1, 5000, 128, 128, None, None, 4999),
+    "decode_tokens": ((2,), 8, 8, 5, 3000, 64, 64, "bool", (2, 1, 5, 3000), 2995),
 }
 
 
@@ -724,6 +730,19 @@ def test_gpu_production_tiles(name, dtype):
     q, k, v = make_inputs(rng, batch, h, hkv, tq, tk, e, ev)
     mask = None if kind is None else make_mask(rng, kind, mshape)
     got, ref = run(q, k, v, mask=mask, causal_offset=offset, dtype=dtype, tiles={})
+    assert_matches(*got, *ref, dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("tq", [1, 4, 300])
+def test_gpu_rules_production_tiles(tq, dtype):
+    rng = np.random.default_rng(16)
+    q, k, v = make_inputs(rng, (3,), 8, 2, tq, 4000, 64, 64)
+    options = dict(is_causal=True, alignment="bottom_right", window=(1500, None),
+                   softcap=20.0, alibi_slopes=rng.uniform(0.0, 0.01, (8,)),
+                   key_lengths=np.array([4000, 2500, 0]))
+    got, ref = run_rules(q, k, v, dtype=dtype, tiles={}, **options)
     assert_matches(*got, *ref, dtype)
 
 

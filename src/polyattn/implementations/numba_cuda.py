@@ -107,6 +107,7 @@ Limits and costs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -842,15 +843,19 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
                 f"B·H·ceil(Tq/{rows})·{splits} = {n_blocks} thread blocks exceed the CUDA "
                 f"grid limit {MAX_GRID_BLOCKS} (query {tuple(q.shape)}); split the batch"
             )
+        # Split-K scratch in the compute dtype (a placeholder without splits).
         scratch_shape = (splits, n_batch, n_heads, tq) if splits > 1 else (1, 1, 1, 1)
-        o_part = dev.view(dev.empty((*scratch_shape, ev if splits > 1 else 1), q.dtype))
-        lse_part = dev.view(dev.empty(scratch_shape, q.dtype))
+        o_part = dev.view(dev.empty((*scratch_shape, ev if splits > 1 else 1),
+                                    q.dtype))  # (S, B, H, Tq, Ev)
+        lse_part = dev.view(dev.empty(scratch_shape, q.dtype))  # (S, B, H, Tq)
         args = [dev.view(a) for a in (q4, k4, v4, mask4, dev.from_numpy(table), lengths,
                                       slopes)]
         out_d, lse_d = dev.view(out), dev.view(lse)
         args += [out_d, lse_d, o_part, lse_part, np_t(scale), softcap, offset, shift, left,
                  right, rows, lanes, splits]
-        with warnings.catch_warnings(), _on_device(cuda, dev.device_id()):
+        device_id = dev.device_id()
+        on_device = contextlib.nullcontext() if device_id is None else cuda.gpus[device_id]
+        with warnings.catch_warnings(), on_device:
             # Small grids trigger Numba's occupancy warning; the grid is the problem's.
             warnings.simplefilter("ignore", category=_performance_warning())
             stream = dev.stream()
@@ -885,21 +890,6 @@ def _rule_tables(rules: Rules, batch: tuple[int, ...], n_heads: int, dtype: Any,
         slopes = xp.broadcast_to(rules.alibi, (*batch, heads))  # (B…, H|1)
         slopes = xp.astype(xp.reshape(slopes, (n_batch, heads)), dtype)  # (B, H|1)
     return lengths, slopes
-
-
-class _on_device:
-    """Context: the input's GPU current for Numba (nothing on the simulator)."""
-
-    def __init__(self, cuda: Any, device_id: int | None) -> None:
-        self.context = None if device_id is None else cuda.gpus[device_id]
-
-    def __enter__(self) -> None:
-        if self.context is not None:
-            self.context.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.context is not None:
-            self.context.__exit__(*exc)
 
 
 def _performance_warning() -> type[Warning]:
