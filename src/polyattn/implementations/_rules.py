@@ -176,6 +176,7 @@ def alibi_bias(rules: Rules, q0: int, q1: int, k0: int, k1: int, hkv: int, xp: A
                dtype: Any, device: Any) -> Array:
     """``-slope_h · |p_i - j|`` in the grouped layout (B…, Hkv, G, bq, bk)."""
     slopes = rules.alibi
+    assert slopes is not None
     *batch, h = slopes.shape
     if h == 1:
         slopes = xp.reshape(slopes, (*batch, 1, 1, 1, 1))
