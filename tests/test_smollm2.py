@@ -340,6 +340,12 @@ def test_input_errors(model_np):
         model_np(np.array([[1, 2]]), lengths=[3])
     with pytest.raises(ValueError, match="`cache` holds 2 rows but `token_ids` has 1"):
         model_np(np.array([[1]]), model_np.new_cache(2, 4))
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        with pytest.raises(TypeError, match="`token_ids` is a torch array but the model "
+                                            "holds numpy arrays"):
+            model_np(torch.tensor([[1, 2]]))
 
 
 def test_cli_generate_streams_the_continuation(prompt_ids, reference, capsys):

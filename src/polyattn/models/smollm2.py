@@ -306,6 +306,11 @@ class SmolLM2:
         if hasattr(token_ids, "shape") and hasattr(token_ids, "dtype") and not isinstance(
                 token_ids, np.ndarray):
             ids = token_ids
+            lib = library_name(array_namespace(ids))
+            if lib != library_name(xp):
+                raise TypeError(f"`token_ids` is a {lib} array but the model holds "
+                                f"{library_name(xp)} arrays; pass a list, a NumPy array or "
+                                f"a {library_name(xp)} array")
         else:
             host = np.asarray(token_ids)
             if host.size and not np.issubdtype(host.dtype, np.integer):
