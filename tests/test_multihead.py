@@ -405,6 +405,49 @@ def test_cached_ragged_prompts_then_decode(xp, device):
         assert_close(out, want, "float64")
 
 
+@pytest.mark.parametrize("extra", [{}, {"window": (2, 0), "alibi_slopes": "slopes"}],
+                         ids=["plain", "window+alibi"])
+def test_cached_ragged_appends_with_the_default_alignment(xp, device, extra):
+    """Ragged appends (key_lengths < Tq) into an empty, then a non-empty cache, bottom-right.
+
+    Each row's real queries must sit right after that row's past, where the
+    rotary embedding puts them, whatever the other rows append.
+    """
+    mha = _module(xp, device)
+    conv = lambda a: to_xp(a, xp, device=device)                         # noqa: E731
+    options = {"is_causal": True, "rotary": {}, **extra}
+    if "alibi_slopes" in extra:
+        options["alibi_slopes"] = conv(np.array([0.5, 0.25, 0.125, 0.0625]))
+    x = np.random.default_rng(19).standard_normal((2, 9, 16))
+    cache = KVCache((2,), 2, 12, 4, xp=xp, dtype=xp.float64, device=device)
+    done = [0, 0]
+    for chunk, counts in ((5, [5, 3]), (3, [1, 3]), (2, [2, 1])):
+        token = np.stack([x[r, done[r]:done[r] + chunk] if done[r] + chunk <= 9 else
+                          np.pad(x[r, done[r]:], ((0, done[r] + chunk - 9), (0, 0)))
+                          for r in range(2)])
+        out, cache = mha(conv(token), key_lengths=conv(np.array(counts)), cache=cache,
+                         **options)
+        out = to_numpy(out)
+        for r, n in enumerate(counts):
+            full = to_numpy(mha(conv(x[r:r + 1, :done[r] + n]), **options))
+            assert_close(out[r, :n], full[0, done[r]:done[r] + n], "float64")
+            done[r] += n
+    assert list(to_numpy(cache.lengths)) == done
+
+
+def test_cached_ragged_append_needs_room_for_every_token():
+    mha = MultiHeadAttention(8, 2, dtype=np.float64, seed=0)
+    cache = KVCache((2,), 2, 6, 4)
+    x = np.random.default_rng(20).standard_normal((2, 4, 8))
+    mha(x, key_lengths=np.array([4, 2]), is_causal=True, cache=cache)
+    keys = cache.keys.copy()
+    with pytest.raises(ValueError, match="capacity 6 needs room for all 4"):
+        mha(x, key_lengths=np.array([0, 2]), is_causal=True, cache=cache)
+    assert list(cache.lengths) == [4, 2] and np.array_equal(cache.keys, keys)  # untouched
+    with pytest.raises(ValueError, match="without is_causal=True"):
+        mha(x[:, :1], key_lengths=np.array([1, 0]), window=(1, 1), cache=cache)
+
+
 def test_cache_with_weights_time_first_and_the_module():
     mha = MultiHeadAttention(8, 2, batch_first=False, dtype=np.float64, seed=0)
     x = np.random.default_rng(17).standard_normal((3, 2, 8))           # (T, B, d_model)

@@ -21,6 +21,7 @@ from ._compat import (
     Array,
     Namespace,
     check_same_device,
+    concrete_values,
     default_float_dtype,
     device_of,
     is_array,
@@ -176,7 +177,11 @@ def multi_head_attention(
         How many of this call's keys exist in each batch row (the first
         ones; keys after them are padding). With a ``cache``: how many of
         the new tokens each row appends (:meth:`KVCache.update`'s
-        ``lengths``); attention then runs with the cache's lengths.
+        ``lengths``; a ragged, right-padded batch of prompts); attention then
+        runs over the cache's lengths, and with the default
+        ``"bottom_right"`` alignment and ``is_causal=True`` each row's real
+        queries sit right after that row's past (the positions the rotary
+        embedding uses), whether the cache was empty or not.
     need_weights : bool
         Also return the attention weights.
     average_attn_weights : bool
@@ -305,9 +310,14 @@ def multi_head_attention(
         key_lengths=key_lengths)
     layout = "BTHE"
     if cache is not None:
+        ragged = None
+        if key_lengths is not None and causal_alignment == "bottom_right":
+            # checked before the cache is written to
+            ragged = _ragged_lengths(cache.lengths, int(q.shape[-3]), cache, is_causal,
+                                     window, alibi_slopes, xp)
         cache = cache.update(_swap(k, xp), _swap(v, xp), lengths=key_lengths)
         q, k, v = _swap(q, xp), cache.keys, cache.values             # (B…, H|Hkv, T, E)
-        attend["key_lengths"] = cache.lengths
+        attend["key_lengths"] = cache.lengths if ragged is None else ragged
         layout = "BHTE"
     if need_weights:
         alpha = attention_weights(q, k, layout=layout, **attend)     # (B…, H, Tq, Tk)
@@ -330,6 +340,39 @@ def multi_head_attention(
     if cache is not None:
         result += (cache,)
     return result[0] if len(result) == 1 else result
+
+
+def _ragged_lengths(before: Array, tq: int, cache: KVCache, is_causal: bool, window: Any,
+                    alibi_slopes: Any, xp: Any) -> Array | None:
+    """Key lengths that put a ragged append's queries at ``before[b] + i``.
+
+    Row ``b`` appended only ``key_lengths[b] <= Tq`` of its ``Tq`` tokens, which
+    sit at positions ``before[b] + i`` (where the rotary embedding put them).
+    Bottom-right alignment places query ``i`` at ``L - Tq + i`` for key length
+    ``L``, so attention runs with ``L = before + Tq``: under a causal mask a
+    real query ``i < key_lengths[b]`` sees keys up to ``before[b] + i``, all of
+    them stored, and the slots after the row's new length stay out of its
+    sight (only the padding queries, whose outputs are padding, reach them).
+    ``None``: without a causal mask positions matter to nothing here, and the
+    cache's own lengths apply.
+    """
+    if not is_causal:
+        if window is not None or alibi_slopes is not None:
+            raise ValueError(
+                "a ragged append (`key_lengths` with a `cache`) without is_causal=True cannot "
+                "place its queries for `window` or `alibi_slopes`: bottom-right positions "
+                "would follow each row's new length, not where its tokens are; append the "
+                "rows separately, or pass is_causal=True")
+        return None
+    lengths = before + tq                                             # a new array
+    values = concrete_values(lengths)
+    if values is not None and values.size and int(values.max()) > cache.capacity:
+        raise ValueError(
+            f"a ragged append of Tq = {tq} tokens into a `cache` of capacity "
+            f"{cache.capacity} needs room for all {tq} in every row (its queries are "
+            f"placed as if every row appended them); rows hold up to "
+            f"{int(values.max()) - tq} tokens; allocate a larger cache")
+    return xp.clip(lengths, max=cache.capacity) if values is None else lengths
 
 
 def _check_cache(cache: object, key: Array, value: Array, hkv: int, e: int) -> None:
