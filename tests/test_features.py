@@ -587,6 +587,25 @@ def test_explain_native_refuses_softcap(backend, xp, device):
     assert_close(out, ref, "float32")
 
 
+def test_auto_passes_over_a_native_dense_mask_past_the_budget(backend, xp, device,
+                                                             monkeypatch):
+    """A window past the score budget runs blocked (invisible blocks skipped), not native."""
+    if backend not in NATIVE_BACKENDS:
+        pytest.skip("only torch and JAX have a native attention")
+    rng = np.random.default_rng(17)
+    q, k, v = inputs(rng, tq=8, tk=8)
+    args = [to_xp(a, xp, dtype="float32", device=device) for a in (q, k, v)]
+    options = {"is_causal": True, "window": (2, 0), "enable_gqa": True}
+    assert polyattn.explain(*args, **options).implementation == "native"
+    monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "64")
+    e = polyattn.explain(*args, **options)
+    assert e.implementation == "chunked"
+    assert "window would become a dense mask" in e.candidates["native"]
+    assert polyattn.explain(*args, is_causal=True, enable_gqa=True).implementation == "native"
+    ref, _, _ = oracle(q, k, v, "float32", **options)
+    assert_close(sdpa(*args, **options), ref, "float32")
+
+
 def test_key_lengths_out_of_range_on_every_backend(backend, xp, device):
     """Lengths outside [0, Tk] are refused wherever their values are at hand."""
     if backend is Backend.DASK:

@@ -136,9 +136,13 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
             sides.append(None)
             continue
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise TypeError(f"{usage}; got {window!r} (its {side} side is {type(n).__name__})")
+            static = ("; a window shapes the computation, so it must be static Python ints "
+                      "(under jax.jit: a static argument)" if hasattr(n, "shape") else "")
+            raise TypeError(f"{usage}; got {window!r} (its {side} side is "
+                            f"{type(n).__name__}){static}")
         if n < 0:
-            raise ValueError(f"{usage}; got {window!r} (its {side} side is negative)")
+            raise ValueError(f"{usage}; got {window!r} (its {side} side is negative; "
+                             "FlashAttention's -1 for an unbounded side is None here)")
         sides.append(int(n))
     return sides[0], sides[1]
 
@@ -151,5 +155,6 @@ def check_softcap(softcap: object) -> float | None:
         raise TypeError(f"`softcap` must be a real number > 0 or None; got {softcap!r}")
     if not (math.isfinite(float(softcap)) and float(softcap) > 0):
         raise ValueError(f"`softcap` must be a finite number > 0 (scores become "
-                         f"softcap·tanh(scores/softcap)); got {softcap!r}")
+                         f"softcap·tanh(scores/softcap)), or None for no soft-capping "
+                         f"(FlashAttention's 0.0); got {softcap!r}")
     return float(softcap)
