@@ -96,7 +96,9 @@ def scaled_dot_product_attention(
         Keys ``j >= key_lengths[b]`` of batch row ``b`` do not exist (ragged
         batches, a preallocated :class:`polyattn.KVCache`). With
         ``causal_alignment="bottom_right"`` query positions count back from
-        each row's own length.
+        each row's own length. Values outside ``[0, Tk]`` raise
+        ``ValueError`` where they are at hand; under ``jax.jit`` and on Dask
+        they are not, and such values give meaningless positions.
 
     Returns
     -------
