@@ -31,6 +31,12 @@ def has_cuda_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None
 
 
+#: pytest-xdist spreads the slowest sessions (eager JAX compiling each operation, the CUDA
+#: simulator, PTX compilation) over the machine's cores; they share no state between tests.
+PARALLEL = ("-n", "auto", "--maxprocesses", "4")
+PARALLEL_BACKENDS = {"jax"}
+
+
 def install(session: nox.Session, *packages: str) -> None:
     session.install(*CONSTRAINTS, *packages)
 
@@ -45,25 +51,28 @@ def tests(session: nox.Session, backend: str) -> None:
     """Run the test suite on one array library."""
     if backend == "cupy" and not has_cuda_gpu():
         session.skip("no CUDA GPU on this machine (nvidia-smi not found): cupy tests skipped")
-    install(session, "-e", ".[test]", *BACKEND_DEPS[backend])
+    parallel = backend in PARALLEL_BACKENDS
+    install(session, "-e", ".[test]", *BACKEND_DEPS[backend],
+            *(["pytest-xdist"] if parallel else []))
     session.env["POLYATTN_TEST_BACKENDS"] = backend
-    args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider"]
+    args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider",
+                               *(PARALLEL if parallel else ())]
     session.run("python", "-m", "pytest", *args)
 
 
 @nox.session(tags=["kernel"])
 def kernel_sim(session: nox.Session) -> None:
     """Run the Numba CUDA kernel on the CUDA simulator (CPU, small shapes)."""
-    install(session, "-e", ".[test]", "numba-cuda[cu13]")
+    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist")
     session.env["NUMBA_ENABLE_CUDASIM"] = "1"
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
     if session.posargs:
         session.run("python", "-m", "pytest", *session.posargs)
         return
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL,
                 "tests/test_kernel_sim.py")
     # the public API's tests, with implementation="numba_cuda" on the simulator
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests",
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL, "tests",
                 "-k", "numba_cuda", "--ignore=tests/test_kernel_sim.py",
                 "--ignore=tests/test_kernel_ptx.py")
 
@@ -71,8 +80,9 @@ def kernel_sim(session: nox.Session) -> None:
 @nox.session(tags=["kernel"])
 def kernel_ptx(session: nox.Session) -> None:
     """Compile every kernel specialisation to PTX for sm_80 and sm_90 (no GPU needed)."""
-    install(session, "-e", ".[test]", "numba-cuda[cu13]")
-    args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", "tests/test_kernel_ptx.py"]
+    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist")
+    args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
+                               "tests/test_kernel_ptx.py"]
     session.run("python", "-m", "pytest", *args)
 
 

@@ -290,6 +290,9 @@ RUNS = [(name, "float64") for name in CPU_IMPLEMENTATIONS] + [("auto", "float32"
 @pytest.mark.parametrize(("name", "dtype_name"), RUNS)
 def test_decode_equals_full_recompute(backend, xp, device, dtype_name, case, name,
                                       monkeypatch):
+    if backend is Backend.JAX and name != "auto" and case != "all":
+        pytest.skip("eager JAX compiles every operation of every step: on JAX each "
+                    "implementation decodes the 'all' case, which combines these keywords")
     implementation = use_implementation(name, backend, monkeypatch)
     rng = np.random.default_rng(8)
     b, h, t, e, prompt = 2, 4, 9, 4, 4
