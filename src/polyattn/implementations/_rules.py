@@ -37,7 +37,8 @@ class Rules:
     alignment with key lengths): ``p_i = i + key_lengths[b] - Tq``.
     ``window``: ``(left, right)``, each an int or ``None`` (unbounded).
     ``alibi``: slopes with ``len(B…) + 1`` dimensions, broadcastable to
-    (B…, H), in the compute dtype.
+    (B…, H), in the compute dtype. ``dropout_p``, ``dropout_seed``: weights are
+    dropped after the softmax by the counters of :mod:`._dropout`.
     """
 
     tq: int
@@ -49,6 +50,9 @@ class Rules:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     alibi: Array | None = None
+    #: Dropout (§4.1): probability in [0, 1) and the Philox key; 0 is no dropout.
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
 
     @classmethod
     def from_causal_offset(cls, causal_offset: int | None, tq: int, tk: int) -> Rules:
@@ -64,9 +68,19 @@ class Rules:
 
     @property
     def simple(self) -> bool:
-        """Only (static) causal, as in 0.1: no window, lengths, softcap or ALiBi."""
+        """Only (static) causal, as in 0.1: no window, lengths, softcap, ALiBi or dropout."""
         return (self.key_lengths is None and self.window is None and self.softcap is None
-                and self.alibi is None)
+                and self.alibi is None and not self.dropout)
+
+    @property
+    def dropout(self) -> bool:
+        """Whether weights are dropped (``dropout_p > 0``)."""
+        return self.dropout_p > 0
+
+    @property
+    def dropout_scale(self) -> float:
+        """``1 / (1 - dropout_p)``, the factor of kept weights."""
+        return 1.0 / (1.0 - self.dropout_p)
 
     @property
     def restricts(self) -> bool:
