@@ -37,6 +37,7 @@ from ._common import (
     ungroup_heads,
 )
 from ._rules import Rules, drop_padding, score_transform
+from .reference import dropout_factor
 
 Array = Any
 
@@ -78,7 +79,9 @@ def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0:
         m_new = block_max if m is None else xp.maximum(m, block_max)
         shift = stable_shift(m_new, xp)
         p = xp.exp(s - shift)                                     # (B…, Hkv, G, bq, bk)
-        pv = xp.matmul(p, vg[..., k0:k1, :])                      # (B…, Hkv, G, bq, Ev)
+        z = dropout_factor(rules, tuple(qg.shape[:-4]), qg.shape[-4], qg.shape[-3], q0, q1,
+                           k0, k1, p.dtype, xp, dev)
+        pv = xp.matmul(p if z is None else p * z, vg[..., k0:k1, :])  # (B…, Hkv, G, bq, Ev)
         if m is None:
             l, acc = xp.sum(p, axis=-1, keepdims=True), pv
         else:
@@ -123,3 +126,89 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
     lse = xp.expand_dims(lse, axis=-1)
     return ungroup_heads(out, xp), ungroup_heads(lse, xp)[..., 0]
+
+
+def _key_blocks(rules: Rules, q0: int, q1: int, block_k: int) -> range:
+    """Indices of the key blocks (of the fixed grid ``block_k``) that queries q0:q1 may see."""
+    lo, hi = rules.key_range(q0, q1)
+    return range(lo // block_k, -(-hi // block_k)) if hi > lo else range(0)
+
+
+def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
+             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
+             rules: Rules | None = None, grad_lse: Array | None = None,
+             block_q: int | None = None, block_k: int | None = None,
+             ) -> tuple[Array, Array, Array]:
+    """Gradients of :func:`attention`, block by block (FlashAttention-2's backward pass).
+
+    The scores of each (query block, key block) pair that some query can see
+    are recomputed from ``q``, ``k`` and the saved ``lse``; with
+    ``P = exp(s - lse)``, ``D = rowsum(dO ∘ O) - dlse`` and the dropout factor
+    ``Z``: ``dV += (P∘Z)ᵀ dO``, ``dS = P ∘ ((dO Vᵀ)∘Z - D)`` (times the
+    soft-cap's derivative), ``dQ += scale·dS K``, ``dK += scale·dSᵀ Q``.
+    Memory is O(B·H·block_q·block_k) besides the gradients. Returns (dq, dk, dv)
+    shaped like (q, k, v); key/value gradients are summed over the query heads
+    that share a key/value head.
+    """
+    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
+    block_q = block_q or BLOCK_Q
+    block_k = block_k or BLOCK_K
+    hkv, tq, tk = k.shape[-3], q.shape[-2], k.shape[-2]
+    e, ev = q.shape[-1], v.shape[-1]
+    dev = device_of(q)
+    qg = group_heads(q, hkv, xp)                                  # (B…, Hkv, G, Tq, E)
+    *batch, _, g, _, _ = qg.shape
+    kg = xp.expand_dims(drop_padding(k, rules, xp), axis=-3)      # (B…, Hkv, 1, Tk, E)
+    vg = xp.expand_dims(drop_padding(v, rules, xp), axis=-3)      # (B…, Hkv, 1, Tk, Ev)
+    maskg = None if mask is None else group_heads(mask, hkv, xp)
+    dog = group_heads(grad_out, hkv, xp)                          # (B…, Hkv, G, Tq, Ev)
+    d = xp.sum(dog * group_heads(out, hkv, xp), axis=-1, keepdims=True)   # (…, Tq, 1)
+    if grad_lse is not None:
+        d = d - group_heads(xp.expand_dims(grad_lse, axis=-1), hkv, xp)
+    lseg = group_heads(xp.expand_dims(lse, axis=-1), hkv, xp)     # (B…, Hkv, G, Tq, 1)
+    seen = lseg != NEG_INF
+    lseg = xp.where(seen, lseg, 0.0)
+    n_kb = -(-tk // block_k)
+    dk: list[Array | None] = [None] * n_kb                        # per key block, over G
+    dv: list[Array | None] = [None] * n_kb
+    dqs = []
+    for q0 in range(0, tq, block_q):
+        q1 = min(q0 + block_q, tq)
+        qb, dob = qg[..., q0:q1, :], dog[..., q0:q1, :]
+        db, lb, sb = d[..., q0:q1, :], lseg[..., q0:q1, :], seen[..., q0:q1, :]
+        dq = None
+        for kb in _key_blocks(rules, q0, q1, block_k):
+            k0, k1 = kb * block_k, min((kb + 1) * block_k, tk)
+            kt, vt = kg[..., k0:k1, :], vg[..., k0:k1, :]
+            raw = xp.matmul(qb, xp.matrix_transpose(kt)) * scale  # (B…, Hkv, G, bq, bk)
+            s = score_transform(raw, rules, _mask_block(maskg, q0, q1, k0, k1), q0, q1, k0,
+                                k1, xp)
+            p = xp.where(sb, xp.exp(s - lb), 0.0)                 # P, before dropout
+            dp = xp.matmul(dob, xp.matrix_transpose(vt))          # dO Vᵀ
+            z = dropout_factor(rules, tuple(batch), hkv, g, q0, q1, k0, k1, p.dtype, xp, dev)
+            pz = p if z is None else p * z
+            if z is not None:
+                dp = dp * z
+            ds = p * (dp - db)
+            if rules.softcap is not None:
+                t = xp.tanh(raw / rules.softcap)
+                ds = ds * (1.0 - t * t)
+            dv_blk = xp.sum(xp.matmul(xp.matrix_transpose(pz), dob), axis=-3)
+            dk_blk = xp.sum(xp.matmul(xp.matrix_transpose(ds), qb), axis=-3)
+            dv[kb] = dv_blk if dv[kb] is None else dv[kb] + dv_blk
+            dk[kb] = dk_blk if dk[kb] is None else dk[kb] + dk_blk
+            dq_blk = xp.matmul(ds, kt)                            # (B…, Hkv, G, bq, E)
+            dq = dq_blk if dq is None else dq + dq_blk
+        if dq is None:
+            dq = xp.zeros((*qb.shape[:-1], e), dtype=q.dtype, device=dev)
+        dqs.append(dq)
+
+    def blocks(parts: list[Array | None], f: int) -> Array:
+        shape = (*batch, hkv)
+        filled = [xp.zeros((*shape, min((i + 1) * block_k, tk) - i * block_k, f),
+                           dtype=q.dtype, device=dev) if x is None else x
+                  for i, x in enumerate(parts)]
+        return filled[0] if len(filled) == 1 else xp.concat(filled, axis=-2)
+
+    dq_all = dqs[0] if len(dqs) == 1 else xp.concat(dqs, axis=-2)
+    return (ungroup_heads(dq_all, xp) * scale, blocks(dk, e) * scale, blocks(dv, ev))
