@@ -14,6 +14,7 @@ from .multihead import MultiHeadAttention, multi_head_attention
 from .positional import alibi_slopes, sinusoidal_positional_encoding
 from .rotary import apply_rotary_embedding
 from .softmax import logsumexp, softmax
+from .vjp import attention_vjp
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "__version__",
     "alibi_slopes",
     "apply_rotary_embedding",
+    "attention_vjp",
     "attention_weights",
     "causal_mask",
     "explain",

@@ -3,9 +3,13 @@
 The rule (DESIGN §5), a preference list walked in order: torch and JAX
 arrays go to ``"native"`` (the library's own fused attention) where it
 expresses the call exactly; arrays on a CUDA device with a working Numba
-CUDA kernel go to ``"numba_cuda"``, unless they require gradients (the kernel
-has no backward pass); otherwise ``"reference"`` while the score matrix fits
-the score budget, else ``"chunked"``.
+CUDA kernel go to ``"numba_cuda"`` (for torch tensors that require
+gradients, through a ``torch.autograd.Function`` whose backward pass is the
+kernel's, unless ``attn_mask`` or ``alibi_slopes`` require one too);
+otherwise ``"reference"`` while the score matrix fits the score budget, else
+``"chunked"``. On torch CPU tensors ``"chunked"`` runs the NumPy fast path
+over NumPy views of them (differentiable the same way), except while
+``torch.compile`` traces.
 
 The budget is :data:`SCORE_BUDGET_BYTES` (64 MiB, a memory bound) for every
 namespace but NumPy. On NumPy arrays ``"chunked"`` runs
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from . import _autograd
 from ._compat import device_of, library_name
 from ._problem import Problem
 from .implementations import native
@@ -142,11 +147,63 @@ def kernel_status(problem: Problem) -> tuple[bool, str]:
         module = load_kernel_module()
     except ImportError as exc:
         return False, f"numba-cuda is not installed ({exc})"
+    if simulator and torch_cpu(problem):
+        usable, why = module.availability(None, ())
+        if usable:
+            why = ("the Numba CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1): torch CPU "
+                   "tensors run through NumPy views of them, slowly; for testing")
+        return usable, why
     return module.availability(problem.xp, (problem.q, problem.k, problem.v))
 
 
-def module_name(name: str, xp: Any = None) -> str:
-    """The module that runs implementation ``name`` on namespace ``xp``."""
+def torch_cpu(problem: Problem) -> bool:
+    """Whether the inputs are plain torch tensors on the CPU, outside compiler tracing.
+
+    Such tensors can be viewed as NumPy arrays without a copy, so the paths
+    written for NumPy (its fast path, the kernel on the simulator) can run on them.
+    """
+    if library_name(problem.xp) != "torch":
+        return False
+    import torch
+
+    if torch.compiler.is_compiling():
+        return False
+    functorch = getattr(torch._C, "_functorch", None)
+    for x in (problem.q, problem.k, problem.v, problem.mask):
+        if x is None:
+            continue
+        if type(x) is not torch.Tensor or x.device.type != "cpu" or x.is_sparse:
+            return False
+        if functorch is not None and functorch.is_functorch_wrapped_tensor(x):
+            return False
+    return True
+
+
+def constant_needs_grad(problem: Problem) -> str | None:
+    """The argument among ``attn_mask`` and ``alibi_slopes`` that torch records a gradient for.
+
+    The fused backward passes give gradients for query, key and value only.
+    """
+    if not problem.requires_grad:
+        return None
+    alibi = None if problem.rules is None else problem.rules.alibi
+    for name, x in (("attn_mask", problem.mask), ("alibi_slopes", alibi)):
+        if x is not None and getattr(x, "requires_grad", False):
+            return name
+    return None
+
+
+def bridged(problem: Problem, name: str) -> bool:
+    """Whether implementation ``name`` runs on NumPy views of the problem's torch CPU tensors."""
+    if name not in ("chunked", "numba_cuda") or not torch_cpu(problem):
+        return False
+    return name == "numba_cuda" or constant_needs_grad(problem) is None
+
+
+def module_name(name: str, xp: Any = None, problem: Problem | None = None) -> str:
+    """The module that runs implementation ``name`` on namespace ``xp`` (for ``problem``)."""
+    if problem is not None and name == "chunked" and bridged(problem, name):
+        return "polyattn.implementations.numpy_chunked"
     if name == "native" and xp is not None:
         return {"torch": "torch.nn.functional.scaled_dot_product_attention",
                 "jax": "jax.nn.dot_product_attention"}.get(library_name(xp),
@@ -210,12 +267,15 @@ def _dense_mask_cost(problem: Problem, score_bytes: int, budget: int) -> str | N
             "blocked path skips the key blocks no query can see")
 
 
-def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Explanation:
+def choose(problem: Problem, requested: str, *, return_lse: bool = False,
+           for_vjp: bool = False) -> Explanation:
     """Decide which implementation runs; raise if a requested one cannot.
 
     ``"auto"`` walks the preference list native → numba_cuda → reference /
     chunked (by the score budget) and takes the first that can run the call;
     every candidate's verdict is kept in :attr:`Explanation.candidates`.
+    ``for_vjp``: the choice for :func:`polyattn.attention_vjp`, which runs the
+    implementations' own backward passes (native has none).
     """
     score_bytes = problem.score_elements * (8 if problem.compute_dtype == problem.xp.float64
                                             else 4)
@@ -226,21 +286,26 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Exp
     # --- native: the library's own fused attention, where it maps exactly
     native_why = (native_status(problem, return_lse)
                   if requested in ("auto", "native") else "not considered")
+    if for_vjp:
+        native_why = ("attention_vjp runs polyattn's own backward passes, and the native "
+                      "functions return no log-sum-exp for one")
     if requested == "native" and native_why is not None:
         raise ValueError(f"implementation='native' cannot run this call exactly: {native_why}")
     if requested == "auto" and native_why is None:
         native_why = _dense_mask_cost(problem, score_bytes, budget)
 
-    # --- numba_cuda: CUDA arrays, no backward pass yet
+    # --- numba_cuda: CUDA arrays; its backward pass gives gradients of q, k, v only
     usable, kernel_reason = (False, "not considered")
-    no_backward = ("the inputs require gradients and the numba_cuda kernel has no backward "
-                   "pass, so autograd would lose them")
+    constant = None if for_vjp else constant_needs_grad(problem)
+    no_backward = (f"`{constant}` requires a gradient, and the numba_cuda kernel's backward "
+                   "pass gives gradients for query, key and value only, so autograd would "
+                   "lose it")
     if requested in ("auto", "numba_cuda"):
         usable, kernel_reason = kernel_status(problem)
-        if usable and grad:
+        if usable and grad and constant is not None:
             usable, kernel_reason = False, no_backward
     if requested == "numba_cuda" and not usable:
-        if grad:
+        if grad and constant is not None:
             # the gradient is the reason whatever else rules the kernel out
             besides = "" if kernel_reason == no_backward else f" (besides: {kernel_reason})"
             raise ValueError(f"implementation='numba_cuda' cannot run this call: "
@@ -283,6 +348,9 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Exp
                 candidates[other] = budget_why
     if name == "chunked" and numpy and requested != "auto":
         reason += "; on NumPy arrays it runs the multi-threaded blocked path (numpy_chunked)"
+    if name == "chunked" and bridged(problem, name):
+        reason += ("; on torch CPU tensors it runs the multi-threaded blocked NumPy path "
+                   "(numpy_chunked) over NumPy views of them")
     shape = {"query": tuple(problem.q.shape), "key": tuple(problem.k.shape)}
     if problem.v is not None:
         shape["value"] = tuple(problem.v.shape)
@@ -298,7 +366,7 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False) -> Exp
         score_budget=budget,
         kernel_available=usable,
         kernel_reason=kernel_reason,
-        module=module_name(name, problem.xp),
+        module=module_name(name, problem.xp, problem),
         candidates=candidates,
         layout=problem.layout,
         features=_features(problem),
@@ -317,6 +385,8 @@ def _features(problem: Problem) -> dict[str, str]:
         found["softcap"] = str(rules.softcap)
     if rules.alibi is not None:
         found["alibi_slopes"] = str(tuple(rules.alibi.shape))
+    if rules.dropout:
+        found["dropout_p"] = f"{rules.dropout_p} (seed {rules.dropout_seed})"
     if rules.key_lengths is not None:
         found["key_lengths"] = str(tuple(rules.key_lengths.shape)) + (
             " (query positions count back from each row's length)"
@@ -324,11 +394,31 @@ def _features(problem: Problem) -> dict[str, str]:
     return found
 
 
-def run(problem: Problem, name: str) -> tuple[Any, Any]:
-    """Call implementation ``name`` on a prepared problem."""
-    extra = {}
-    if problem.rules is not None and not problem.rules.simple:
-        extra["rules"] = problem.rules
-    return load(name, problem.xp).attention(problem.q, problem.k, problem.v, mask=problem.mask,
-                                causal_offset=problem.causal_offset, scale=problem.scale,
-                                xp=problem.xp, **extra)
+def _passes(problem: Problem, name: str) -> tuple[_autograd.Forward, _autograd.Backward]:
+    """The forward and backward passes of implementation ``name`` for this problem."""
+    if bridged(problem, name):
+        import numpy
+
+        return _autograd.numpy_bridge(load(name, numpy), problem)
+    return _autograd.direct(load(name, problem.xp), problem)
+
+
+def run(problem: Problem, name: str, *, grad: bool = True) -> tuple[Any, Any]:
+    """Call implementation ``name`` on a prepared problem.
+
+    Paths that torch autograd cannot see through (the CUDA kernel, NumPy code
+    on torch CPU tensors) are wrapped in a ``torch.autograd.Function`` when
+    the inputs require gradients (``grad=False``: never).
+    """
+    forward, backward = _passes(problem, name)
+    fused = name == "numba_cuda" or bridged(problem, name)
+    if grad and fused and problem.requires_grad:
+        return _autograd.torch_attention(problem, (forward, backward))
+    return forward(problem.q, problem.k, problem.v)
+
+
+def run_backward(problem: Problem, name: str, out: Any, lse: Any, grad_out: Any,
+                 grad_lse: Any) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of implementation ``name``, in the implementations' layout."""
+    _, backward = _passes(problem, name)
+    return backward(problem.q, problem.k, problem.v, out, lse, grad_out, grad_lse)

@@ -27,6 +27,7 @@ from ._validation import (
     broadcast_shapes,
     check_bool,
     check_choice,
+    check_dropout,
     check_floating,
     check_min_ndim,
     check_scale,
@@ -133,7 +134,8 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
             is_causal: bool, causal_alignment: str, scale: float | None,
             enable_gqa: bool, layout: str = "BHTE", window: Any = None,
             softcap: Any = None, alibi_slopes: Array | None = None,
-            key_lengths: Any = None) -> Problem:
+            key_lengths: Any = None, dropout_p: Any = 0.0, dropout_seed: Any = None,
+            ) -> Problem:
     """Validate an attention call and bring it to the implementations' layout.
 
     With ``layout="BTHE"`` query, key and value arrive as (B…, T, H, E) and
@@ -146,7 +148,8 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     xp = namespace_of(arrays)
     check_same_device(arrays)
     extras = {"window": check_window(window), "softcap": check_softcap(softcap),
-              "alibi_slopes": alibi_slopes, "key_lengths": key_lengths}
+              "alibi_slopes": alibi_slopes, "key_lengths": key_lengths,
+              "dropout": check_dropout(dropout_p, dropout_seed)}
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
@@ -247,7 +250,8 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         tq=tq, tk=tk, causal=is_causal, offset=_causal_offset(tq, tk, causal_alignment),
         key_lengths=lengths, lengths_shift=bottom_right and lengths is not None,
         window=extras["window"], softcap=extras["softcap"],
-        alibi=_alibi(extras["alibi_slopes"], tuple(batch), h, compute_dtype, xp))
+        alibi=_alibi(extras["alibi_slopes"], tuple(batch), h, compute_dtype, xp),
+        dropout_p=extras["dropout"][0], dropout_seed=extras["dropout"][1])
     return Problem(
         xp=xp,
         q=to_layout(query, h),

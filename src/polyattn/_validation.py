@@ -158,3 +158,25 @@ def check_softcap(softcap: object) -> float | None:
                          f"softcap·tanh(scores/softcap)), or None for no soft-capping "
                          f"(FlashAttention's 0.0); got {softcap!r}")
     return float(softcap)
+
+
+def check_dropout(p: object, seed: object) -> tuple[float, int]:
+    """``dropout_p`` in [0, 1) and, when it is > 0, ``dropout_seed`` an int in [0, 2⁶⁴)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"`dropout_p` must be a real number in [0, 1); got {p!r}")
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"`dropout_p` must lie in [0, 1) (the probability of dropping a "
+                         f"weight); got {p!r}")
+    if seed is None:
+        if p > 0:
+            raise ValueError(f"dropout_p={p!r} needs `dropout_seed` (an int): the mask is "
+                             "drawn from counters keyed by it, the same on every backend, "
+                             "and the backward pass needs the same seed again")
+        return p, 0
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"`dropout_seed` must be an int in [0, 2**64); got "
+                        f"{type(seed).__name__} {seed!r}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"`dropout_seed` must lie in [0, 2**64); got {seed!r}")
+    return p, int(seed)

@@ -37,7 +37,8 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False, return_lse: bool = False, implementation: str = "auto",
     layout: str = "BHTE", window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None, alibi_slopes: Array | None = None,
-    key_lengths: Array | int | None = None,
+    key_lengths: Array | int | None = None, dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> Array | tuple[Array, Array]:
     """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
 
@@ -99,6 +100,16 @@ def scaled_dot_product_attention(
         each row's own length. Values outside ``[0, Tk]`` raise
         ``ValueError`` where they are at hand; under ``jax.jit`` and on Dask
         they are not, and such values give meaningless positions.
+    dropout_p : float in [0, 1)
+        Drop each attention weight with this probability (after the softmax;
+        kept weights are scaled by ``1 / (1 - dropout_p)``). Unlike torch, it
+        applies whenever it is > 0: pass 0 for evaluation.
+    dropout_seed : int in [0, 2**64), required when ``dropout_p > 0``
+        Which weights are dropped is decided by counters keyed by this seed
+        (Philox4x32-10 of each weight's flat index in (B…, H, Tq, Tk)): the
+        same seed drops the same weights on every library, implementation
+        and device, and :func:`attention_vjp` drops them again in the
+        backward pass without storing a mask.
 
     Returns
     -------
@@ -117,8 +128,9 @@ def scaled_dot_product_attention(
     ``key_lengths[b]`` if given, else ``Tk``; causal masking, windows and
     ALiBi all use it. Scores are computed in this order: ``scale · q·k`` →
     soft-capping → ALiBi → float ``attn_mask`` → invisible keys removed →
-    softmax. Key blocks that no query of a block can see are skipped, so the
-    work of causal and windowed calls follows the visible area.
+    softmax → dropout → ``· value``. Key blocks that no query of a block can
+    see are skipped, so the work of causal and windowed calls follows the
+    visible area.
 
     Examples
     --------
@@ -155,7 +167,7 @@ def scaled_dot_product_attention(
     problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                       causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
                       layout=layout, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                      key_lengths=key_lengths)
+                      key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
     choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
     if problem.score_elements == 0:
         out, lse = _empty_problem(problem)
@@ -175,14 +187,18 @@ def attention_weights(
     causal_alignment: str = "top_left", scale: float | None = None, enable_gqa: bool = False,
     layout: str = "BHTE", window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None, alibi_slopes: Array | None = None,
-    key_lengths: Array | int | None = None,
+    key_lengths: Array | int | None = None, dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> Array:
     """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
 
     Row ``i`` says how much query ``i`` attends to every key; it sums to 1
     (to 0 for a fully masked row). The arguments mean what they mean in
     :func:`scaled_dot_product_attention`; with ``layout="BTHE"`` query and
-    key are (B…, T, H, E) and the weights are still (B…, H, Tq, Tk). This
+    key are (B…, T, H, E) and the weights are still (B…, H, Tq, Tk). With
+    ``dropout_p > 0`` they are the weights after dropout (dropped ones 0, kept
+    ones scaled by ``1 / (1 - dropout_p)``), the same ones that
+    :func:`scaled_dot_product_attention` multiplies by the values. This
     materialises the (B…, H, Tq, Tk) matrix, with the reference
     implementation on every library (differentiable where the library is).
 
@@ -207,7 +223,7 @@ def attention_weights(
     problem = prepare(query, key, None, attn_mask=attn_mask, is_causal=is_causal,
                       causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
                       layout=layout, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                      key_lengths=key_lengths)
+                      key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
     xp = problem.xp
     if problem.score_elements == 0:
         alpha = xp.zeros((*problem.q.shape[:-1], problem.tk), dtype=problem.compute_dtype,
@@ -251,7 +267,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     """
     allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
                "return_lse", "implementation", "layout", "window", "softcap", "alibi_slopes",
-               "key_lengths"}
+               "key_lengths", "dropout_p", "dropout_seed"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -264,5 +280,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
                       scale=options.get("scale"), enable_gqa=options.get("enable_gqa", False),
                       layout=options.get("layout", "BHTE"), window=options.get("window"),
                       softcap=options.get("softcap"), alibi_slopes=options.get("alibi_slopes"),
-                      key_lengths=options.get("key_lengths"))
+                      key_lengths=options.get("key_lengths"),
+                      dropout_p=options.get("dropout_p", 0.0),
+                      dropout_seed=options.get("dropout_seed"))
     return _dispatch.choose(problem, implementation, return_lse=return_lse)

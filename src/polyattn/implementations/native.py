@@ -78,6 +78,9 @@ def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: boo
     if rules is not None and rules.softcap is not None:
         return (f"softcap: {name} has no logit soft-capping, and tanh cannot be folded "
                 "into an additive mask")
+    if rules is not None and rules.dropout:
+        return (f"dropout_p: {name} draws its dropout mask from its own generator, not from "
+                "the Philox counters that give every polyattn implementation the same mask")
     if return_lse:
         return (f"return_lse=True: {name} does not return the log-sum-exp"
                 + (" with its gradients (return_residual stops them)" if lib == "jax" else ""))
