@@ -58,6 +58,14 @@ al. 2022), written against NumPy itself so that the CPU is used well:
   :func:`num_threads` items at once. No reduction crosses items, so the
   result does not depend on the number of threads or on the order in which
   items finish.
+- **Dropout** (§4.1). The keep-mask of each tile is recomputed from the
+  weights' flat indices by the Philox counters of :mod:`._dropout`
+  (:func:`_dropout_factor`), so nothing is stored and every implementation
+  drops the same weights. The running sum ``l`` (and so ``lse``) takes the
+  undropped exponentials; only what is multiplied by the values is dropped
+  and scaled by ``1 / (1 - p)``.
+- **The backward pass** (:func:`backward`) is in :mod:`.numpy_vjp`: the same
+  items, tiles, scores and threads, two passes without reductions across items.
 - **Strided inputs.** The matrices of ``q``, ``k`` and ``v`` may have any row
   stride (the (B…, H, T, E) views of (B…, T, H, E) arrays): ``q`` and ``k``
   are only read into per-item buffers, and ``v`` goes to BLAS as it is
@@ -86,6 +94,7 @@ from typing import Any
 
 import numpy as np
 
+from ._dropout import MASK32, philox_numpy, threshold
 from ._rules import Rules
 
 #: Query rows per work item in float32, summed over the G heads of a group
@@ -281,6 +290,8 @@ class _Problem:
                  causal_offset: int | None, scale: float, rules: Rules | None = None) -> None:
         self.q, self.k, self.v, self.mask = q, k, v, mask
         self.dtype = q.dtype
+        self.batch = tuple(q.shape[:-3])
+        self.h = q.shape[-3]
         self.qscale = self.dtype.type(scale)
         self.hkv = k.shape[-3]
         self.g = q.shape[-3] // self.hkv
@@ -449,7 +460,8 @@ def _flat(x: np.ndarray) -> np.ndarray:
 
 
 def _scores(p: _Problem, it: _Item, qe: np.ndarray, ke: np.ndarray, m: np.ndarray, r0: int,
-            r1: int, k0: int, k1: int, s: np.ndarray, *, hide: bool = True) -> None:
+            r1: int, k0: int, k1: int, s: np.ndarray, *, hide: bool = True,
+            tanh: np.ndarray | None = None) -> None:
     """The scores of rows r0:r1 of item ``it`` and keys k0:k1, shifted by ``-m``, into ``s``.
 
     ``qe`` (G, r1 - r0, E + 1) holds the scaled queries and, without soft-capping,
@@ -458,7 +470,8 @@ def _scores(p: _Problem, it: _Item, qe: np.ndarray, ke: np.ndarray, m: np.ndarra
     column, the cap applies, then ``m`` is subtracted), ALiBi's ``-slope·|p - j|``,
     the float mask. Hidden entries (boolean mask, key lengths, causal, window) are
     -inf, or left as they are with ``hide=False`` (for :func:`_hide` to zero after
-    the exponential).
+    the exponential). With soft-capping, ``tanh`` (shaped as ``s``), where given,
+    receives ``tanh(scale·q·k / c)`` (for the cap's derivative).
     """
     if qe.flags.c_contiguous:
         np.matmul(_flat(qe), ke[k0:k1].T, out=_flat(s))  # (G·r, bk)
@@ -467,6 +480,8 @@ def _scores(p: _Problem, it: _Item, qe: np.ndarray, ke: np.ndarray, m: np.ndarra
     if p.softcap is not None:                            # c·tanh(s / c) - m
         np.divide(s, p.softcap, out=s)
         np.tanh(s, out=s)
+        if tanh is not None:
+            np.copyto(tanh, s)
         np.multiply(s, p.softcap, out=s)
         np.subtract(s, m[..., None], out=s)
     if it.neg_slopes is not None:                        # - slope_h·|p_i - j|
@@ -517,17 +532,46 @@ def _hide(p: _Problem, it: _Item, s: np.ndarray, r0: int, r1: int, k0: int, k1: 
         np.copyto(s[:, rl - r0:, d:d + n - 1], value, where=left)
 
 
-def _band_tiles(lo: np.ndarray, hi: np.ndarray, bk: int) -> Iterator[tuple[int, int, int, int]]:
+def _dropout_keep(p: _Problem, it: _Item, r0: int, r1: int, k0: int, k1: int) -> np.ndarray:
+    """Bool (G, r1 - r0, k1 - k0): the weights of rows r0:r1 of ``it`` and keys k0:k1 kept.
+
+    Weight (b, h, i, j) has the flat index ``n = ((b·H + h)·Tq + i)·Tk + j`` in
+    (B…, H, Tq, Tk), with ``b`` the flat index of the batch row and ``h = hk·G + g``;
+    it is kept iff the first Philox word of the counter ``(n mod 2³², n div 2³², 0, 0)``
+    is at least ``threshold(dropout_p)`` (:mod:`._dropout`).
+    """
+    u = np.uint64
+    b = int(np.ravel_multi_index(it.b, p.batch)) if p.batch else 0
+    heads = np.arange(it.hk * p.g, (it.hk + 1) * p.g, dtype=u)[:, None, None]  # (G, 1, 1)
+    rows = np.arange(it.q0 + r0, it.q0 + r1, dtype=u)[:, None]                 # (r, 1)
+    n = ((u(b * p.h) + heads) * u(p.tq) + rows) * u(p.tk) + np.arange(k0, k1, dtype=u)
+    x0 = philox_numpy(n & u(MASK32), n >> u(32), 0, 0, p.rules.dropout_seed)[0]  # (G, r, bk)
+    return x0 >= u(threshold(p.rules.dropout_p))
+
+
+def _dropout_factor(p: _Problem, it: _Item, r0: int, r1: int, k0: int, k1: int,
+                    z: np.ndarray) -> np.ndarray:
+    """``keep / (1 - p)`` of a tile (:func:`_dropout_keep`) written into ``z`` (G, r, bk)."""
+    z.fill(0.0)
+    np.copyto(z, p.dtype.type(p.rules.dropout_scale), where=_dropout_keep(p, it, r0, r1, k0, k1))
+    return z
+
+
+def _band_tiles(lo: np.ndarray, hi: np.ndarray, bk: int, start: int = 0,
+                stop: int | None = None) -> Iterator[tuple[int, int, int, int]]:
     """The (r0, r1, k0, k1) rectangles of scores that rows with visible keys [lo, hi) need.
 
-    Keys come in blocks of ``bk`` from the first key any row sees to the last; each
-    block covers only the rows that see some of it (a run, as both bounds grow with
-    the row). Rows that see no key at all are in no rectangle.
+    Keys come in blocks of ``bk`` from the first key any row sees to the last (within
+    ``[start, stop)`` where given); each block covers only the rows that see some of
+    it (a run, as both bounds grow with the row). Rows that see no key at all are in
+    no rectangle.
     """
     seen = np.flatnonzero(hi > lo)
     if seen.size == 0:
         return
-    k_start, k_stop = int(lo[seen[0]]), int(hi[seen[-1]])
+    k_start, k_stop = max(start, int(lo[seen[0]])), int(hi[seen[-1]])
+    if stop is not None:
+        k_stop = min(k_stop, stop)
     for k0 in range(k_start, k_stop, bk):
         k1 = min(k0 + bk, k_stop)
         r0 = int(np.searchsorted(hi, k0, side="right"))   # first row with hi > k0
@@ -573,7 +617,8 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     (new maximum, rescaled ``l`` and ``acc``) only when a row's block sum is
     above ``RESCALE_LIMIT``, or below ``2**-60`` for a row that has no mass yet
     (underflow, or a row fully masked so far). The scores are computed only in
-    the rectangles of :func:`_band_tiles`, which follow the visible band.
+    the rectangles of :func:`_band_tiles`, which follow the visible band. With
+    dropout, ``acc`` takes ``exp(s - m)·keep / (1 - p)`` and ``l`` the undropped sum.
     """
     it = _Item(p, b, hk, q0)
     g, e, ev = p.g, p.e, p.ev
@@ -594,6 +639,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     m.fill(0.0)
     l.fill(0.0)
     acc.fill(0.0)
+    dropout = p.rules.dropout
 
     tiles = list(_band_tiles(it.lo, it.hi, bk))
     if tiles:                                        # (none where no row sees a key)
@@ -616,6 +662,8 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         # do not (a large or tiny sum somewhere, or a NaN)
         fine = l_blk.max() <= p.limit and l_blk.min() >= p.tiny
         if fine or not (need := (l_blk > p.limit) | ((lr == 0) & (l_blk < p.tiny))).any():
+            if dropout:
+                s *= _dropout_factor(p, it, r0, r1, k0, k1, p.buffer("z", s.shape))
             np.matmul(_flat(s), vb[k0:k1], out=_flat(pv))  # (G·r, Ev)
             accr += pv
             lr += l_blk
@@ -634,6 +682,8 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         np.subtract(s, d[..., None], out=s)
         np.exp(s, out=s)
         np.matmul(s, p.ones[:k1 - k0], out=l_blk)
+        if dropout:
+            s *= _dropout_factor(p, it, r0, r1, k0, k1, p.buffer("z", s.shape))
         np.matmul(_flat(s), vb[k0:k1], out=_flat(pv))
         # --- rescale what was accumulated by exp(-d) (d >= 0 wherever there is mass)
         alpha.fill(0.0)
@@ -661,7 +711,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
 
 
 def _output(q: np.ndarray, ev: int) -> np.ndarray:
-    """An empty ``out`` (B…, H, Tq, Ev) whose memory order follows ``q``'s.
+    """An empty ``out`` (B…, H, Tq, Ev) whose memory order follows ``q``'s (any (B…, H, T, E)).
 
     Where ``q`` is the (B…, H, Tq, E) view of a (B…, Tq, H, E) array (its head
     axis has the smaller stride), ``out`` is the same view of a C-contiguous
@@ -727,3 +777,14 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     jobs += [partial(_attend_item, problem, b, hk, q0, out, lse) for b, hk, q0 in items]
     _run_jobs(jobs, n)
     return out, lse
+
+
+def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,
+             causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
+             grad_lse: Any = None) -> tuple[Any, Any, Any]:
+    """The gradients (dq, dk, dv) of :func:`attention`; see :func:`.numpy_vjp.backward`."""
+    from . import numpy_vjp   # it imports this module
+
+    return numpy_vjp.backward(q, k, v, out, lse, grad_out, mask=mask,
+                              causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+                              grad_lse=grad_lse)
