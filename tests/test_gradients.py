@@ -534,48 +534,45 @@ def _torch_qkv(torch: Any, requires_grad: bool) -> list[Any]:
     return [torch.tensor(x, requires_grad=requires_grad) for x in (case.q, case.k, case.v)]
 
 
-def test_torch_numba_cuda_refuses_inputs_that_require_grad(torch):
+def _torch_float_mask(torch: Any, q: Any, k: Any, requires_grad: bool) -> Any:
+    return torch.zeros((q.shape[-2], k.shape[-2]), dtype=q.dtype, requires_grad=requires_grad)
+
+
+def test_torch_numba_cuda_refuses_a_mask_that_requires_grad(torch):
+    """The kernel's backward pass gives q, k, v gradients only: a float mask's would be lost."""
     q, k, v = _torch_qkv(torch, True)
-    with pytest.raises(ValueError, match="gradients") as info:
-        polyattn.scaled_dot_product_attention(q, k, v, implementation="numba_cuda")
+    mask = _torch_float_mask(torch, q, k, True)
+    with pytest.raises(ValueError, match="attn_mask") as info:
+        polyattn.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              implementation="numba_cuda")
     assert "backward" in str(info.value)
-    e = polyattn.explain(q, k, v)
-    assert e.implementation != "numba_cuda"
-    with torch.no_grad():
-        # not a gradient matter any more: these CPU tensors are no CUDA arrays
-        with pytest.raises(RuntimeError, match="CUDA"):
-            polyattn.scaled_dot_product_attention(q, k, v, implementation="numba_cuda")
-    q, k, v = _torch_qkv(torch, False)
+    # q, k, v alone requiring grad are no reason: these CPU tensors are (no CUDA arrays)
     with pytest.raises(RuntimeError, match="CUDA"):
         polyattn.scaled_dot_product_attention(q, k, v, implementation="numba_cuda")
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "no_native"])
-def test_torch_dispatch_keeps_gradients_away_from_numba_cuda(torch, native, monkeypatch):
-    """With a usable kernel (simulated), inputs that require grad never reach it."""
+def test_torch_dispatch_sends_gradients_to_numba_cuda(torch, native, monkeypatch):
+    """With a usable kernel (simulated), inputs that require grad may reach it (its backward
+    pass is wired into autograd), unless a float mask requires a gradient too."""
     monkeypatch.setattr(_dispatch, "kernel_status", lambda problem: (True, "test"))
     monkeypatch.setattr(_dispatch, "is_cuda", lambda problem: True)
     if not native:
         monkeypatch.setattr(_dispatch, "native_status", lambda problem, lse: "switched off")
     q, k, v = _torch_qkv(torch, True)
     e = polyattn.explain(q, k, v)
+    assert e.implementation == ("native" if native else "numba_cuda")
+    assert e.kernel_available
+    mask = _torch_float_mask(torch, q, k, True)
+    e = polyattn.explain(q, k, v, attn_mask=mask)
     assert e.implementation == ("native" if native else "reference")
     assert not e.kernel_available
-    assert "gradients" in e.candidates["numba_cuda"]
-    assert "gradients" in e.kernel_reason
-    with pytest.raises(ValueError, match="gradients"):
-        polyattn.explain(q, k, v, implementation="numba_cuda")
-    with pytest.raises(ValueError, match="gradients"):
-        polyattn.scaled_dot_product_attention(q, k, v, implementation="numba_cuda")
-    # the same inputs without gradients: the kernel is usable and, without native, chosen
-    with torch.no_grad():
-        e = polyattn.explain(q, k, v)
-        assert e.kernel_available
-        assert e.implementation == ("native" if native else "numba_cuda")
-        assert polyattn.explain(q, k, v, implementation="numba_cuda").implementation == \
-            "numba_cuda"
-    detached = [x.detach() for x in (q, k, v)]
-    assert polyattn.explain(*detached).implementation == ("native" if native else "numba_cuda")
+    assert "attn_mask" in e.candidates["numba_cuda"]
+    with pytest.raises(ValueError, match="attn_mask"):
+        polyattn.explain(q, k, v, attn_mask=mask, implementation="numba_cuda")
+    # the same mask as a constant: the kernel is usable again
+    e = polyattn.explain(q, k, v, attn_mask=mask.detach())
+    assert e.implementation == ("native" if native else "numba_cuda")
 
 
 # --------------------------------------------------------------------------- #

@@ -141,7 +141,7 @@ def multi_head_attention(
     window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
     alibi_slopes: Array | None = None, key_lengths: Array | int | None = None,
     rotary: Mapping[str, Any] | None = None, positions: Array | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> Array | tuple[Array, ...]:
     """Multi-head attention with explicit parameters (functional form).
 
@@ -166,9 +166,10 @@ def multi_head_attention(
         Keys to ignore, **as torch's** ``key_padding_mask``: bool True = ignore
         the key (padding), or float added to the scores. Combined with
         ``attn_mask`` when both are given.
-    is_causal, implementation, window, softcap, alibi_slopes
+    is_causal, implementation, window, softcap, alibi_slopes, dropout_p, dropout_seed
         As in :func:`~polyattn.scaled_dot_product_attention`, applied to the
-        projected heads (``alibi_slopes`` has one slope per query head).
+        projected heads (``alibi_slopes`` has one slope per query head; the
+        dropout mask is drawn over the (B…, H, Tq, Tk) weights of the heads).
     causal_alignment : {"top_left", "bottom_right"}, optional
         As in :func:`~polyattn.scaled_dot_product_attention`. Default
         ``"top_left"``, and ``"bottom_right"`` with a ``cache`` (the new
@@ -307,7 +308,7 @@ def multi_head_attention(
     attend: dict[str, Any] = dict(
         attn_mask=attn_mask, is_causal=is_causal, causal_alignment=causal_alignment,
         enable_gqa=hkv != h, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        key_lengths=key_lengths)
+        key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
     layout = "BTHE"
     if cache is not None:
         ragged = None
@@ -537,7 +538,8 @@ class MultiHeadAttention:
         ``key_padding_mask``, ``is_causal``, ``causal_alignment``,
         ``need_weights``, ``average_attn_weights``, ``implementation``,
         ``window``, ``softcap``, ``alibi_slopes``, ``key_lengths``,
-        ``rotary``, ``positions``, ``cache``), and so is the result.
+        ``rotary``, ``positions``, ``cache``, ``dropout_p``, ``dropout_seed``),
+        and so is the result.
         With ``batch_first=False``, 3-D inputs are (T, B, features) and so is
         the output.
         """
