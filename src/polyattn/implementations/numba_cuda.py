@@ -108,6 +108,7 @@ Limits and costs
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -118,6 +119,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _dropout
 from ._rules import Rules
 
 Array = Any
@@ -241,6 +243,73 @@ def default_block_k(dtype: str, bucket: int) -> int:
     return max(1, min(MAX_BLOCK_K, SHARED_MEMORY_BYTES // (2 * bucket * itemsize)))
 
 
+@functools.cache
+def philox_function() -> Any:
+    """The device function ``keep_word(n, key0, key1)``: the first output word x0 of
+    Philox4x32-10 for the counter ``(n mod 2³², n div 2³², 0, 0)`` (DESIGN §4.1).
+
+    ``n`` is a weight's flat index in (B, H, Tq, Tk) (int64), ``key0``, ``key1``
+    the words of :func:`._dropout.key_words` (uint64 holding 32 bits). Words are
+    uint64 holding 32-bit values: a 32 × 32-bit product fits, and its high and
+    low words are a shift and a mask. A weight is kept iff the word is at least
+    :func:`._dropout.threshold` of ``p``.
+    """
+    _cuda()
+    u64 = np.uint64
+    m0, m1, w0, w1 = u64(_dropout.M0), u64(_dropout.M1), u64(_dropout.W0), u64(_dropout.W1)
+    mask32, shift32, zero = u64(_dropout.MASK32), u64(32), u64(0)
+    rounds = _dropout.ROUNDS
+
+    def keep_word(n, key0, key1):
+        """x0 of Philox4x32-10((n mod 2³², n div 2³², 0, 0); (key0, key1))."""
+        counter = u64(n)
+        c0 = counter & mask32
+        c1 = counter >> shift32
+        c2 = zero
+        c3 = zero
+        k0 = key0
+        k1 = key1
+        for _ in range(rounds):
+            p0 = c0 * m0
+            p1 = c2 * m1
+            c0, c1, c2, c3 = ((p1 >> shift32) ^ c1 ^ k0, p1 & mask32,
+                              (p0 >> shift32) ^ c3 ^ k1, p0 & mask32)
+            k0 = (k0 + w0) & mask32
+            k1 = (k1 + w1) & mask32
+        return c0
+
+    if simulator_enabled():
+        return keep_word  # the simulator runs device code as Python
+    from numba.cuda.extending import intrinsic
+
+    # An intrinsic compiled into each calling kernel for the kernel's target: a
+    # ``cuda.jit(device=True)`` function would ask a GPU for its architecture,
+    # so kernels calling it could not be compiled to PTX without one.
+    @intrinsic
+    def keep_word_intrinsic(typingctx: Any, n: Any, key0: Any, key1: Any) -> Any:
+        from numba import types
+
+        signature = types.uint64(n, key0, key1)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return context.compile_internal(builder, keep_word, sig, args)
+
+        return signature, codegen
+
+    return keep_word_intrinsic
+
+
+def dropout_arguments(rules: Rules | None, dtype: str) -> tuple[Any, Any, Any, Any]:
+    """The kernels' dropout arguments: ``1/(1-p)`` in ``dtype``, and the threshold and
+    the two Philox key words as uint64 (threshold 0: no dropout)."""
+    np_t = np.dtype(dtype).type
+    if rules is None or not rules.dropout:
+        return np_t(1.0), np.uint64(0), np.uint64(0), np.uint64(0)
+    key0, key1 = _dropout.key_words(rules.dropout_seed)
+    return (np_t(rules.dropout_scale), np.uint64(_dropout.threshold(rules.dropout_p)),
+            np.uint64(key0), np.uint64(key1))
+
+
 def _signature(dtype: str, mask_kind: str) -> Any:
     """Numba signature of the attention kernel: strided inputs and outputs, C scratch."""
     from numba import types
@@ -249,7 +318,7 @@ def _signature(dtype: str, mask_kind: str) -> Any:
     strided = types.Array(t, 4, "A")
     mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
     table = types.Array(types.int64, 1, "A")
-    i64 = types.int64
+    i64, u64 = types.int64, types.uint64
     return types.void(
         strided, strided, strided,  # q, k, v
         mask_t, table,  # mask, mask_batch
@@ -257,6 +326,7 @@ def _signature(dtype: str, mask_kind: str) -> Any:
         strided, types.Array(t, 3, "A"),  # out, lse
         types.Array(t, 5, "C"), types.Array(t, 4, "C"),  # split scratch: out, lse
         t, t,  # scale, softcap (0: none)
+        t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
         i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
         i64, i64, i64,  # rows per block, lanes per row, splits
     )
@@ -283,14 +353,17 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     acc_t = getattr(types, dtype)
     np_t = np.dtype(dtype).type
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
+    U_ZERO = np.uint64(0)
     HEAD, BK = bucket, block_k
     PADDED = HEAD + 1  # tile rows padded by one column: lanes reading different keys
     CAP = 2 * BK  # lane states the two tiles hold at once when lanes merge
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
 
+    keep_word = philox_function()  # Philox4x32-10's first word for a weight's index
+
     def attention_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, o_part,
-                         lse_part, scale, softcap, offset, shift, left, right, rows, lanes,
-                         n_splits):
+                         lse_part, scale, softcap, drop_scale, threshold, key0, key1, offset,
+                         shift, left, right, rows, lanes, n_splits):
         """Out and lse (or one split's partial) for one query tile of one (batch, head)."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -342,6 +415,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 mi = i
             if mask.shape[3] > 1:
                 mj_step = 1
+
+        # Dropout: weight (b, h, i, j) has the flat index row_n + j.
+        dropping = threshold != U_ZERO
+        row_n = ((b * n_heads + h) * tq + i) * tk
 
         # Score modifiers: soft-capping (softcap > 0) and this head's ALiBi slope.
         cap = ZERO
@@ -434,7 +511,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                             acc[d] *= alpha
                     for jj in range(lane, BK, lanes):
                         weight = math.exp(s[jj] - m_new)
-                        l += weight
+                        l += weight  # l (and lse) before dropout, acc after it
+                        if dropping and weight != ZERO:
+                            if keep_word(row_n + j0 + jj, key0, key1) >= threshold:
+                                weight *= drop_scale
+                            else:
+                                weight = ZERO
                         for d in range(HEAD):
                             acc[d] += weight * v_tile[jj, d]
                     m = m_new
@@ -792,73 +874,31 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     *_, n_kv_heads, tk, ev = v.shape
     batch = tuple(batch)
     bucket = head_bucket(e, ev)
-    dtype = _dtype_name(q)
-    for name, x in (("key", k), ("value", v)):
-        if _dtype_name(x) != dtype:
-            raise TypeError(f"`{name}` has dtype {x.dtype} but `query` has {q.dtype}")
+    dtype = common_dtype(query=q, key=k, value=v)
     dev = _Device(q)
-    cuda = dev.cuda
     n_batch = math.prod(batch)
-    np_t = np.dtype(dtype).type
 
-    if _time_major(q):
-        # a (B…, Tq, H, E) array seen as (B…, H, Tq, E) (layout="BTHE"): the output is
-        # laid out the same way, so that the caller's view back is row-major
-        out = dev.empty((n_batch, tq, n_heads, ev), q.dtype)  # (B, Tq, H, Ev)
-        out = xp.permute_dims(out, (0, 2, 1, 3))  # (B, H, Tq, Ev), a view
-    else:
-        out = dev.empty((n_batch, n_heads, tq, ev), q.dtype)  # (B, H, Tq, Ev)
+    out = empty_like_layout(dev, q, (n_batch, n_heads, tq, ev), xp)  # (B, H, Tq, Ev)
     lse = dev.empty((n_batch, n_heads, tq), q.dtype)  # (B, H, Tq)
     if n_batch * n_heads * tq > 0:
-        q4 = xp.reshape(q, (n_batch, n_heads, tq, e))  # (B, H, Tq, E)
-        k4 = xp.reshape(k, (n_batch, n_kv_heads, tk, e))  # (B, Hkv, Tk, E)
-        v4 = xp.reshape(v, (n_batch, n_kv_heads, tk, ev))  # (B, Hkv, Tk, Ev)
-        if mask is None:
-            mask_kind = "none"
-            mask4 = xp.reshape(q, (n_batch, n_heads, tq, e))[:1, :1, :1, :1]  # never read
-            table = np.zeros(1, dtype=np.int64)
-        else:
-            mask_name = str(mask.dtype).rsplit(".", 1)[-1]
-            if mask_name == "bool":
-                mask_kind = "bool"
-            elif mask_name == dtype:
-                mask_kind = "float"
-            else:
-                raise TypeError(f"`mask` must be bool or {dtype}, got {mask.dtype}")
-            mask4, table = _mask_layout(mask, batch, (n_heads, tq, tk), xp)
-        rules, offset, shift, left, right = _visibility(rules, causal_offset, tq, tk)
-        lengths, slopes = _rule_tables(rules, batch, n_heads, q.dtype, dev, xp)
-        mods = rules.softcap is not None or rules.alibi is not None
-        softcap = np_t(0.0 if rules.softcap is None else rules.softcap)
-
+        inputs = kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
         bq = BLOCK_Q if block_q is None else int(block_q)
         bk = default_block_k(dtype, bucket) if block_k is None else int(block_k)
         rows, lanes, splits = launch_plan(tq, tk, n_batch * n_heads, bq, bk, decode=decode,
                                           num_splits=num_splits)
-        kernel = compiled_kernel(dtype, bucket, mask_kind, mods,
+        kernel = compiled_kernel(dtype, bucket, inputs.mask_kind, inputs.mods,
                                  None if block_k is None else bk)
         n_blocks = n_batch * n_heads * -(-tq // rows) * splits
-        if n_blocks > MAX_GRID_BLOCKS:
-            raise ValueError(
-                f"B·H·ceil(Tq/{rows})·{splits} = {n_blocks} thread blocks exceed the CUDA "
-                f"grid limit {MAX_GRID_BLOCKS} (query {tuple(q.shape)}); split the batch"
-            )
+        check_grid(n_blocks, f"B·H·ceil(Tq/{rows})·{splits}", q)
         # Split-K scratch in the compute dtype (a placeholder without splits).
         scratch_shape = (splits, n_batch, n_heads, tq) if splits > 1 else (1, 1, 1, 1)
         o_part = dev.view(dev.empty((*scratch_shape, ev if splits > 1 else 1),
                                     q.dtype))  # (S, B, H, Tq, Ev)
         lse_part = dev.view(dev.empty(scratch_shape, q.dtype))  # (S, B, H, Tq)
-        args = [dev.view(a) for a in (q4, k4, v4, mask4, dev.from_numpy(table), lengths,
-                                      slopes)]
         out_d, lse_d = dev.view(out), dev.view(lse)
-        args += [out_d, lse_d, o_part, lse_part, np_t(scale), softcap, offset, shift, left,
-                 right, rows, lanes, splits]
-        device_id = dev.device_id()
-        on_device = contextlib.nullcontext() if device_id is None else cuda.gpus[device_id]
-        with warnings.catch_warnings(), on_device:
-            # Small grids trigger Numba's occupancy warning; the grid is the problem's.
-            warnings.simplefilter("ignore", category=_performance_warning())
-            stream = dev.stream()
+        args = [*inputs.arrays, out_d, lse_d, o_part, lse_part, *inputs.scalars, rows, lanes,
+                splits]
+        with launching(dev) as stream:
             kernel[n_blocks, rows * lanes, stream](*args)
             if splits > 1:
                 # Merge the splits: one thread per output element.
@@ -872,6 +912,123 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     lse = xp.reshape(lse, (*batch, n_heads, tq))  # (B…, H, Tq)
     return out, lse
 
+
+def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
+             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
+             rules: Rules | None = None, grad_lse: Array | None = None,
+             block_q: int | None = None, block_k: int | None = None,
+             ) -> tuple[Array, Array, Array]:
+    """Gradients ``(dq, dk, dv)`` of :func:`attention` on a CUDA GPU, in two kernel
+    launches; see :func:`.numba_cuda_backward.backward`."""
+    from .numba_cuda_backward import backward as kernel_backward
+
+    return kernel_backward(q, k, v, out, lse, grad_out, mask=mask,
+                           causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+                           grad_lse=grad_lse, block_q=block_q, block_k=block_k)
+
+
+
+# --------------------------------------------------------------------------- #
+# What every launch shares (the forward and the backward kernels)
+# --------------------------------------------------------------------------- #
+
+def common_dtype(**arrays: Array) -> str:
+    """The compute dtype's name, the same for every named array (TypeError otherwise)."""
+    (first, x0), *rest = arrays.items()
+    dtype = _dtype_name(x0)
+    for name, x in rest:
+        if _dtype_name(x) != dtype:
+            raise TypeError(f"`{name}` has dtype {x.dtype} but `{first}` has {x0.dtype}")
+    return dtype
+
+
+def empty_like_layout(dev: _Device, x: Array, shape: tuple[int, int, int, int],
+                      xp: Any) -> Array:
+    """An uninitialised (B, H, T, F) output in ``x``'s dtype; time-major when ``x`` is.
+
+    A (B…, T, H, F) array seen as (B…, H, T, F) (``layout="BTHE"``) gets an output
+    laid out the same way, so that the caller's view back is row-major.
+    """
+    n_batch, heads, t, f = shape
+    if _time_major(x):
+        out = dev.empty((n_batch, t, heads, f), x.dtype)  # (B, T, H, F)
+        return xp.permute_dims(out, (0, 2, 1, 3))  # (B, H, T, F), a view
+    return dev.empty(shape, x.dtype)  # (B, H, T, F)
+
+
+def check_grid(n_blocks: int, formula: str, q: Array) -> None:
+    """ValueError when a flat grid of ``n_blocks`` exceeds the CUDA limit."""
+    if n_blocks > MAX_GRID_BLOCKS:
+        raise ValueError(
+            f"{formula} = {n_blocks} thread blocks exceed the CUDA grid limit "
+            f"{MAX_GRID_BLOCKS} (query {tuple(q.shape)}); split the batch"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInputs:
+    """One call in the kernels' form.
+
+    ``arrays``: device views of q (B, H, Tq, E), k, v (B, Hkv, Tk, ·), the mask
+    (Bm, Hm, Tqm, Tkm) (a never-read placeholder without one), its batch table,
+    the key lengths and the ALiBi slopes. ``scalars``: scale, softcap (0: none),
+    the dropout arguments of :func:`dropout_arguments`, the position offset, the
+    shift flag and the left and right reach.
+    """
+
+    mask_kind: str
+    mods: bool
+    arrays: tuple[Any, ...]
+    scalars: tuple[Any, ...]
+
+
+def kernel_inputs(q: Array, k: Array, v: Array, mask: Array | None,
+                  causal_offset: int | None, rules: Rules | None, scale: float, xp: Any,
+                  dev: _Device) -> KernelInputs:
+    """:class:`KernelInputs` of a call with at least one query row."""
+    *batch_list, n_heads, tq, e = q.shape
+    *_, n_kv_heads, tk, ev = v.shape
+    batch = tuple(batch_list)
+    n_batch = math.prod(batch)
+    dtype = _dtype_name(q)
+    np_t = np.dtype(dtype).type
+    q4 = xp.reshape(q, (n_batch, n_heads, tq, e))  # (B, H, Tq, E)
+    k4 = xp.reshape(k, (n_batch, n_kv_heads, tk, e))  # (B, Hkv, Tk, E)
+    v4 = xp.reshape(v, (n_batch, n_kv_heads, tk, ev))  # (B, Hkv, Tk, Ev)
+    if mask is None:
+        mask_kind = "none"
+        mask4 = q4[:1, :1, :1, :1]  # never read
+        table = np.zeros(1, dtype=np.int64)
+    else:
+        mask_name = str(mask.dtype).rsplit(".", 1)[-1]
+        if mask_name == "bool":
+            mask_kind = "bool"
+        elif mask_name == dtype:
+            mask_kind = "float"
+        else:
+            raise TypeError(f"`mask` must be bool or {dtype}, got {mask.dtype}")
+        mask4, table = _mask_layout(mask, batch, (n_heads, tq, tk), xp)
+    rules, offset, shift, left, right = _visibility(rules, causal_offset, tq, tk)
+    lengths, slopes = _rule_tables(rules, batch, n_heads, q.dtype, dev, xp)
+    mods = rules.softcap is not None or rules.alibi is not None
+    softcap = np_t(0.0 if rules.softcap is None else rules.softcap)
+    arrays = tuple(dev.view(a) for a in (q4, k4, v4, mask4, dev.from_numpy(table), lengths,
+                                         slopes))
+    scalars = (np_t(scale), softcap, *dropout_arguments(rules, dtype), offset, shift, left,
+               right)
+    return KernelInputs(mask_kind, mods, arrays, scalars)
+
+
+@contextlib.contextmanager
+def launching(dev: _Device) -> Iterator[Any]:
+    """Launch context: the input's GPU made current, its library's current stream
+    (yielded), and Numba's occupancy warning for small grids silenced (the grid is
+    the problem's)."""
+    device_id = dev.device_id()
+    on_device = contextlib.nullcontext() if device_id is None else dev.cuda.gpus[device_id]
+    with warnings.catch_warnings(), on_device:
+        warnings.simplefilter("ignore", category=_performance_warning())
+        yield dev.stream()
 
 def _rule_tables(rules: Rules, batch: tuple[int, ...], n_heads: int, dtype: Any,
                  dev: _Device, xp: Any) -> tuple[Array, Array]:

@@ -1,0 +1,561 @@
+"""The backward pass of the Numba CUDA kernel: two kernels, no atomics, deterministic.
+
+Given the forward's ``out`` and ``lse``, the gradient ``dO`` of the output
+(and optionally ``dlse`` of the log-sum-exp), the gradients follow
+FlashAttention-2 (DESIGN §4.1, last point), every score recomputed from
+``q``, ``k`` and ``lse``:
+
+    P  = exp(s − lse)                 (0 for a row with lse = −inf)
+    Z  = keep / (1 − p)               (1 without dropout; the same Philox counters)
+    D  = rowsum(dO ∘ O) − dlse        (computed with the input library before launch)
+    dV = (P ∘ Z)ᵀ dO
+    dS = P ∘ ((dO Vᵀ) ∘ Z − D) ∘ (1 − tanh²(raw / softcap))
+    dQ = scale · dS K,   dK = scale · dSᵀ Q
+
+with ``raw = scale·q·k`` the score before soft-capping. Float masks and
+ALiBi slopes are constants: they get no gradient.
+
+* **dQ kernel.** A block owns ``block_q`` query rows of one (batch, head)
+  pair, one thread per row, and streams the K and V tiles of the keys that
+  any of its rows can see through shared memory (the forward's key range).
+  Each thread keeps its query row, its ``dO`` row and its ``dq`` in local
+  arrays.
+* **dK/dV kernel.** A block owns ``block_q`` key rows of one (batch, key/value
+  head) pair, one thread per key. It loops over the ``G`` query heads sharing
+  that key/value head and, for each, over the query tiles that can see any of
+  its keys (the visible range run backwards: query ``i`` sees key ``j`` iff
+  ``p_i − left ≤ j ≤ p_i + right``, so ``i`` runs from ``j − right − offset``
+  to ``j + left − offset``), loading Q, ``dO``, ``lse`` and ``D`` tiles into
+  shared memory. Each thread sums its key's ``dk`` and ``dv`` over all of
+  them: the sums over the query heads of a group need no atomics.
+
+Keys at or past ``key_lengths[b]`` are never read: their ``dk`` and ``dv``
+are 0. A pair (query row, key) that is invisible, or whose weight ``P`` is 0,
+adds nothing (and is not multiplied, so an infinite ``dO·v`` there cannot
+give NaN). Fully masked rows give zero gradients.
+
+Specialisations are those of the forward (dtype × head bucket × mask kind ×
+score modifiers); dropout is the run-time threshold of the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import numba_cuda as fwd
+from ._rules import Rules
+
+Array = Any
+
+# ``numba.cuda``, bound on first use; a module global, as in :mod:`.numba_cuda`
+# (the CUDA simulator swaps module globals that refer to it for its own).
+cuda: Any = None
+
+
+def _cuda() -> Any:
+    """The ``numba.cuda`` module (ImportError naming the package when it is missing)."""
+    global cuda
+    if cuda is None:
+        cuda = fwd._cuda()
+    return cuda
+
+
+# --------------------------------------------------------------------------- #
+# Kernel factories
+# --------------------------------------------------------------------------- #
+
+def _signature(dtype: str, mask_kind: str, outputs: int) -> Any:
+    """Numba signature of a backward kernel with ``outputs`` gradient arrays."""
+    from numba import types
+
+    t = getattr(types, dtype)
+    strided = types.Array(t, 4, "A")
+    mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
+    table = types.Array(types.int64, 1, "A")
+    rows = types.Array(t, 3, "A")
+    i64, u64 = types.int64, types.uint64
+    return types.void(
+        strided, strided, strided,  # q, k, v
+        mask_t, table,  # mask, mask_batch
+        table, types.Array(t, 2, "A"),  # key lengths (B|1,), ALiBi slopes (B|1, H|1)
+        strided, rows, rows,  # dO, lse, D
+        *([strided] * outputs),  # dq, or dk and dv
+        t, t,  # scale, softcap (0: none)
+        t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
+        i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
+    )
+
+
+@functools.cache
+def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                     block_k: int | None = None) -> Any:
+    """The Python dQ kernel function for one specialisation (not yet compiled)."""
+    _cuda()
+    from numba import types
+
+    if block_k is None:
+        block_k = fwd.default_block_k(dtype, bucket)
+    acc_t = getattr(types, dtype)
+    np_t = np.dtype(dtype).type
+    ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
+    U_ZERO = np.uint64(0)
+    HEAD, BK = bucket, block_k
+    BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    keep_word = fwd.philox_function()
+
+    def dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq, scale,
+                  softcap, drop_scale, threshold, key0, key1, offset, shift, left, right):
+        """dq of one query tile of one (batch, head) pair; one thread per query row."""
+        n_batch, n_heads, tq, e = q.shape
+        tk = k.shape[2]
+        ev = v.shape[3]
+        group = n_heads // k.shape[1]
+        n_pairs = n_batch * n_heads
+        rows = cuda.blockDim.x
+        n_qtiles = (tq + rows - 1) // rows
+        pair = cuda.blockIdx.x % n_pairs
+        qt = n_qtiles - 1 - cuda.blockIdx.x // n_pairs  # largest causal work first
+        b = pair // n_heads
+        h = pair % n_heads
+        hk = h // group
+        i = qt * rows + cuda.threadIdx.x
+        row_ok = i < tq
+
+        # Positions: p_i = i + pos_offset; keys [lo, hi) some row of the block may see.
+        len_b = lengths[0]
+        if lengths.shape[0] > 1:
+            len_b = lengths[b]
+        pos_offset = offset + shift * len_b
+        p = i + pos_offset
+        first_row = qt * rows
+        last_row = min(first_row + rows, tq) - 1
+        lo = max(0, first_row + pos_offset - left)
+        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        n_ktiles = max(0, (hi - lo + BK - 1) // BK)
+
+        # Where this thread reads the mask: size-1 axes broadcast at index 0.
+        mb = 0
+        mh = 0
+        mi = 0
+        mj_step = 0
+        if BOOL_MASK or FLOAT_MASK:
+            mb = mask_batch[b]
+            if mask.shape[1] > 1:
+                mh = h
+            if mask.shape[2] > 1 and row_ok:
+                mi = i
+            if mask.shape[3] > 1:
+                mj_step = 1
+
+        # Score modifiers and dropout.
+        cap = ZERO
+        inv_cap = ZERO
+        slope = ZERO
+        if MODS:
+            cap = softcap
+            if cap > ZERO:
+                inv_cap = ONE / cap
+            sb = 0
+            sh = 0
+            if slopes.shape[0] > 1:
+                sb = b
+            if slopes.shape[1] > 1:
+                sh = h
+            slope = slopes[sb, sh]
+        dropping = threshold != U_ZERO
+        row_n = ((b * n_heads + h) * tq + i) * tk
+
+        q_row = cuda.local.array(HEAD, acc_t)
+        do_row = cuda.local.array(HEAD, acc_t)
+        dq_row = cuda.local.array(HEAD, acc_t)
+        k_tile = cuda.shared.array((BK, HEAD), acc_t)
+        v_tile = cuda.shared.array((BK, HEAD), acc_t)
+
+        # This row's lse and D; a row with lse = -inf (no visible key) stays 0.
+        lse_i = NEG_INF
+        d_i = ZERO
+        if row_ok:
+            lse_i = lse[b, h, i]
+            d_i = delta[b, h, i]
+        live = row_ok and lse_i != NEG_INF
+        for d in range(HEAD):
+            x = ZERO
+            y = ZERO
+            if live and d < e:
+                x = q[b, h, i, d] * scale
+            if live and d < ev:
+                y = do[b, h, i, d]
+            q_row[d] = x
+            do_row[d] = y
+            dq_row[d] = ZERO
+
+        for kt in range(n_ktiles):
+            j0 = lo + kt * BK
+
+            # Load one K tile and one V tile; keys past hi (and padding) are zeros.
+            for idx in range(cuda.threadIdx.x, BK * HEAD, rows):
+                jj = idx // HEAD
+                d = idx % HEAD
+                j = j0 + jj
+                k_val = ZERO
+                v_val = ZERO
+                if j < hi:
+                    if d < e:
+                        k_val = k[b, hk, j, d]
+                    if d < ev:
+                        v_val = v[b, hk, j, d]
+                k_tile[jj, d] = k_val
+                v_tile[jj, d] = v_val
+            cuda.syncthreads()
+
+            if live:
+                for jj in range(BK):
+                    j = j0 + jj
+                    if j < hi and j <= p + right and j >= p - left:
+                        # The score, as in the forward.
+                        x = ZERO
+                        for d in range(HEAD):
+                            x += q_row[d] * k_tile[jj, d]
+                        t = ZERO
+                        if MODS:
+                            if cap > ZERO:
+                                t = math.tanh(x * inv_cap)
+                                x = cap * t
+                            x -= slope * np_t(abs(p - j))
+                        seen = True
+                        if BOOL_MASK:
+                            seen = mask[mb, mh, mi, j * mj_step]
+                        elif FLOAT_MASK:
+                            x += mask[mb, mh, mi, j * mj_step]
+                        weight = ZERO
+                        if seen:
+                            weight = math.exp(x - lse_i)
+                        if weight != ZERO:
+                            # dS = P (dP Z - D) (1 - tanh²); dq += dS k_j.
+                            dp = ZERO
+                            for d in range(HEAD):
+                                dp += do_row[d] * v_tile[jj, d]
+                            if dropping:
+                                if keep_word(row_n + j, key0, key1) >= threshold:
+                                    dp *= drop_scale
+                                else:
+                                    dp = ZERO
+                            ds = weight * (dp - d_i)
+                            if MODS:
+                                if cap > ZERO:
+                                    ds *= ONE - t * t
+                            for d in range(HEAD):
+                                dq_row[d] += ds * k_tile[jj, d]
+            cuda.syncthreads()
+
+        if row_ok:
+            for d in range(HEAD):
+                if d < e:
+                    dq[b, h, i, d] = dq_row[d] * scale
+
+    suffix = "_mods" if mods else ""
+    name = f"attention_dq_{dtype}_head{bucket}_{mask_kind}{suffix}_k{block_k}"
+    dq_kernel.__name__ = dq_kernel.__qualname__ = name
+    return dq_kernel
+
+
+@functools.cache
+def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                       block_k: int | None = None) -> Any:
+    """The Python dK/dV kernel function for one specialisation (not yet compiled);
+    ``block_k`` is the number of query rows per shared tile."""
+    _cuda()
+    from numba import types
+
+    if block_k is None:
+        block_k = fwd.default_block_k(dtype, bucket)
+    acc_t = getattr(types, dtype)
+    np_t = np.dtype(dtype).type
+    ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
+    U_ZERO = np.uint64(0)
+    HEAD, BT = bucket, block_k
+    BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    keep_word = fwd.philox_function()
+
+    def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
+                    scale, softcap, drop_scale, threshold, key0, key1, offset, shift, left,
+                    right):
+        """dk and dv of one key tile of one (batch, key/value head) pair, summed over
+        the query heads of its group; one thread per key row."""
+        n_batch, n_heads, tq, e = q.shape
+        n_kv_heads = k.shape[1]
+        tk = k.shape[2]
+        ev = v.shape[3]
+        group = n_heads // n_kv_heads
+        n_pairs = n_batch * n_kv_heads
+        cols = cuda.blockDim.x
+        pair = cuda.blockIdx.x % n_pairs
+        kt = cuda.blockIdx.x // n_pairs  # first keys first: most causal work first
+        b = pair // n_kv_heads
+        hk = pair % n_kv_heads
+        j = kt * cols + cuda.threadIdx.x
+
+        # Keys of this block that exist, and the queries that may see one of them.
+        len_b = lengths[0]
+        if lengths.shape[0] > 1:
+            len_b = lengths[b]
+        pos_offset = offset + shift * len_b
+        key_ok = j < tk and j < len_b
+        first_key = kt * cols
+        last_key = min(first_key + cols, tk, len_b) - 1
+        q_lo = max(0, first_key - right - pos_offset)
+        q_hi = min(tq, last_key + left - pos_offset + 1)
+        n_qtiles = 0
+        if last_key >= first_key:
+            n_qtiles = max(0, (q_hi - q_lo + BT - 1) // BT)
+
+        mb = 0
+        mj = 0
+        if BOOL_MASK or FLOAT_MASK:
+            mb = mask_batch[b]
+            if mask.shape[3] > 1 and key_ok:
+                mj = j
+        cap = ZERO
+        inv_cap = ZERO
+        if MODS:
+            cap = softcap
+            if cap > ZERO:
+                inv_cap = ONE / cap
+        dropping = threshold != U_ZERO
+
+        k_row = cuda.local.array(HEAD, acc_t)
+        v_row = cuda.local.array(HEAD, acc_t)
+        dk_row = cuda.local.array(HEAD, acc_t)
+        dv_row = cuda.local.array(HEAD, acc_t)
+        q_tile = cuda.shared.array((BT, HEAD), acc_t)
+        do_tile = cuda.shared.array((BT, HEAD), acc_t)
+        lse_tile = cuda.shared.array(BT, acc_t)
+        d_tile = cuda.shared.array(BT, acc_t)
+
+        # This key's row, scaled (raw = q · (scale k)); keys past the length unread.
+        for d in range(HEAD):
+            x = ZERO
+            y = ZERO
+            if key_ok and d < e:
+                x = k[b, hk, j, d] * scale
+            if key_ok and d < ev:
+                y = v[b, hk, j, d]
+            k_row[d] = x
+            v_row[d] = y
+            dk_row[d] = ZERO
+            dv_row[d] = ZERO
+
+        for g in range(group):
+            h = hk * group + g
+            mh = 0
+            if BOOL_MASK or FLOAT_MASK:
+                if mask.shape[1] > 1:
+                    mh = h
+            slope = ZERO
+            if MODS:
+                sb = 0
+                sh = 0
+                if slopes.shape[0] > 1:
+                    sb = b
+                if slopes.shape[1] > 1:
+                    sh = h
+                slope = slopes[sb, sh]
+            row0 = (b * n_heads + h) * tq  # flat index of row 0 in (B, H, Tq)
+
+            for qt in range(n_qtiles):
+                i0 = q_lo + qt * BT
+
+                # Load the Q and dO tiles, lse and D; rows past q_hi get lse = -inf.
+                for idx in range(cuda.threadIdx.x, BT * HEAD, cols):
+                    ii = idx // HEAD
+                    d = idx % HEAD
+                    i = i0 + ii
+                    q_val = ZERO
+                    do_val = ZERO
+                    if i < q_hi:
+                        if d < e:
+                            q_val = q[b, h, i, d]
+                        if d < ev:
+                            do_val = do[b, h, i, d]
+                    q_tile[ii, d] = q_val
+                    do_tile[ii, d] = do_val
+                for ii in range(cuda.threadIdx.x, BT, cols):
+                    i = i0 + ii
+                    lse_val = NEG_INF
+                    d_val = ZERO
+                    if i < q_hi:
+                        lse_val = lse[b, h, i]
+                        d_val = delta[b, h, i]
+                    lse_tile[ii] = lse_val
+                    d_tile[ii] = d_val
+                cuda.syncthreads()
+
+                if key_ok:
+                    for ii in range(BT):
+                        i = i0 + ii
+                        p = i + pos_offset
+                        lse_i = lse_tile[ii]
+                        if lse_i != NEG_INF and j <= p + right and j >= p - left:
+                            # The score, as in the forward.
+                            x = ZERO
+                            for d in range(HEAD):
+                                x += q_tile[ii, d] * k_row[d]
+                            t = ZERO
+                            if MODS:
+                                if cap > ZERO:
+                                    t = math.tanh(x * inv_cap)
+                                    x = cap * t
+                                x -= slope * np_t(abs(p - j))
+                            seen = True
+                            if BOOL_MASK or FLOAT_MASK:
+                                mi = 0
+                                if mask.shape[2] > 1:
+                                    mi = i
+                                if BOOL_MASK:
+                                    seen = mask[mb, mh, mi, mj]
+                                else:
+                                    x += mask[mb, mh, mi, mj]
+                            weight = ZERO
+                            if seen:
+                                weight = math.exp(x - lse_i)
+                            if weight != ZERO:
+                                # dv += P Z dO_i; dS = P (dP Z - D) (1 - tanh²); dk += dS q_i.
+                                z = ONE
+                                if dropping:
+                                    if keep_word((row0 + i) * tk + j, key0, key1) < threshold:
+                                        z = ZERO
+                                    else:
+                                        z = drop_scale
+                                dp = ZERO
+                                for d in range(HEAD):
+                                    dp += do_tile[ii, d] * v_row[d]
+                                pz = weight * z
+                                ds = weight * (dp * z - d_tile[ii])
+                                if MODS:
+                                    if cap > ZERO:
+                                        ds *= ONE - t * t
+                                for d in range(HEAD):
+                                    dv_row[d] += pz * do_tile[ii, d]
+                                    dk_row[d] += ds * q_tile[ii, d]
+                cuda.syncthreads()
+
+        if j < tk:
+            for d in range(HEAD):
+                if d < e:
+                    dk[b, hk, j, d] = dk_row[d] * scale
+                if d < ev:
+                    dv[b, hk, j, d] = dv_row[d]
+
+    suffix = "_mods" if mods else ""
+    name = f"attention_dkdv_{dtype}_head{bucket}_{mask_kind}{suffix}_k{block_k}"
+    dkdv_kernel.__name__ = dkdv_kernel.__qualname__ = name
+    return dkdv_kernel
+
+
+@functools.cache
+def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                block_k: int | None = None) -> Any:
+    """The dQ kernel for one specialisation, compiled on first use and cached."""
+    fn = make_dq_function(dtype, bucket, mask_kind, mods, block_k)
+    return _cuda().jit(_signature(dtype, mask_kind, 1))(fn)
+
+
+@functools.cache
+def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                  block_k: int | None = None) -> Any:
+    """The dK/dV kernel for one specialisation, compiled on first use and cached."""
+    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, block_k)
+    return _cuda().jit(_signature(dtype, mask_kind, 2))(fn)
+
+
+def specializations(buckets: tuple[int, ...] = fwd.HEAD_DIM_BUCKETS,
+                    ) -> Iterator[tuple[Any, Any]]:
+    """Every (Python kernel function, Numba signature) pair of the backward pass with
+    a head bucket in ``buckets``."""
+    for dtype in fwd.DTYPES:
+        for bucket in buckets:
+            for mask_kind in fwd.MASK_KINDS:
+                for mods in (False, True):
+                    yield (make_dq_function(dtype, bucket, mask_kind, mods),
+                           _signature(dtype, mask_kind, 1))
+                    yield (make_dkdv_function(dtype, bucket, mask_kind, mods),
+                           _signature(dtype, mask_kind, 2))
+
+
+# --------------------------------------------------------------------------- #
+# Launcher
+# --------------------------------------------------------------------------- #
+
+def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
+             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
+             rules: Rules | None = None, grad_lse: Array | None = None,
+             block_q: int | None = None, block_k: int | None = None,
+             ) -> tuple[Array, Array, Array]:
+    """Gradients ``(dq, dk, dv)`` of :func:`.numba_cuda.attention`, shaped like
+    ``(q, k, v)``, in two kernel launches.
+
+    ``out`` and ``lse`` are the forward's results, ``grad_out`` (B…, H, Tq, Ev)
+    the gradient of ``out``, ``grad_lse`` (B…, H, Tq) that of ``lse`` (or
+    ``None``). The arguments follow :func:`.numba_cuda.attention` (arrays of
+    the input library, strided views included); ``block_q`` (threads per block)
+    and ``block_k`` (rows per shared tile) override the tile sizes, for tests.
+
+    Raises
+    ------
+    ValueError
+        A head size above ``MAX_HEAD_DIM`` or a mask that does not broadcast.
+    TypeError
+        CPU arrays without the simulator, or a dtype other than float32/float64.
+    """
+    *batch_list, n_heads, tq, e = q.shape
+    *_, n_kv_heads, tk, ev = v.shape
+    batch = tuple(batch_list)
+    bucket = fwd.head_bucket(e, ev)
+    named = {"query": q, "key": k, "value": v, "out": out, "lse": lse, "grad_out": grad_out}
+    if grad_lse is not None:
+        named["grad_lse"] = grad_lse
+    dtype = fwd.common_dtype(**named)
+    dev = fwd._Device(q)
+    n_batch = math.prod(batch)
+
+    dq = fwd.empty_like_layout(dev, q, (n_batch, n_heads, tq, e), xp)  # (B, H, Tq, E)
+    dk = fwd.empty_like_layout(dev, k, (n_batch, n_kv_heads, tk, e), xp)  # (B, Hkv, Tk, E)
+    dv = fwd.empty_like_layout(dev, v, (n_batch, n_kv_heads, tk, ev), xp)  # (B, Hkv, Tk, Ev)
+    if n_batch * n_heads * tq * tk == 0:
+        # No score: every gradient is 0.
+        dq, dk, dv = (xp.zeros_like(a) for a in (dq, dk, dv))
+    else:
+        # D = rowsum(dO ∘ O) − dlse, with the input library.
+        delta = xp.sum(grad_out * out, axis=-1)  # (B…, H, Tq)
+        if grad_lse is not None:
+            delta = delta - grad_lse
+        delta = xp.reshape(delta, (n_batch, n_heads, tq))  # (B, H, Tq)
+        lse3 = xp.reshape(lse, (n_batch, n_heads, tq))  # (B, H, Tq)
+        do4 = xp.reshape(grad_out, (n_batch, n_heads, tq, ev))  # (B, H, Tq, Ev)
+        inputs = fwd.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
+        rows = fwd.BLOCK_Q if block_q is None else int(block_q)
+        bk = fwd.default_block_k(dtype, bucket) if block_k is None else int(block_k)
+        tile = None if block_k is None else bk
+        dq_blocks = n_batch * n_heads * -(-tq // rows)
+        kv_blocks = n_batch * n_kv_heads * -(-tk // rows)
+        fwd.check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
+        fwd.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
+        extra = tuple(dev.view(a) for a in (do4, lse3, delta))
+        dq_d, dk_d, dv_d = dev.view(dq), dev.view(dk), dev.view(dv)
+        with fwd.launching(dev) as stream:
+            compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
+                dq_blocks, rows, stream](*inputs.arrays, *extra, dq_d, *inputs.scalars)
+            compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
+                kv_blocks, rows, stream](*inputs.arrays, *extra, dk_d, dv_d,
+                                         *inputs.scalars)
+        if dev.simulated:
+            dq, dk, dv = dq_d.copy_to_host(), dk_d.copy_to_host(), dv_d.copy_to_host()
+    dq = xp.reshape(dq, (*batch, n_heads, tq, e))  # (B…, H, Tq, E)
+    dk = xp.reshape(dk, (*batch, n_kv_heads, tk, e))  # (B…, Hkv, Tk, E)
+    dv = xp.reshape(dv, (*batch, n_kv_heads, tk, ev))  # (B…, Hkv, Tk, Ev)
+    return dq, dk, dv
