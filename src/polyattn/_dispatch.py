@@ -351,6 +351,10 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
     if name == "chunked" and bridged(problem, name):
         reason += ("; on torch CPU tensors it runs the multi-threaded blocked NumPy path "
                    "(numpy_chunked) over NumPy views of them")
+    elif name == "chunked" and torch_cpu(problem):
+        reason += (f"; `{constant_needs_grad(problem)}` requires a gradient, which the "
+                   "NumPy fast path (numpy_chunked) does not give, so the Array-API blocked "
+                   "path runs on the torch tensors and autograd differentiates it")
     shape = {"query": tuple(problem.q.shape), "key": tuple(problem.k.shape)}
     if problem.v is not None:
         shape["value"] = tuple(problem.v.shape)
