@@ -111,7 +111,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(tags=["docs"])
 def example(session: nox.Session) -> None:
-    """Run the MiniLM sentence-embedding example and check it against transformers."""
+    """Run the examples' tests: MiniLM against transformers, the training example against torch."""
     install(session, "-e", ".[test]", "-r", "examples/requirements.txt")
     session.env["HF_HUB_OFFLINE"] = "1"
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples")
