@@ -544,7 +544,7 @@ def _dropout_keep(p: _Problem, it: _Item, r0: int, r1: int, k0: int, k1: int) ->
     b = int(np.ravel_multi_index(it.b, p.batch)) if p.batch else 0
     heads = np.arange(it.hk * p.g, (it.hk + 1) * p.g, dtype=u)[:, None, None]  # (G, 1, 1)
     rows = np.arange(it.q0 + r0, it.q0 + r1, dtype=u)[:, None]                 # (r, 1)
-    n = ((u(b * p.h) + heads) * u(p.tq) + rows) * u(p.tk) + np.arange(k0, k1, dtype=u)
+    n: np.ndarray = ((u(b * p.h) + heads) * u(p.tq) + rows) * u(p.tk) + np.arange(k0, k1, dtype=u)
     x0 = philox_numpy(n & u(MASK32), n >> u(32), 0, 0, p.rules.dropout_seed)[0]  # (G, r, bk)
     return x0 >= u(threshold(p.rules.dropout_p))
 
@@ -783,7 +783,7 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
              grad_lse: Any = None) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention`; see :func:`.numpy_vjp.backward`."""
-    from . import numpy_vjp   # it imports this module
+    from . import numpy_vjp  # it imports this module
 
     return numpy_vjp.backward(q, k, v, out, lse, grad_out, mask=mask,
                               causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,

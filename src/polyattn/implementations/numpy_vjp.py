@@ -59,7 +59,6 @@ from .numpy_chunked import (
     threading_mode,
 )
 
-
 #: Fewest (batch row, key/value head) pairs for the fused pass (:func:`fused`); ``None``:
 #: two per available CPU.
 FUSED_MIN_PAIRS: int | None = None
@@ -100,10 +99,11 @@ class _Head:
         else:
             np.negative(self.d, out=self.de[..., ev])
         self.ke = np.empty((p.tk, e + 1), dtype=p.dtype)
-        self.ke[:, :e] = p.k[(*b, hk)]
+        pair: tuple[Any, ...] = (*b, hk)
+        self.ke[:, :e] = p.k[pair]
         self.ke[:, e] = 1.0
         self.ve = np.empty((p.tk, ev + 1), dtype=p.dtype)
-        self.ve[:, :ev] = p.v[(*b, hk)]
+        self.ve[:, :ev] = p.v[pair]
         self.ve[:, ev] = 1.0
 
 
@@ -178,8 +178,9 @@ def _key_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int,
                 part = p.buffer("part", (p.g, r1 - r0, p.e))
                 np.matmul(_flat(ds), h.ke[c0:c1, :p.e], out=_flat(part))  # (G·r, E)
                 dq_acc[:, q0 + r0:q0 + r1] += part
-    dk[(*b, hk, slice(k0, k1))] = dk_acc
-    dv[(*b, hk, slice(k0, k1))] = dv_acc
+    keys: tuple[Any, ...] = (*b, hk, slice(k0, k1))
+    dk[keys] = dk_acc
+    dv[keys] = dv_acc
 
 
 def _query_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int, q0: int,
@@ -197,7 +198,8 @@ def _query_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: in
         part = p.buffer("part", (p.g, r1 - r0, p.e))
         np.matmul(_flat(ds), h.ke[k0:k1, :p.e], out=_flat(part))  # (G·r, E)
         acc[:, r0:r1] += part
-    np.multiply(acc, p.qscale, out=dq[(*b, slice(hk * p.g, (hk + 1) * p.g), slice(q0, it.q1))])
+    rows: tuple[Any, ...] = (*b, slice(hk * p.g, (hk + 1) * p.g), slice(q0, it.q1))
+    np.multiply(acc, p.qscale, out=dq[rows])
 
 
 def _head_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int,
@@ -206,7 +208,8 @@ def _head_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int
     dq_acc = np.zeros((p.g, p.tq, p.e), dtype=p.dtype)      # (G, Tq, E)
     for k0 in range(0, p.tk, p.block_k):
         _key_item(p, heads, b, hk, k0, dk, dv, dq_acc)
-    np.multiply(dq_acc, p.qscale, out=dq[(*b, slice(hk * p.g, (hk + 1) * p.g))])
+    heads_of: tuple[Any, ...] = (*b, slice(hk * p.g, (hk + 1) * p.g))
+    np.multiply(dq_acc, p.qscale, out=dq[heads_of])
 
 
 def fused(pairs: int) -> bool:
