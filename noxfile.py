@@ -155,6 +155,13 @@ def bench_window(session: nox.Session) -> None:
 
 
 @nox.session(default=False, tags=["bench"])
+def bench_backward(session: nox.Session) -> None:
+    """Forward+backward benchmark: attention_vjp on NumPy vs torch SDPA + backward(), CPU."""
+    install(session, "-e", ".", "torch", "threadpoolctl", "matplotlib")
+    session.run("python", "benchmarks/backward.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["bench"])
 def bench_torch(session: nox.Session) -> None:
     """torch CPU benchmark: polyattn "auto" on torch tensors vs torch SDPA vs naive torch."""
     install(session, "-e", ".", "torch", "threadpoolctl")
