@@ -22,16 +22,20 @@ GRAD_RTOL = 1e-9
 
 
 @pytest.fixture(autouse=True)
-def one_blas_thread():
-    """One BLAS thread: the matrices are small (512 × 128), and several BLAS threads
-    waiting on each other slow every product down many times on a busy machine."""
+def one_thread():
+    """One BLAS thread and one torch thread: the matrices are small (512 × 128), and
+    threads waiting on each other slow every product down many times on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl comes with polyattn[test]
         yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
+    else:
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield
+    finally:
+        torch.set_num_threads(threads)
 TEXT = tct.load_text()
 VOCAB = tct.Vocabulary.of(TEXT)
 IDS = VOCAB.encode(TEXT)
@@ -119,6 +123,32 @@ def test_gradients_after_training_steps_match_torch_autograd():
     _, ref = torch_gradients(model, tokens)
     errors = {n: relative_error(grads[n], ref[n]) for n in ref}
     assert max(errors.values()) <= GRAD_RTOL, errors
+
+
+def test_gradients_with_attention_dropout_match_finite_differences():
+    """With dropout the loss is still a smooth function of the parameters for a fixed
+    seed; the pullback must drop the same weights as the forward pass."""
+    model = small_model(seed=4)
+    tokens = tct.batch_windows(IDS, 2, 24, np.random.default_rng(2))
+    kwargs = {"dropout_p": 0.3, "dropout_seed": 12345}
+    loss, cache = tct.forward(model, tokens, **kwargs)
+    assert float(loss) != float(tct.forward(model, tokens)[0])          # weights were dropped
+    assert float(loss) == float(tct.forward(model, tokens, **kwargs)[0])  # the same ones
+    grads = tct.backward(cache)
+    rng = np.random.default_rng(0)
+    h = 1e-5
+    for name in ("0.wq", "0.wk", "1.wv", "1.attn_norm"):
+        p = model.params[name]
+        for flat in rng.choice(p.size, size=3, replace=False):
+            idx = np.unravel_index(flat, p.shape)
+            values = []
+            for step in (h, -h):
+                shifted = p.copy()
+                shifted[idx] += step
+                other = tct.Model(model.config, {**model.params, name: shifted})
+                values.append(float(tct.forward(other, tokens, **kwargs)[0]))
+            numeric = (values[0] - values[1]) / (2 * h)
+            assert abs(grads[name][idx] - numeric) <= 1e-9 + 1e-6 * abs(numeric), (name, idx)
 
 
 def test_training_lowers_the_loss():

@@ -6,11 +6,12 @@ input/output embeddings) learns to predict the next character of a short
 Chinese article about attention. There is no autodiff anywhere: each layer's
 backward pass is written out below in Array API calls, and the attention's
 comes from :func:`polyattn.attention_vjp` (causal, with the FlashAttention-2
-backward). AdamW is a few lines at the end. The same code trains on NumPy
+backward). AdamW is written out too. The same code trains on NumPy
 (the default), torch or CuPy arrays::
 
-    python examples/train_char_transformer.py --steps 1000 --out loss.png
+    python examples/train_char_transformer.py --out loss.png
     python examples/train_char_transformer.py --library torch --dtype float64
+    python examples/train_char_transformer.py --attn-dropout 0.1 --activation silu --untied
     python examples/train_char_transformer.py --library cupy --steps 3000 --batch 32
 
 The training text, ``examples/data/seed_article.txt``, is "Transformer 01", a
@@ -246,10 +247,15 @@ def merge_heads(x: Array, xp) -> Array:
     return xp.reshape(x, (b * t, h * e))        # (N, D)
 
 
-def attention_layer(x: Array, p: dict, layer: int, cfg: Config, positions: Array,
-                    xp) -> tuple[Array, tuple]:
+def attention_layer(x: Array, p: dict, layer: int, cfg: Config, positions: Array, xp, *,
+                    dropout_p: float = 0.0, dropout_seed: int = 0) -> tuple[Array, tuple]:
     """Causal self-attention with rotary positions over rows of ``positions.shape[0]``
-    tokens; x (N, D). Returns (output (N, D), saved)."""
+    tokens; x (N, D). Returns (output (N, D), saved).
+
+    With ``dropout_p > 0`` the attention weights are dropped by polyattn's
+    counter-based generator: the pullback applies the same mask (it is
+    recomputed from ``dropout_seed``, never stored).
+    """
     w = {n: p[f"{layer}.{n}"] for n in ("wq", "wk", "wv", "wo")}
     b, h = x.shape[0] // positions.shape[0], cfg.num_heads
     q = split_heads(xp.matmul(x, w["wq"]), b, h, xp)   # (B, H, T, E)
@@ -257,7 +263,9 @@ def attention_layer(x: Array, p: dict, layer: int, cfg: Config, positions: Array
     v = split_heads(xp.matmul(x, w["wv"]), b, h, xp)
     q = polyattn.apply_rotary_embedding(q, positions, base=cfg.rope_base)
     k = polyattn.apply_rotary_embedding(k, positions, base=cfg.rope_base)
-    a, pullback = polyattn.attention_vjp(q, k, v, is_causal=True)  # (B, H, T, E)
+    a, pullback = polyattn.attention_vjp(
+        q, k, v, is_causal=True, dropout_p=dropout_p,
+        dropout_seed=dropout_seed if dropout_p else None)           # (B, H, T, E)
     a = merge_heads(a, xp)                                          # (N, D)
     return xp.matmul(a, w["wo"]), (x, a, pullback, w)
 
@@ -272,11 +280,11 @@ def attention_layer_backward(dy: Array, saved: tuple, cfg: Config, positions: Ar
     dq = polyattn.apply_rotary_embedding(dq, -positions, base=cfg.rope_base)
     dk = polyattn.apply_rotary_embedding(dk, -positions, base=cfg.rope_base)
     grads = {"wo": dwo}
-    dx = None
+    dxs = []
     for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
-        dxi, grads[name] = linear_backward(merge_heads(d, xp), x, w[name], xp)
-        dx = dxi if dx is None else dx + dxi
-    return dx, grads
+        dx, grads[name] = linear_backward(merge_heads(d, xp), x, w[name], xp)
+        dxs.append(dx)
+    return dxs[0] + dxs[1] + dxs[2], grads
 
 
 def mlp(x: Array, p: dict, layer: int, cfg: Config, xp) -> tuple[Array, tuple]:
@@ -314,7 +322,8 @@ class Cache:
     targets_1h: Array | None = None  # (N, V)
 
 
-def _trunk(model: Model, inputs: Array, xp) -> tuple[Array, Cache]:
+def _trunk(model: Model, inputs: Array, xp, dropout_p: float = 0.0,
+           dropout_seed: int = 0) -> tuple[Array, Cache]:
     """Logits (N, V) of the next character after each input (B, T), and the cache.
 
     Activations are kept as (N, D) matrices, so that every linear layer is one
@@ -327,7 +336,8 @@ def _trunk(model: Model, inputs: Array, xp) -> tuple[Array, Cache]:
     x = xp.take(p["embed"], xp.reshape(inputs, (-1,)), axis=0)   # (N, D)
     for layer in range(cfg.num_layers):
         h, norm1 = rms_norm(x, p[f"{layer}.attn_norm"], xp)
-        y, attn = attention_layer(h, p, layer, cfg, positions, xp)
+        y, attn = attention_layer(h, p, layer, cfg, positions, xp, dropout_p=dropout_p,
+                                  dropout_seed=dropout_seed + layer)
         x = x + y
         h, norm2 = rms_norm(x, p[f"{layer}.mlp_norm"], xp)
         y, ff = mlp(h, p, layer, cfg, xp)
@@ -346,15 +356,17 @@ def logits(model: Model, inputs: Array) -> Array:
     return xp.reshape(_trunk(model, inputs, xp)[0], (b, t, -1))   # (B, T, V)
 
 
-def forward(model: Model, tokens: Array) -> tuple[Array, Cache]:
+def forward(model: Model, tokens: Array, *, dropout_p: float = 0.0,
+            dropout_seed: int = 0) -> tuple[Array, Cache]:
     """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
 
     ``tokens`` (B, T+1) integer. Returns the loss (a 0-d array) and the cache
-    for :func:`backward`.
+    for :func:`backward`. ``dropout_p`` drops attention weights (layer ``l``
+    uses the seed ``dropout_seed + l``).
     """
     xp = array_namespace(tokens, model.params["embed"])
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    z, cache = _trunk(model, inputs, xp)                           # (N, V)
+    z, cache = _trunk(model, inputs, xp, dropout_p, dropout_seed)  # (N, V)
     m = xp.max(z, axis=-1, keepdims=True)
     e = xp.exp(z - m)
     total = xp.sum(e, axis=-1, keepdims=True)
@@ -520,7 +532,8 @@ class Progress:
 def train(model: Model, train_ids: np.ndarray, *, steps: int, batch: int, seq_len: int,
           lr: float = 3e-3, seed: int = 0, held_out_ids: np.ndarray | None = None,
           eval_every: int = 100, asarray: Callable[[np.ndarray], Array] = np.asarray,
-          progress: bool = True, max_grad_norm: float = 1.0) -> History:
+          progress: bool = True, max_grad_norm: float = 1.0,
+          dropout_p: float = 0.0) -> History:
     """Train ``model`` in place on random windows of ``train_ids``; the loss history."""
     rng = np.random.default_rng(seed + 1)
     state = AdamW(lr=lr)
@@ -532,7 +545,9 @@ def train(model: Model, train_ids: np.ndarray, *, steps: int, batch: int, seq_le
     start = time.perf_counter()
     for step in range(steps):
         tokens = asarray(batch_windows(train_ids, batch, seq_len, rng))   # (B, T+1)
-        loss, cache = forward(model, tokens)
+        # a fresh dropout mask every step and layer: the seed in the high 32 bits
+        loss, cache = forward(model, tokens, dropout_p=dropout_p,
+                              dropout_seed=(seed << 32) + step * model.config.num_layers)
         grads, _ = clip(backward(cache), max_grad_norm)
         model.params = adamw_step(model.params, grads, state,
                                   learning_rate(step, steps, lr, warmup=min(50, steps // 10)))
@@ -585,26 +600,33 @@ def main(argv: list[str] | None = None) -> History:
     parser.add_argument("--library", default="numpy", choices=LIBRARIES,
                         help="array library to train on (default: numpy)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seq-len", type=int, default=128, help="characters per row")
-    parser.add_argument("--batch", type=int, default=16, help="rows per step")
+    parser.add_argument("--batch", type=int, default=8, help="rows per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--activation", default="gelu", choices=tuple(ACTIVATIONS))
+    parser.add_argument("--attn-dropout", type=float, default=0.0,
+                        help="probability of dropping an attention weight while training")
     parser.add_argument("--untied", action="store_true",
                         help="a separate output matrix instead of the transposed embeddings")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=100,
+    parser.add_argument("--eval-every", type=int, default=50,
                         help="steps between held-out evaluations")
     parser.add_argument("--out", default=None, help="save the loss curve to this PNG")
     parser.add_argument("--prompt", default="注意力", help="start of the generated sample")
     parser.add_argument("--sample-length", type=int, default=120)
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 picks the most likely character (default)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature; 0 picks the most likely character")
     args = parser.parse_args(argv)
     for name in ("steps", "seq_len", "batch", "eval_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1; "
                          f"got {getattr(args, name)}")
+
+    if args.seed < 0:
+        parser.error(f"--seed must be at least 0; got {args.seed}")
+    if not 0.0 <= args.attn_dropout < 1.0:
+        parser.error(f"--attn-dropout must be in [0, 1); got {args.attn_dropout}")
 
     text = load_text()
     vocab = Vocabulary.of(text)
@@ -625,7 +647,7 @@ def main(argv: list[str] | None = None) -> History:
 
     history = train(model, train_ids, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                     lr=args.lr, seed=args.seed, held_out_ids=held_ids,
-                    eval_every=args.eval_every, asarray=asarray)
+                    eval_every=args.eval_every, asarray=asarray, dropout_p=args.attn_dropout)
     tail = history.losses[-max(1, len(history.losses) // 20):]
     print(f"{args.steps} steps in {history.seconds:.1f} s "
           f"({args.steps * args.batch * args.seq_len / history.seconds:,.0f} tokens/s): "
