@@ -259,9 +259,9 @@ def test_threads_bitwise_identical(dtype_name, monkeypatch, mode):
     monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
     monkeypatch.setattr(numpy_chunked, "BLOCK_K", 16)
     monkeypatch.setattr(numpy_vjp, "FUSED_MIN_PAIRS", mode)
-    q, k, v = problem(21, b=3, tq=67, tk=67, e=8, ev=8)
+    q, k, v = problem(21, b=3, tq=45, tk=45, e=8, ev=8)
     pb = prepared(q, k, v, dtype_name, is_causal=True, dropout_p=0.1, dropout_seed=3)
-    go = np.random.default_rng(22).standard_normal((3, 4, 67, 8))
+    go = np.random.default_rng(22).standard_normal((3, 4, 45, 8))
     results = []
     with items_on_threads():
         for n in (1, 2, 3):

@@ -276,14 +276,28 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     def build(b: tuple[int, ...], hk: int) -> None:
         heads[(b, hk)] = _Head(p, b, hk, out, lse, grad_out, grad_lse)
 
-    jobs: list[Callable[[], Any]]
-    if fused(len(pairs)):
-        jobs = [partial(_quiet, _head_item, p, heads, b, hk, dq, dk, dv) for b, hk in pairs]
-    else:
-        jobs = [partial(_quiet, _key_item, p, heads, b, hk, k0, dk, dv)
-                for b, hk in pairs for k0 in range(0, p.tk, p.block_k)]
-        jobs += [partial(_quiet, _query_item, p, heads, b, hk, q0, dq)
-                 for b, hk in pairs for q0 in range(0, p.tq, p.bq)]
+    # (cost, job): the area of scores each job computes, so that the largest start first
+    one_pass = fused(len(pairs))
+    costed: list[tuple[int, Callable[[], Any]]] = []
+    for b in np.ndindex(*p.batch):
+        _, lo, hi = p.key_ranges(b, 0, p.tq)
+        seen = np.maximum(hi - lo, 0)                    # keys each query row sees
+        starts = range(0, p.tk, p.block_k)
+        areas = [] if one_pass else [
+            int(np.maximum(np.clip(hi, k0, k0 + p.block_k) - np.clip(lo, k0, k0 + p.block_k),
+                           0).sum()) for k0 in starts]
+        for hk in range(p.hkv):
+            if one_pass:
+                costed.append((int(seen.sum()),
+                               partial(_quiet, _head_item, p, heads, b, hk, dq, dk, dv)))
+                continue
+            costed += [(area, partial(_quiet, _key_item, p, heads, b, hk, k0, dk, dv))
+                       for k0, area in zip(starts, areas, strict=True)]
+            costed += [(int(seen[q0:q0 + p.bq].sum()),
+                        partial(_quiet, _query_item, p, heads, b, hk, q0, dq))
+                       for q0 in range(0, p.tq, p.bq)]
+    costed.sort(key=lambda job: -job[0])                 # stable: ties keep their order
+    jobs = [job for _, job in costed]
     n = min(num_threads(), len(jobs))
     if n == 1 or threading_mode() != "pool":   # inline; BLAS keeps its own threads
         for b, hk in pairs:
