@@ -19,6 +19,7 @@ import importlib.util
 import math
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ if not SIMULATOR and _gpu_reason() is not None:
 
 import polyattn  # noqa: E402
 from polyattn._problem import prepare  # noqa: E402
-from polyattn.implementations import numba_cuda  # noqa: E402
+from polyattn.implementations import _dropout, numba_cuda  # noqa: E402
 from polyattn.implementations import reference as reference_implementation  # noqa: E402
 from polyattn.implementations._rules import Rules  # noqa: E402
 
@@ -60,12 +61,49 @@ TOL = {"float32": 1e-5, "float64": 1e-12}
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _fast_thread_switching():
-    """The simulator polls its block threads; a short switch interval speeds it up."""
+def simulator_threads():
+    """The simulator polls its block threads: a short switch interval speeds it up.
+    Its shared arrays are made race-free (see :func:`_shared_array`)."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)
-    yield
+    if not SIMULATOR:
+        yield
+    else:
+        from numba.cuda.simulator import kernelapi
+
+        _ORIGINAL_SHARED_ARRAY.append(kernelapi.FakeCUDAShared.array)
+        kernelapi.FakeCUDAShared.array = _shared_array
+        yield
+        kernelapi.FakeCUDAShared.array = _ORIGINAL_SHARED_ARRAY.pop()
     sys.setswitchinterval(previous)
+
+
+_SHARED_LOCK = threading.Lock()
+_ORIGINAL_SHARED_ARRAY = []
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """``FakeCUDAShared.array`` with its look-up and its store under one lock.
+
+    The simulator gives every thread of a block the array allocated for the
+    calling line, looked up and stored in two steps: a thread switch between
+    them gives two threads two different arrays, and the kernel then reads
+    tiles that its neighbours never wrote (a failure once in a few hundred
+    launches, without any race in the kernel).
+    """
+    from numba.cuda.simulator import kernelapi
+
+    if alignment is not None or shape == 0:  # errors and dynamic memory: no look-up
+        return _ORIGINAL_SHARED_ARRAY[-1](self, shape, dtype, alignment)
+    if isinstance(dtype, kernelapi.types.Type):
+        dtype = kernelapi.numpy_support.as_dtype(dtype)
+    frame = sys._getframe(1)
+    caller = (frame.f_code.co_filename, frame.f_lineno)
+    with _SHARED_LOCK:
+        array = self._allocations.get(caller)
+        if array is None:
+            array = self._allocations[caller] = np.empty(shape, dtype)
+    return array
 
 
 # --------------------------------------------------------------------------- #
@@ -416,9 +454,10 @@ def test_availability_reports_a_reason():
 # --------------------------------------------------------------------------- #
 
 def prepared(q, k, v, dtype, *, mask=None, is_causal=False, alignment="top_left",
-             window=None, softcap=None, alibi_slopes=None, key_lengths=None):
+             window=None, softcap=None, alibi_slopes=None, key_lengths=None, dropout=None):
     """The Problem that the public API hands to implementations, for inputs cast to
-    ``dtype`` (float64: the values the float32 run sees, rounded, then widened)."""
+    ``dtype`` (float64: the values the float32 run sees, rounded, then widened);
+    ``dropout``: ``(p, seed)`` or None."""
     def cast(a):
         return None if a is None else a.astype(dtype)
 
@@ -426,23 +465,25 @@ def prepared(q, k, v, dtype, *, mask=None, is_causal=False, alignment="top_left"
         mask = cast(mask)
     return prepare(cast(q), cast(k), cast(v), attn_mask=mask, is_causal=is_causal,
                    causal_alignment=alignment, scale=None, enable_gqa=True, window=window,
-                   softcap=softcap, alibi_slopes=cast(alibi_slopes), key_lengths=key_lengths)
+                   softcap=softcap, alibi_slopes=cast(alibi_slopes), key_lengths=key_lengths,
+                   **({} if dropout is None else dict(zip(("dropout_p", "dropout_seed"),
+                                                          dropout, strict=True))))
 
 
-def run_rules(q, k, v, *, dtype="float64", tiles=None, **options):
+def run_rules(q, k, v, *, dtype="float64", tiles=None, dropout=None, **options):
     """Kernel (out, lse) on the prepared problem, and polyattn's reference on the float64
-    problem built from the same (rounded) values."""
+    problem built from the same (rounded) values; ``dropout``: ``(p, seed)`` or None."""
     rounded = [None if a is None else a.astype(dtype).astype(np.float64)
                for a in (q, k, v, options.get("alibi_slopes"))]
     ref_options = dict(options, alibi_slopes=rounded[3])
     mask = options.get("mask")
     if mask is not None and mask.dtype != bool:
         ref_options["mask"] = mask.astype(dtype).astype(np.float64)
-    ref = prepared(*rounded[:3], "float64", **ref_options)
+    ref = prepared(*rounded[:3], "float64", dropout=dropout, **ref_options)
     ref_out, ref_lse = reference_implementation.attention(
         ref.q, ref.k, ref.v, mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale,
         xp=ref.xp, rules=ref.rules)
-    got = prepared(q, k, v, dtype, **options)
+    got = prepared(q, k, v, dtype, dropout=dropout, **options)
     out, lse = numba_cuda.attention(
         convert_problem(got.q), convert_problem(got.k), convert_problem(got.v),
         mask=None if got.mask is None else convert_problem(got.mask),
@@ -650,6 +691,103 @@ def test_lanes_merge_in_several_passes():
     assert numba_cuda.launch_plan(7, 23, 1, 16, 2, decode=True)[:2] == (8, 2)
     got, ref = run(q, k, v, causal_offset=16, tiles=tiles)
     assert_matches(*got, *ref, "float64")
+
+
+# --------------------------------------------------------------------------- #
+# Dropout: Philox4x32-10 in the kernel, the reference's keep-mask bit for bit
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.skipif(not SIMULATOR, reason="the device function runs as Python on the simulator")
+@pytest.mark.parametrize("seed", [0, 7, 2**32 + 5, 2**64 - 1])
+def test_philox_word_is_the_reference_cipher(seed):
+    rng = np.random.default_rng(40)
+    n = np.concatenate([np.arange(4), rng.integers(0, 2**62, 60), [2**32 - 1, 2**32, 2**63 - 1]])
+    key0, key1 = _dropout.key_words(seed)
+    keep_word = numba_cuda.philox_function()
+    got = [int(keep_word(int(x), np.uint64(key0), np.uint64(key1))) for x in n]
+    zero = np.zeros_like(n)
+    expected = _dropout.philox_numpy(n & _dropout.MASK32, n >> 32, zero, zero, seed)[0]
+    np.testing.assert_array_equal(np.array(got, dtype=np.uint64), expected)
+
+
+def test_dropout_arguments():
+    assert numba_cuda.dropout_arguments(None, "float32")[1] == 0
+    assert numba_cuda.dropout_arguments(Rules(2, 3), "float64")[1] == 0  # p = 0: none
+    scale, threshold, key0, key1 = numba_cuda.dropout_arguments(
+        Rules(2, 3, dropout_p=0.25, dropout_seed=2**32 * 3 + 9), "float32")
+    assert scale.dtype == np.float32 and scale == np.float32(1 / 0.75)
+    assert threshold.dtype == np.uint64 and int(threshold) == 2**30
+    assert (int(key0), int(key1)) == (9, 3)
+
+
+# The three launches: one thread per row, key lanes, key lanes with split keys.
+LAUNCHES = {"rows": dict(decode=False, num_splits=1), "lanes": dict(decode=True, num_splits=1),
+            "split": dict(decode=True, num_splits=3)}
+
+
+def dropout_rules(p, seed, tq, tk, **fields):
+    return Rules(tq, tk, dropout_p=p, dropout_seed=seed, **fields)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_dropout_keeps_exactly_the_reference_weights(launch, dtype):
+    # With v the identity, out[…, i, j] is weight (i, j) times its dropout factor:
+    # zero exactly where the weight is dropped (every weight is positive here).
+    rng = np.random.default_rng(41)
+    batch, h, hkv, tq, tk = (2,), 4, 2, 2, 12
+    lanes = numba_cuda.launch_plan(tq, tk, 8, *SMALL_TILES.values(), **LAUNCHES[launch])[1]
+    assert lanes == (1 if launch == "rows" else SMALL_TILES["block_k"])
+    q, k, _ = make_inputs(rng, batch, h, hkv, tq, tk, 4, 1)
+    v = np.broadcast_to(np.eye(tk), (*batch, hkv, tk, tk))
+    p, seed = 0.3, 2**40 + 11
+    rules = dropout_rules(p, seed, tq, tk)
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    out, lse = numba_cuda.attention(to_library(q), to_library(k), to_library(v), mask=None,
+                                    causal_offset=None, scale=0.5, xp=namespace(),
+                                    rules=rules, **SMALL_TILES, **LAUNCHES[launch])
+    out = to_numpy(out)
+    row = np.arange(2 * h * tq).reshape(*batch, h, tq, 1)  # flat (b, h, i)
+    expected = _dropout.keep(row, np.arange(tk), tk, seed, p, np)
+    assert 0 < expected.mean() < 1
+    np.testing.assert_array_equal(out != 0, expected)
+    ref_out, ref_lse = reference_implementation.attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=None,
+        causal_offset=None, scale=0.5, xp=np, rules=rules)
+    assert_matches(out, lse, np.asarray(ref_out), np.asarray(ref_lse), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_dropout_with_every_rule_matches_the_reference(launch, dtype):
+    rng = np.random.default_rng(42)
+    tq, tk = 4, 23
+    q, k, v = make_inputs(rng, (2,), 4, 2, tq, tk, 4, 3)
+    mask = make_mask(rng, "float", (2, 1, tq, tk))
+    options = dict(is_causal=True, alignment="bottom_right", window=(12, None), softcap=2.0,
+                   alibi_slopes=rng.uniform(0.0, 0.3, (4,)), key_lengths=np.array([23, 15]),
+                   mask=mask, dropout=(0.4, 99))
+    got, ref = run_rules(q, k, v, dtype=dtype, tiles=dict(SMALL_TILES, **LAUNCHES[launch]),
+                         **options)
+    assert_matches(*got, *ref, dtype)
+    _, no_dropout = run_rules(q, k, v, dtype=dtype, **dict(options, dropout=None))
+    assert rel_error(to_numpy(got[0]), no_dropout[0]) > 0.1  # weights were dropped
+    np.testing.assert_allclose(to_numpy(got[1]), no_dropout[1], rtol=TOL[dtype])  # lse: before
+
+
+def test_dropout_that_keeps_nothing():
+    # p within 2⁻³² of 1: threshold 2³², above every word; lse is unchanged.
+    rng = np.random.default_rng(43)
+    q, k, v = make_inputs(rng, (1,), 2, 2, 6, 9, 4, 4)
+    p = 1 - 2.0**-40
+    assert _dropout.threshold(p) == 2**32
+    rules = dropout_rules(p, 5, 6, 9)
+    out, lse = numba_cuda.attention(*(to_library(a) for a in (q, k, v)), mask=None,
+                                    causal_offset=None, scale=0.5, xp=namespace(),
+                                    rules=rules, **SMALL_TILES)
+    _, ref_lse = reference(q, k, v, None, None, 0.5)
+    assert np.all(to_numpy(out) == 0)
+    np.testing.assert_allclose(to_numpy(lse), ref_lse, rtol=1e-14)
 
 
 # --------------------------------------------------------------------------- #

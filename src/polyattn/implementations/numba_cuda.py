@@ -871,7 +871,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
         numba-cuda is not installed.
     """
     *batch, n_heads, tq, e = q.shape
-    *_, n_kv_heads, tk, ev = v.shape
+    tk, ev = v.shape[-2:]
     batch = tuple(batch)
     bucket = head_bucket(e, ev)
     dtype = common_dtype(query=q, key=k, value=v)
