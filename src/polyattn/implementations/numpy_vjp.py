@@ -24,13 +24,17 @@ stored; memory is O(T·block) besides copies of the inputs' size.
   factor must come before ``D``). Scaling the queries once also makes
   ``dSᵀ (q·scale)`` the key gradient directly. These extended arrays are
   built once per (batch row, key/value head), before any tile.
-- **Two passes, no reductions across items.** Pass 1 items (batch row,
-  key/value head, key block) each own their rows of ``dK`` and ``dV`` and
-  loop over the query tiles that see the block, the G heads stacked into
-  one product. Pass 2 items (batch row, key/value head, query block) own
-  their rows of ``dQ`` and loop over the key tiles they see. Every gradient is
-  summed by one item in a fixed order, so the results do not depend on the
-  number of threads.
+- **No reductions across items.** The fused pass has one item per (batch
+  row, key/value head): it walks the key blocks, and for each the query
+  tiles that see it (the G heads stacked into one product), adding to the
+  block's ``dK`` and ``dV`` and to a ``dQ`` of all its rows; five matrix
+  products per tile. Where that leaves too few items for the cores
+  (:func:`fused`), two passes run instead: pass 1 items (batch row,
+  key/value head, key block) own their rows of ``dK`` and ``dV``, pass 2
+  items (batch row, key/value head, query block) their rows of ``dQ``; seven
+  products per tile. Either way every gradient is summed by one item in a
+  fixed order, so the results do not depend on the number of threads. Jobs
+  start largest first (by the area of scores they compute).
 - **Keys past ``key_lengths``** are never read (no tile reaches them), so
   NaN or inf there cannot leak; their ``dk`` and ``dv`` are 0.
 """
@@ -60,7 +64,7 @@ from .numpy_chunked import (
 )
 
 #: Fewest (batch row, key/value head) pairs for the fused pass (:func:`fused`); ``None``:
-#: two per available CPU.
+#: decided by the cost of each way.
 FUSED_MIN_PAIRS: int | None = None
 
 
@@ -215,19 +219,23 @@ def _head_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int
 def fused(pairs: int) -> bool:
     """Whether a call with ``pairs`` (batch row, key/value head) pairs takes the fused pass.
 
-    The fused pass (one item per pair: ``dS`` is computed once, not twice) saves about
-    a third of the work but offers only ``pairs`` items to the threads; it is taken
-    where there are at least :data:`FUSED_MIN_PAIRS` pairs (by default two per
-    available CPU). The choice depends on the shapes and the machine only, never on
-    :data:`.numpy_chunked.NUM_THREADS`, so the bits do not depend on the thread count.
+    The fused pass makes five matrix products per tile, the two passes seven, but the
+    fused pass offers only ``pairs`` items to the threads. It is taken where the items
+    run inline (:func:`.numpy_chunked.threading_mode`), and on the pool where whole
+    pairs, dealt to the available CPUs, still cost no more than the two passes spread
+    evenly: ``ceil(pairs / cpus)·5 <= pairs·7 / cpus``. :data:`FUSED_MIN_PAIRS`, where
+    set, decides instead. The choice never depends on
+    :data:`.numpy_chunked.NUM_THREADS`, so neither do the bits of the result.
     """
     if FUSED_MIN_PAIRS is not None:
         return pairs >= FUSED_MIN_PAIRS
+    if threading_mode() != "pool":
+        return True
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not on Linux
         cpus = os.cpu_count() or 1
-    return pairs >= 2 * cpus
+    return -(-pairs // cpus) * 5 * cpus <= pairs * 7
 
 
 def _quiet(job: Callable[..., None], *args: Any) -> None:
