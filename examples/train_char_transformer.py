@@ -103,8 +103,8 @@ def array_factory(library: str) -> Callable[[np.ndarray], Array]:
     if library == "torch":
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return lambda a: torch.asarray(a, device=device)
+        target = "cuda" if torch.cuda.is_available() else "cpu"
+        return lambda a: torch.asarray(a, device=target)
     if library == "cupy":
         import cupy
 
@@ -118,6 +118,8 @@ def array_factory(library: str) -> Callable[[np.ndarray], Array]:
 
 @dataclass(frozen=True)
 class Config:
+    """The sizes and choices of the network (the defaults are the documented model)."""
+
     vocab_size: int
     d_model: int = 128
     num_heads: int = 4
@@ -420,6 +422,8 @@ def backward(cache: Cache) -> dict[str, Array]:
 
 @dataclass
 class AdamW:
+    """AdamW's settings and state: the step count and both moments of each parameter."""
+
     lr: float = 3e-3
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-8
@@ -495,6 +499,8 @@ def generate(model: Model, vocab: Vocabulary, prompt: str, length: int, *,
 
 @dataclass
 class History:
+    """The loss of each training step and of each held-out evaluation."""
+
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     held_out_steps: list[int] = field(default_factory=list)
@@ -542,6 +548,9 @@ def train(model: Model, train_ids: np.ndarray, *, steps: int, batch: int, seq_le
     windows = None
     if held_out_ids is not None and len(held_out_ids) > seq_len:
         windows = asarray(held_out_windows(held_out_ids, seq_len))
+    if windows is not None:
+        history.held_out_steps.append(0)
+        history.held_out.append(held_out_loss(model, windows))
     start = time.perf_counter()
     for step in range(steps):
         tokens = asarray(batch_windows(train_ids, batch, seq_len, rng))   # (B, T+1)
@@ -585,8 +594,9 @@ def save_loss_plot(history: History, path: str, title: str) -> None:
     if history.held_out:
         ax.plot(history.held_out_steps, history.held_out, "o-", color="#d94801", ms=3,
                 lw=1.2, label="held-out text (last 10 %)")
+    ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per character)")
+    ax.set_ylabel("cross-entropy (nats per character, log scale)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
