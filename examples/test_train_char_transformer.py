@@ -217,7 +217,8 @@ def test_command_line_trains_and_writes_the_png(tmp_path, capsys):
     out = tmp_path / "loss.png"
     history = tct.main(["--steps", "4", "--seq-len", "32", "--batch", "2", "--eval-every", "2",
                         "--dtype", "float64", "--out", str(out), "--prompt", "注意",
-                        "--sample-length", "10", "--temperature", "0.8"])
+                        "--sample-length", "10", "--temperature", "0.8",
+                        "--attn-dropout", "0.1"])
     captured = capsys.readouterr()
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(history.losses) == 4 and history.held_out_steps == [0, 2, 4]
