@@ -65,7 +65,7 @@ al. 2022), written against NumPy itself so that the CPU is used well:
   undropped exponentials; only what is multiplied by the values is dropped
   and scaled by ``1 / (1 - p)``.
 - **The backward pass** (:func:`backward`) is in :mod:`.numpy_vjp`: the same
-  items, tiles, scores and threads, two passes without reductions across items.
+  tiles, scores and threads, no reductions across items.
 - **Strided inputs.** The matrices of ``q``, ``k`` and ``v`` may have any row
   stride (the (B…, H, T, E) views of (B…, T, H, E) arrays): ``q`` and ``k``
   are only read into per-item buffers, and ``v`` goes to BLAS as it is
