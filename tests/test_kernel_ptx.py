@@ -5,8 +5,15 @@ modifiers) and the split-merge kernel of each dtype. float32 kernels must not
 touch float64 at all: one stray untyped literal (``0.0`` instead of
 ``float32(0.0)``) would put double-precision instructions, at a fraction of
 the float32 rate, into the inner loop. Plain kernels must carry no score
-modifier code. Where ``ptxas`` is on PATH, its register and spill report for
+modifier code. Every attention kernel carries the dropout cipher (Philox's
+multipliers). Where ``ptxas`` is on PATH, its register and spill report for
 sm_90 is printed (``pytest -s``).
+
+The backward kernels (dQ and dK/dV) are compiled for every dtype × mask kind ×
+modifier combination at head size 64 (sm_90; float32 also for sm_80, where a
+stray float64 would matter most), and once for each other head size (sm_90),
+with the same checks: the full product would double the session's time for
+code that differs only in constant loop lengths.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
 
 from numba import cuda
 
-from polyattn.implementations import numba_cuda
+from polyattn.implementations import _dropout, numba_cuda, numba_cuda_backward
 
 
 def _nvvm_problem() -> str | None:
@@ -78,6 +85,20 @@ def _ids() -> list[str]:
 
 # ALiBi's distance |p_i - j| converted from int64 to the compute dtype.
 INT_TO_FLOAT = re.compile(r"\bcvt\.rn\.f(32|64)\.s64\b")
+# Philox4x32's multipliers, as PTX immediates (unsigned or signed 32-bit).
+PHILOX = [re.compile(rf"\b({m}|{m - 2**32})\b") for m in (_dropout.M0, _dropout.M1)]
+
+
+def has_philox(body: list[str]) -> bool:
+    return all(any(m.search(line) for line in body) for m in PHILOX)
+
+
+def assert_float64_only_where_asked(name: str, body: list[str], cc: tuple[int, int]) -> None:
+    if "float32" in name:
+        f64 = [line for line in body if F64.search(line)]
+        assert not f64, f"{name} uses float64 for sm_{cc[0]}{cc[1]}:\n" + "\n".join(f64[:20])
+    else:
+        assert any(F64_ARITHMETIC.search(line) for line in body)
 
 
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
@@ -88,12 +109,8 @@ def test_compiles_with_float64_only_where_asked(index, cc):
     assert f".target sm_{cc[0]}{cc[1]}" in ptx
     assert ".entry" in ptx
     body = _instructions(ptx)
-    if "float32" in fn.__name__:
-        f64 = [line for line in body if F64.search(line)]
-        assert not f64, f"{fn.__name__} uses float64 for sm_{cc[0]}{cc[1]}:\n" + "\n".join(
-            f64[:20])
-    else:
-        assert any(F64_ARITHMETIC.search(line) for line in body)
+    assert_float64_only_where_asked(fn.__name__, body, cc)
+    assert has_philox(body) == fn.__name__.startswith("attention_"), fn.__name__
 
 
 ATTENTION = [i for i, (fn, _) in enumerate(SPECS) if fn.__name__.startswith("attention_")]
@@ -148,3 +165,66 @@ def test_ptxas_registers_and_spills(index):
     report = ptxas_report(ptx_for(index, (9, 0)))
     print(f"{fn.__name__} sm_90: {report}")
     assert not report.startswith("ptxas failed"), report
+
+
+# --------------------------------------------------------------------------- #
+# The backward kernels
+# --------------------------------------------------------------------------- #
+
+def _backward_specs() -> list[tuple[object, object, tuple[tuple[int, int], ...]]]:
+    """(function, signature, architectures): the full product at head size 64 for
+    sm_90, its float32 half for sm_80 too; each other head size once (a rotating
+    dtype, mask kind and modifier choice, so that each appears), for sm_90."""
+    specs = [(fn, sig, tuple(ARCHS) if "float32" in fn.__name__ else ((9, 0),))
+             for fn, sig in numba_cuda_backward.specializations((64,))]
+    others = [b for b in numba_cuda.HEAD_DIM_BUCKETS if b != 64]
+    for n, bucket in enumerate(others):
+        dtype = numba_cuda.DTYPES[n % 2]
+        mask_kind = numba_cuda.MASK_KINDS[n % 3]
+        mods = n % 2 == 1
+        for make in (numba_cuda_backward.make_dq_function,
+                     numba_cuda_backward.make_dkdv_function):
+            fn = make(dtype, bucket, mask_kind, mods)
+            specs.append((fn, numba_cuda_backward._signature(
+                dtype, mask_kind, 1 if make is numba_cuda_backward.make_dq_function else 2),
+                ((9, 0),)))
+    return specs
+
+
+BACKWARD = _backward_specs()
+BACKWARD_CASES = [(index, cc) for index, (_, _, archs) in enumerate(BACKWARD) for cc in archs]
+
+
+@functools.cache
+def backward_ptx_for(index: int, cc: tuple[int, int]) -> str:
+    fn, sig, _ = BACKWARD[index]
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
+    return ptx
+
+
+@pytest.mark.parametrize(
+    ("index", "cc"), BACKWARD_CASES,
+    ids=[f"{BACKWARD[i][0].__name__.removeprefix('attention_')}-sm_{cc[0]}{cc[1]}"
+         for i, cc in BACKWARD_CASES])
+def test_backward_compiles(index, cc):
+    fn, _, _ = BACKWARD[index]
+    name = fn.__name__
+    ptx = backward_ptx_for(index, cc)
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert ".entry" in ptx
+    body = _instructions(ptx)
+    assert_float64_only_where_asked(name, body, cc)
+    assert any(INT_TO_FLOAT.search(line) for line in body) == ("_mods" in name), name
+    assert has_philox(body), name  # dropout's keep-mask, recomputed
+    if cc == (9, 0) and "head64" in name and shutil.which("ptxas"):
+        report = ptxas_report(ptx)
+        print(f"{name} sm_90: {report}")
+        assert not report.startswith("ptxas failed"), report
+
+
+def test_backward_cases_cover_every_axis():
+    names = [fn.__name__ for fn, _, _ in BACKWARD]
+    assert len(set(names)) == len(names)
+    for part in ("dq_", "dkdv_", *numba_cuda.DTYPES, *(f"_{m}" for m in numba_cuda.MASK_KINDS),
+                 "_mods", *(f"head{b}_" for b in numba_cuda.HEAD_DIM_BUCKETS)):
+        assert any(part in name for name in names), part
