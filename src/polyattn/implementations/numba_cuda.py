@@ -36,6 +36,15 @@ is ``s = scale·q·k`` → ``softcap·tanh(s/softcap)`` → ``- slope_h·|p_i - 
 → ``+ attn_mask`` (or ``-inf`` where a boolean mask is False) → ``-inf``
 where the key is invisible.
 
+Dropout (DESIGN §4.1) happens in the same pass, with no mask in memory: the
+weight of key ``j`` for row ``i`` of head ``h`` and batch row ``b`` has the
+flat index ``n = ((b·H + h)·Tq + i)·Tk + j``, and is kept iff the first word
+of Philox4x32-10 for the counter ``(n mod 2³², n div 2³², 0, 0)`` under the
+seed's key (:func:`philox_function`, the cipher of :mod:`._dropout`) is at
+least ``threshold(p)``. ``l`` and ``lse`` take the undropped weights, ``acc``
+the kept ones times ``1/(1 - p)``; lanes and splits merge as before. The
+threshold is a run-time argument (0: no dropout, no cipher evaluated).
+
 Work follows the visible area: each block computes, from its rows' positions
 and its batch row's key length, the keys ``[lo, hi)`` any of its rows can see,
 and loads and scores only the key tiles that cover them. Keys outside
@@ -61,6 +70,14 @@ scratch arrays in the compute dtype, and a second small kernel merges the
 splits by log-sum-exp (``exp(lse_s - max)`` weights). The plan is chosen
 from shapes alone in :func:`launch_plan`.
 
+Backward
+--------
+:func:`backward` gives ``(dq, dk, dv)`` from the forward's ``out`` and
+``lse`` in two more kernels (:mod:`.numba_cuda_backward`): one thread per
+query row for ``dq``, one thread per key row for ``dk`` and ``dv`` (summed
+over the query heads of its group, without atomics), every score and
+dropout decision recomputed, the same rules and specialisations.
+
 Specialisation
 --------------
 A kernel factory builds one kernel per (dtype, head-size bucket, mask kind,
@@ -70,8 +87,8 @@ that holds ``max(E, Ev)``; shared tiles and the query row are zero-padded to
 it, so the feature loops have constant trip counts the compiler can unroll.
 ``mods`` kernels carry soft-capping and ALiBi (a zero slope when only
 soft-capping is asked for, a zero softcap meaning none); plain kernels have
-neither in their inner loop. Causality, windows, key lengths, positions, the
-lane layout and the number of splits are run-time integers, not
+neither in their inner loop. Causality, windows, key lengths, positions,
+dropout, the lane layout and the number of splits are run-time values, not
 specialisations. The merge kernel has one specialisation per dtype.
 
 Masks are read in place through their strides: a size-1 axis is indexed at 0,
@@ -103,6 +120,13 @@ Limits and costs
 * Leading batch axes whose strides cannot be merged, and a mask whose batch
   axes cannot be merged, are copied once (never broadcast). Split-K scratch
   holds ``num_splits · B·H·Tq·(Ev + 1)`` values.
+* Dropout costs one Philox evaluation (ten rounds of two 32×32-bit
+  products, done as 64-bit products) per visible weight, a few registers and
+  no spills (sm_90, float32, head size 64: 220 registers instead of 217).
+* The backward kernels are the simple version: at head size 64 (float32,
+  sm_90) they use 255 registers and spill (the dK/dV kernel keeps four
+  feature rows per thread), and the dK/dV kernel rereads Q and dO once per
+  key tile.
 """
 
 from __future__ import annotations
