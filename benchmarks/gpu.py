@@ -14,9 +14,15 @@ and reports the median time of CUDA-event-timed calls after warm-up, TFLOP/s
 float32 peak, speed ratios, peak extra device memory, and the relative error
 ``‖out − ref‖ / ‖ref‖`` against a float64 reference on a sample of query rows.
 
+A second table times forward and backward together (``fwd+bwd``): the kernel's
+``numba_cuda.attention`` then ``numba_cuda.backward`` against torch SDPA's
+forward and ``torch.autograd.grad``, at FLOPs = 3.5 × the forward's (the
+backward's five matrix products, as FlashAttention counts them), with the
+largest relative error of (dq, dk, dv) against torch autograd in float64.
+
 Usage::
 
-    python benchmarks/gpu.py [--out PATH] [--repeats N] [--quick]
+    python benchmarks/gpu.py [--out PATH] [--repeats N] [--quick] [--no-backward]
 
 Results go to ``--out`` (JSON; default ``benchmarks/results/gpu-<gpu>-<date>.json``)
 and a Markdown table next to it. Without CuPy, a CUDA GPU or a usable kernel,
@@ -45,6 +51,10 @@ import numpy as np
 SHAPES = [(4, 16, 4096, 64), (2, 16, 8192, 128), (16, 16, 1024, 64), (1, 16, 16384, 64)]
 FLOAT64_SHAPE = (16, 16, 1024, 64)
 LONG_SHAPE = (1, 16, 65536, 64)  # float32; its T×T scores (256 GiB) fit nowhere
+# Forward + backward: (shape, dtype) pairs, each causal and not.
+BACKWARD_CASES = [((4, 16, 4096, 64), "float32"), ((16, 16, 1024, 64), "float32"),
+                  ((16, 16, 1024, 64), "float64")]
+BACKWARD_FLOPS = 3.5  # forward + backward FLOPs over forward FLOPs (2 + 5 matrix products)
 FLOAT32_PEAK_TFLOPS = {"H100": 67.0, "H200": 67.0}  # non-tensor-core FP32, SXM
 REFERENCE_BUDGET = 0.6  # the reference runs only if its scores fit this share of free memory
 SAMPLE_ROWS = 64  # query rows checked against the float64 reference
@@ -241,6 +251,81 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
     return record
 
 
+def bench_backward_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str,
+                        causal: bool) -> dict[str, Any]:
+    """Forward + backward: the kernel's two passes against torch SDPA with autograd."""
+    cupy, torch = ctx["cupy"], ctx["torch"]
+    import array_api_compat.cupy as xp
+
+    from polyattn.implementations import numba_cuda
+
+    b, h, t, e = shape
+    rng = cupy.random.default_rng(1)
+    q, k, v, grad_out = (rng.standard_normal((b, h, t, e), dtype=cupy.float32).astype(dtype)
+                         for _ in range(4))
+    scale = 1.0 / math.sqrt(e)
+    offset = 0 if causal else None
+    n_flops = BACKWARD_FLOPS * flops(b, h, t, t, e, causal)
+    record: dict[str, Any] = {"shape": list(shape), "dtype": dtype, "causal": causal,
+                              "pass": "fwd+bwd", "gflop": n_flops / 1e9, "methods": {}}
+
+    def kernel() -> tuple[Any, Any, Any]:
+        out, lse = numba_cuda.attention(q, k, v, mask=None, causal_offset=offset,
+                                        scale=scale, xp=xp)
+        return numba_cuda.backward(q, k, v, out, lse, grad_out, mask=None,
+                                   causal_offset=offset, scale=scale, xp=xp)
+
+    methods: dict[str, Any] = {"numba_cuda": kernel}
+    ref = None
+    if torch is not None:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        leaves = [torch.from_dlpack(a).detach().requires_grad_(True) for a in (q, k, v)]
+        t_grad_out = torch.from_dlpack(grad_out)
+
+        def torch_fn() -> tuple[Any, ...]:
+            out = sdpa(*leaves, is_causal=causal, scale=scale)
+            return torch.autograd.grad(out, leaves, t_grad_out)
+
+        methods["torch"] = torch_fn
+        # float64 gradients from torch's math path (it materialises the scores)
+        if 3 * b * h * t * t * 8 <= REFERENCE_BUDGET * cupy.cuda.runtime.memGetInfo()[0]:
+            leaves64 = [x.detach().double().requires_grad_(True) for x in leaves]
+            out64 = sdpa(*leaves64, is_causal=causal, scale=scale)
+            ref = [cupy.from_dlpack(g.detach()) for g in
+                   torch.autograd.grad(out64, leaves64, t_grad_out.double())]
+            del out64, leaves64
+            torch.cuda.synchronize()
+
+    for name, fn in methods.items():
+        try:
+            grads = fn()
+            if name == "torch":
+                torch.cuda.synchronize()
+                grads = [cupy.from_dlpack(g) for g in grads]
+            err = None
+            if ref is not None:
+                err = max(float(cupy.linalg.norm(g.astype(cupy.float64) - r)
+                                / cupy.linalg.norm(r)) for g, r in zip(grads, ref, strict=True))
+            del grads
+            ms, times = median_ms(cupy, fn, ctx["repeats"], ctx["warmup"])
+            peak = ctx["memory"].measure(fn)
+        except Exception as exc:  # an out-of-memory or unsupported case is a result too
+            record["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            cupy.get_default_memory_pool().free_all_blocks()
+            continue
+        tflops = n_flops / (ms * 1e-3) / 1e12
+        record["methods"][name] = {
+            "ms": ms, "times_ms": times, "tflops": tflops,
+            "pct_fp32_peak": 100 * tflops / ctx["peak"] if ctx["peak"] else None,
+            "rel_error": err, "peak_extra_mib": peak / 2**20,
+        }
+    kernel_ms = record["methods"]["numba_cuda"].get("ms")
+    torch_ms = record["methods"].get("torch", {}).get("ms")
+    if kernel_ms and torch_ms:
+        record["speedup_vs_torch"] = torch_ms / kernel_ms  # > 1: the kernel is faster
+    return record
+
+
 # --------------------------------------------------------------------------- #
 # Report
 # --------------------------------------------------------------------------- #
@@ -261,6 +346,23 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "| error | peak extra MiB | speedup of kernel |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    forward = [r for r in results if r.get("pass") != "fwd+bwd"]
+    both = [r for r in results if r.get("pass") == "fwd+bwd"]
+    lines += _table_rows(forward)
+    if both:
+        lines += [
+            "",
+            "Forward + backward: FLOPs = 3.5 × the forward's; error = the largest of "
+            "‖g − ref‖/‖ref‖ over (dq, dk, dv) against torch autograd in float64.",
+            "",
+            lines[4], lines[5],
+            *_table_rows(both),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _table_rows(results: list[dict[str, Any]]) -> list[str]:
+    lines = []
     for r in results:
         for name, m in r["methods"].items():
             label = f"({', '.join(map(str, r['shape']))})"
@@ -273,18 +375,19 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {r['dtype']} | {r['causal']} | {name} | {m['ms']:.3f} "
                 f"| {m['tflops']:.2f} | {_fmt(m['pct_fp32_peak'], '.1f')} "
-                f"| {m['rel_error']:.1e} | {m['peak_extra_mib']:.0f} "
+                f"| {_fmt(m['rel_error'], '.1e')} | {m['peak_extra_mib']:.0f} "
                 f"| {_fmt(speedup, '.2f')} |"
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def print_row(r: dict[str, Any]) -> None:
-    parts = [f"{tuple(r['shape'])!s:<22} {r['dtype']:<8} causal={r['causal']!s:<5}"]
+    parts = [f"{tuple(r['shape'])!s:<22} {r['dtype']:<8} causal={r['causal']!s:<5}"
+             f"{' fwd+bwd' if r.get('pass') == 'fwd+bwd' else ''}"]
     for name, m in r["methods"].items():
         if "ms" in m:
             parts.append(f"{name} {m['ms']:8.2f} ms {m['tflops']:6.2f} TF/s "
-                         f"err {m['rel_error']:.1e}")
+                         f"err {_fmt(m['rel_error'], '.1e')}")
         else:
             parts.append(f"{name}: {m.get('skipped') or m.get('error')}")
     print(" | ".join(parts), flush=True)
@@ -304,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="float32 peak of this GPU, if not H100/H200")
     parser.add_argument("--quick", action="store_true",
                         help="one shape per dtype (a smoke test, not for the record)")
+    parser.add_argument("--no-backward", action="store_true",
+                        help="time the forward pass only")
     args = parser.parse_args(argv)
 
     try:
@@ -360,10 +465,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         plan.append((LONG_SHAPE, "float32", False))
 
+    backward_plan = [] if args.no_backward else [
+        (shape, dtype, causal) for shape, dtype in BACKWARD_CASES[1 if args.quick else 0:]
+        for causal in (False, True)]
+
     started = time.perf_counter()
     results = []
     for shape, dtype, causal in plan:
         record = bench_case(ctx, shape, dtype, causal)
+        print_row(record)
+        results.append(record)
+    for shape, dtype, causal in backward_plan:
+        record = bench_backward_case(ctx, shape, dtype, causal)
         print_row(record)
         results.append(record)
     info["seconds"] = round(time.perf_counter() - started, 1)
