@@ -30,6 +30,7 @@ from test_kernel_sim import (  # also skips this module where the kernel cannot 
     to_numpy,
 )
 
+import polyattn
 from polyattn.implementations import numba_cuda, numba_cuda_backward
 from polyattn.implementations import reference as reference_implementation
 
@@ -396,6 +397,34 @@ def test_specializations_cover_every_combination():
     assert len({fn.__name__ for fn, _ in specs}) == 2 * per_kernel
     assert len(list(numba_cuda_backward.specializations((64,)))) == 2 * per_kernel // len(
         numba_cuda.HEAD_DIM_BUCKETS)
+
+
+# --------------------------------------------------------------------------- #
+# The public API on the kernel
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("layout", ["BHTE", "BTHE"])
+def test_attention_vjp_with_every_keyword(layout, monkeypatch):
+    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
+    rng = np.random.default_rng(60)
+    q, k, v, do = draw(rng, (2,), 4, 2, 6, 11, 4, 3)
+    grad_lse = rng.standard_normal((2, 4, 6))
+    if layout == "BTHE":
+        q, k, v, do = (np.swapaxes(a, 1, 2) for a in (q, k, v, do))
+    options = dict(is_causal=True, causal_alignment="bottom_right", window=(4, 0),
+                   softcap=2.5, alibi_slopes=rng.uniform(0.1, 0.5, (4,)), enable_gqa=True,
+                   key_lengths=np.array([11, 7]), dropout_p=0.3, dropout_seed=5,
+                   return_lse=True, layout=layout)
+    (ref_out, ref_lse), ref_pullback = polyattn.attention_vjp(
+        q, k, v, implementation="reference", **options)
+    (out, lse), pullback = polyattn.attention_vjp(
+        *(to_library(a) for a in (q, k, v)), implementation="numba_cuda",
+        **dict(options, alibi_slopes=to_library(options["alibi_slopes"]),
+               key_lengths=to_library(options["key_lengths"])))
+    assert_matches(out, lse, np.asarray(ref_out), np.asarray(ref_lse), "float64")
+    grads = pullback(to_library(do), to_library(grad_lse))
+    ref = ref_pullback(do, grad_lse)
+    assert_grads_match([to_numpy(g) for g in grads], [np.asarray(g) for g in ref], "float64")
 
 
 # --------------------------------------------------------------------------- #
