@@ -547,8 +547,7 @@ def train(model: Model, train_ids: np.ndarray, *, steps: int, batch: int, seq_le
     bar = Progress(steps) if progress else None
     windows = None
     if held_out_ids is not None and len(held_out_ids) > seq_len:
-        windows = asarray(held_out_windows(held_out_ids, seq_len))
-    if windows is not None:
+        windows = asarray(held_out_windows(held_out_ids, seq_len))   # (W, T+1)
         history.held_out_steps.append(0)
         history.held_out.append(held_out_loss(model, windows))
     start = time.perf_counter()
