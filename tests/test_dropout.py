@@ -221,6 +221,24 @@ def test_dropped_weights_follow_the_counters(xp, device, backend, implementation
         assert rel_error(x, undropped * keep / (1 - p)) <= tol, what
 
 
+@pytest.mark.parametrize("implementation_name", ["reference", "chunked"])
+def test_dropped_weights_jax_32_bit(narrow_jax, implementation_name, monkeypatch):
+    """JAX without 64-bit types (float32, uint32 counters): the same weights are dropped,
+    with a seed and a threshold (p > 1/2) past 2³¹."""
+    _jax_session()
+    use_implementation(implementation_name, Backend.JAX, monkeypatch)
+    jnp = narrow_jax.numpy
+    p, seed = 0.6, 2**63 + 2**32 + 5
+    q, k = _problem(np.random.default_rng(0))
+    tk = k.shape[-2]
+    eye = np.broadcast_to(np.eye(tk), (*k.shape[:-1], tk))          # (B, Hkv, Tk, Tk)
+    qx, kx, vx = (jnp.asarray(a, dtype=jnp.float32) for a in (q, k, eye))
+    out = narrow_jax.jit(lambda q, k, v: polyattn.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, implementation=implementation_name, dropout_p=p,
+        dropout_seed=seed))(qx, kx, vx)
+    np.testing.assert_array_equal(np.asarray(out) != 0, numpy_keep((2, 4, 6, tk), p, seed))
+
+
 def test_dropout_zero_is_no_dropout(xp, device, backend, implementation):
     """``dropout_p=0`` with a seed gives the bits of a call without dropout."""
     q, k = _problem(np.random.default_rng(1))

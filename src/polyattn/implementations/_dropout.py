@@ -94,15 +94,23 @@ def philox(c0: Array, c1: Array, c2: Array, c3: Array, seed: int, xp: Any,
     JAX without 64-bit types); they broadcast together. Returns the four
     output words in the same form.
     """
-    mulhilo = _mulhilo_narrow if _narrow(xp) else _mulhilo_wide
+    narrow = _narrow(xp)
+    mulhilo = _mulhilo_narrow if narrow else _mulhilo_wide
     k0, k1 = key_words(seed)
     for r in range(ROUNDS):
         if r:
             k0, k1 = (k0 + W0) & MASK32, (k1 + W1) & MASK32
         hi0, lo0 = mulhilo(c0, M0)
         hi1, lo1 = mulhilo(c2, M1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        # uint32 words: a Python int >= 2³¹ next to them would be read as an int32
+        w0, w1 = (_word(k0, xp), _word(k1, xp)) if narrow else (k0, k1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ w0, lo1, hi0 ^ c3 ^ w1, lo0
     return c0, c1, c2, c3
+
+
+def _word(x: int, xp: Any) -> Array:
+    """The 32-bit word ``x`` as a uint32 scalar array (for the narrow path)."""
+    return xp.asarray(x, dtype=xp.uint32)
 
 
 def philox_numpy(c0: Any, c1: Any, c2: Any, c3: Any, seed: int) -> tuple[Any, ...]:
@@ -147,7 +155,7 @@ def keep(row: Array, col: Array, tk: int, seed: int, p: float, xp: Any) -> Array
         return xp.zeros(xp.broadcast_arrays(c0, c1)[0].shape, dtype=xp.bool,
                         device=device_of(c0))
     x0, _, _, _ = philox(c0, c1, zero, zero, seed, xp)
-    return x0 >= t
+    return x0 >= (_word(t, xp) if _narrow(xp) else t)
 
 
 def keep_grouped(batch: tuple[int, ...], hkv: int, g: int, tq: int, tk: int, q0: int, q1: int,
