@@ -132,6 +132,8 @@ def attention_vjp(
     empty = problem.score_elements == 0
     out, lse = _empty_problem(problem) if empty else _dispatch.run(problem, name, grad=False)
     xp = problem.xp
+    value_c = problem.v
+    assert value_c is not None
     inputs = {"query": query, "key": key, "value": value}
     shapes = {n: _bhte_shape(x, layout) for n, x in inputs.items()}
     dtypes = {n: x.dtype for n, x in inputs.items()}
@@ -147,7 +149,7 @@ def attention_vjp(
             gl = xp.where(lse == NEG_INF, 0.0, gl)                # lse is constant there
         if empty:
             dq, dk, dv = (xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
-                          for x in (problem.q, problem.k, problem.v))
+                          for x in (problem.q, problem.k, value_c))
         else:
             dq, dk, dv = _dispatch.run_backward(problem, name, out, lse, go, gl)
         grads = []
