@@ -25,12 +25,24 @@ from typing import Any
 import numpy as np
 import pytest
 from _support import use_implementation
-from helpers import NATIVE_BACKENDS, Backend, ref_attention, rel_error, to_numpy, to_xp
+from helpers import (
+    NATIVE_BACKENDS,
+    Backend,
+    ref_attention,
+    rel_error,
+    selected_backends,
+    to_numpy,
+    to_xp,
+)
 
 import polyattn
 from polyattn.implementations import _dropout, chunked
 
 IMPLEMENTATIONS = ("reference", "chunked", "auto")
+#: Tests on NumPy arrays alone run in the session that selects NumPy.
+NUMPY_ONLY = pytest.mark.skipif(
+    Backend.NUMPY not in selected_backends(),
+    reason="NumPy-only: runs where POLYATTN_TEST_BACKENDS selects numpy")
 MASK32 = 0xFFFFFFFF
 
 #: Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, output).
@@ -78,8 +90,6 @@ def narrow_jax():
 
 
 def _jax_session() -> None:
-    from helpers import selected_backends
-
     if Backend.JAX not in selected_backends():
         pytest.skip("JAX is tested where POLYATTN_TEST_BACKENDS selects jax")
 
@@ -262,6 +272,7 @@ def _spread(w: np.ndarray, v: np.ndarray, p: float) -> np.ndarray:
     return np.sqrt(p / (1 - p) * np.einsum("...qk,...kf->...qf", w * w, v * v))
 
 
+@NUMPY_ONLY
 @pytest.mark.parametrize("implementation_name", IMPLEMENTATIONS)
 def test_mean_over_seeds_approaches_no_dropout(implementation_name, monkeypatch):
     """The mean of 256 outputs (seeds 0..255) lies within 5 standard errors of the output
@@ -346,6 +357,7 @@ def _callers() -> dict[str, Any]:
 CALLERS = _callers()
 
 
+@NUMPY_ONLY
 @pytest.mark.parametrize(("p", "error"), BAD_P, ids=[repr(p) for p, _ in BAD_P])
 @pytest.mark.parametrize("caller", list(CALLERS))
 def test_bad_dropout_p_raises(caller, p, error):
@@ -354,6 +366,7 @@ def test_bad_dropout_p_raises(caller, p, error):
     assert repr(p) in str(info.value) or str(p) in str(info.value)
 
 
+@NUMPY_ONLY
 @pytest.mark.parametrize(("seed", "error"), BAD_SEED, ids=[repr(s) for s, _ in BAD_SEED])
 @pytest.mark.parametrize("caller", list(CALLERS))
 def test_bad_or_missing_seed_raises(caller, seed, error):

@@ -48,6 +48,10 @@ import polyattn
 from polyattn.implementations import _dropout, chunked
 
 IMPLEMENTATIONS = ("reference", "chunked", "auto")
+#: Tests on NumPy arrays alone run in the session that selects NumPy.
+NUMPY_ONLY = pytest.mark.skipif(
+    Backend.NUMPY not in selected_backends(),
+    reason="NumPy-only: runs where POLYATTN_TEST_BACKENDS selects numpy")
 #: Gradient tolerance by dtype, against the float64 oracle of the rounded inputs.
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 2e-3}
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -530,6 +534,7 @@ def test_fully_masked_rows_have_zero_gradients(xp, device, backend, implementati
 FD_STEP = 1e-5
 
 
+@NUMPY_ONLY
 @pytest.mark.parametrize("implementation_name", IMPLEMENTATIONS)
 def test_central_finite_differences(implementation_name, monkeypatch):
     """⟨grad, d⟩ equals (f(x + εd) − f(x − εd)) / 2ε along random directions, float64."""
@@ -655,6 +660,7 @@ def test_inputs_are_not_modified(xp, device, backend, implementation):
         np.testing.assert_array_equal(to_numpy(x), before[n], err_msg=n)
 
 
+@NUMPY_ONLY
 @pytest.mark.parametrize("implementation_name", IMPLEMENTATIONS)
 def test_read_only_numpy_inputs(implementation_name, monkeypatch):
     """Read-only NumPy arrays (every argument, the cotangents too) work."""
