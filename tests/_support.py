@@ -17,6 +17,7 @@ from helpers import (
     Backend,
     implementations_under_test,
     kernel_mode,
+    selected_backends,
     skip_unless_native_on,
     to_numpy,
 )
@@ -26,6 +27,12 @@ from polyattn.implementations import chunked
 IMPLEMENTATIONS = tuple(implementations_under_test())
 CPU_IMPLEMENTATIONS = tuple(n for n in IMPLEMENTATIONS if n != "numba_cuda")
 SIMULATOR = kernel_mode() == "simulator"
+
+#: For modules that test NumPy code alone (no ``xp`` fixture): they run in the session
+#: that selects NumPy and are skipped, saying where they run, in the other sessions.
+NUMPY_SESSION_ONLY = pytest.mark.skipif(
+    Backend.NUMPY not in selected_backends(),
+    reason="NumPy-only tests: they run where POLYATTN_TEST_BACKENDS selects numpy")
 
 
 def kernel_runs_on(backend: Backend) -> bool:

@@ -13,11 +13,14 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from _support import NUMPY_SESSION_ONLY
 from helpers import assert_close, assert_lse_close, ref_attention
 
 import polyattn
 from polyattn import _dispatch
 from polyattn.implementations import chunked, numpy_chunked
+
+pytestmark = NUMPY_SESSION_ONLY
 
 
 @contextlib.contextmanager

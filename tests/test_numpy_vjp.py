@@ -16,10 +16,13 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from _support import NUMPY_SESSION_ONLY
 from test_numpy_chunked import items_on_threads
 
 from polyattn._problem import prepare
 from polyattn.implementations import numpy_chunked, numpy_vjp, reference
+
+pytestmark = NUMPY_SESSION_ONLY
 
 TOL = {"float32": 1e-4, "float64": 1e-12}
 ALIGNMENTS = ["top_left", "bottom_right"]
