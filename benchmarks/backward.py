@@ -328,7 +328,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6),
+    fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(12, 5.4),
                                      gridspec_kw={"width_ratios": [3, 2]})
     shapes = [list(c) for c in dict.fromkeys(tuple(r["case"]) for r in rows)]
     labels = [f"{tuple(s)}" for s in shapes]
@@ -375,7 +375,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax_m.set_xlabel("MiB (tracemalloc)")
     ax_m.set_title("memory, float32 causal")
     ax_m.grid(True, axis="x", alpha=0.3)
-    ax_m.legend(fontsize=7, loc="lower right")
+    ax_m.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle("attention_vjp forward+backward on NumPy vs torch SDPA + backward(), CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
