@@ -34,8 +34,8 @@ naive) run inside ``threadpoolctl``'s one-thread BLAS limit by default
 thread pool, one BLAS thread each (the naive formulas then run on one core).
 ``--threading default`` leaves BLAS as it is: with NumPy's OpenBLAS (pthreads)
 polyattn's items then run inline with BLAS's own threads, which on a loaded
-2-core machine took 5–18× the pool's time for forward+backward, and the naive
-products slowed 10× in the same way.
+2-core machine (load average 5–6) took 5–18× the pool's time for
+forward+backward, and the naive products slowed 10× in the same way.
 
 Peak extra memory of the polyattn and naive forward+backward is measured by
 tracemalloc in a separate, untimed call (everything allocated during the call
