@@ -62,8 +62,12 @@ def tests(session: nox.Session, backend: str) -> None:
 
 @nox.session(tags=["kernel"])
 def kernel_sim(session: nox.Session) -> None:
-    """Run the Numba CUDA kernel on the CUDA simulator (CPU, small shapes)."""
-    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist")
+    """Run the Numba CUDA kernel on the CUDA simulator (CPU, small shapes).
+
+    torch is installed so that autograd through the kernel is tested too (torch CPU
+    tensors reach the simulator through NumPy views of them).
+    """
+    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist", "torch")
     session.env["NUMBA_ENABLE_CUDASIM"] = "1"
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
     if session.posargs:

@@ -446,3 +446,39 @@ def test_gpu_production_tiles(head, dtype):
                               grad_lse=rng.standard_normal((2, 8, 300)), forward_tiles={},
                               backward_tiles={}, **options)
     assert_grads_match(grads, ref, dtype)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="torch CPU tensors reach the kernel on the simulator "
+                    "only (on a GPU the CuPy session tests CuPy arrays)")
+@pytest.mark.parametrize("options", [
+    {},
+    {"is_causal": True, "causal_alignment": "bottom_right", "window": (2, 0), "softcap": 4.0},
+    {"dropout_p": 0.25, "dropout_seed": 11, "enable_gqa": True},
+], ids=["plain", "rules", "dropout_gqa"])
+def test_torch_gradcheck_through_the_kernel(options, monkeypatch):
+    """torch autograd reaches the kernel's backward pass (a ``torch.autograd.Function``):
+    ``gradcheck`` in float64 on torch CPU tensors, which the simulator runs through NumPy
+    views; the gradients also match the reference implementation's under torch autograd."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
+    rng = np.random.default_rng(5)
+    hkv = 1 if options.get("enable_gqa") else 2
+    q = torch.tensor(rng.standard_normal((1, 2, 5, 4)), requires_grad=True)
+    k = torch.tensor(rng.standard_normal((1, hkv, 7, 4)), requires_grad=True)
+    v = torch.tensor(rng.standard_normal((1, hkv, 7, 3)), requires_grad=True)
+    explained = polyattn.explain(q, k, v, implementation="numba_cuda", **options)
+    assert explained.implementation == "numba_cuda"
+
+    def kernel(q, k, v):
+        return polyattn.scaled_dot_product_attention(q, k, v, implementation="numba_cuda",
+                                                     **options)
+
+    out = kernel(q, k, v)
+    assert out.grad_fn is not None and "FusedAttention" in type(out.grad_fn).__name__
+    assert torch.autograd.gradcheck(kernel, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
+    mine = torch.autograd.grad(out, (q, k, v), g)
+    ref = polyattn.scaled_dot_product_attention(q, k, v, implementation="reference", **options)
+    theirs = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(mine, theirs, strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-12
