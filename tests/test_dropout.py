@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import use_implementation
+from _support import NUMPY_SESSION_ONLY, use_implementation
 from helpers import (
     NATIVE_BACKENDS,
     Backend,
@@ -40,9 +40,7 @@ from polyattn.implementations import _dropout, chunked
 
 IMPLEMENTATIONS = ("reference", "chunked", "auto")
 #: Tests on NumPy arrays alone run in the session that selects NumPy.
-NUMPY_ONLY = pytest.mark.skipif(
-    Backend.NUMPY not in selected_backends(),
-    reason="NumPy-only: runs where POLYATTN_TEST_BACKENDS selects numpy")
+NUMPY_ONLY = NUMPY_SESSION_ONLY
 MASK32 = 0xFFFFFFFF
 
 #: Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, output).

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import rounded, use_implementation
+from _support import NUMPY_SESSION_ONLY, rounded, use_implementation
 from helpers import (
     Backend,
     assert_namespace_device,
@@ -49,9 +49,7 @@ from polyattn.implementations import _dropout, chunked
 
 IMPLEMENTATIONS = ("reference", "chunked", "auto")
 #: Tests on NumPy arrays alone run in the session that selects NumPy.
-NUMPY_ONLY = pytest.mark.skipif(
-    Backend.NUMPY not in selected_backends(),
-    reason="NumPy-only: runs where POLYATTN_TEST_BACKENDS selects numpy")
+NUMPY_ONLY = NUMPY_SESSION_ONLY
 #: Gradient tolerance by dtype, against the float64 oracle of the rounded inputs.
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 2e-3}
 HAS_TORCH = importlib.util.find_spec("torch") is not None
