@@ -94,33 +94,52 @@ def _function() -> Any:
     import torch
 
     class FusedAttention(torch.autograd.Function):
-        """Attention whose backward pass is the implementation's own."""
+        """Attention whose backward pass is the implementation's own.
+
+        That backward pass is not made of torch operations. When the backward
+        pass itself is recorded (``create_graph=True``, for second derivatives),
+        the same gradients are computed instead by ``differentiable``: the
+        blocked Array-API forward and backward passes on the saved tensors, in
+        torch operations that autograd can differentiate again.
+        """
 
         @staticmethod
         def forward(ctx: Any, q: Array, k: Array, v: Array, forward: Forward,
-                    backward: Backward) -> tuple[Array, Array]:
+                    backward: Backward, differentiable: tuple[Forward, Backward],
+                    ) -> tuple[Array, Array]:
             out, lse = forward(q.detach(), k.detach(), v.detach())
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.backward_pass = backward
+            ctx.passes = backward, differentiable
             return out, lse
 
         @staticmethod
         def backward(ctx: Any, grad_out: Array, grad_lse: Array
                      ) -> tuple[Array | None, ...]:
             q, k, v, out, lse = ctx.saved_tensors
+            backward, (generic_forward, generic_backward) = ctx.passes
             if grad_out is None:
                 grad_out = torch.zeros_like(out)
             if grad_lse is not None:
                 grad_lse = torch.where(torch.isneginf(lse), 0.0, grad_lse)
-            dq, dk, dv = ctx.backward_pass(q.detach(), k.detach(), v.detach(), out, lse,
-                                           grad_out.contiguous(), grad_lse)
-            return dq, dk, dv, None, None
+            if torch.is_grad_enabled():      # create_graph=True: stay in torch operations
+                out, lse = generic_forward(q, k, v)
+                dq, dk, dv = generic_backward(q, k, v, out, lse, grad_out, grad_lse)
+            else:
+                dq, dk, dv = backward(q.detach(), k.detach(), v.detach(), out, lse,
+                                      grad_out.contiguous(), grad_lse)
+            return dq, dk, dv, None, None, None
 
     return FusedAttention
 
 
-def torch_attention(problem: Problem, passes: tuple[Forward, Backward]) -> tuple[Array, Array]:
-    """``(out, lse)`` through the implementation's passes, differentiable by torch autograd."""
+def torch_attention(problem: Problem, passes: tuple[Forward, Backward],
+                    differentiable: tuple[Forward, Backward]) -> tuple[Array, Array]:
+    """``(out, lse)`` through the implementation's passes, differentiable by torch autograd.
+
+    ``differentiable``: passes made of torch operations, used for the backward pass
+    when it is itself differentiated (second derivatives).
+    """
     forward, backward = passes
-    out, lse = _function().apply(problem.q, problem.k, problem.v, forward, backward)
+    out, lse = _function().apply(problem.q, problem.k, problem.v, forward, backward,
+                                 differentiable)
     return out, lse

@@ -417,7 +417,8 @@ def run(problem: Problem, name: str, *, grad: bool = True) -> tuple[Any, Any]:
     forward, backward = _passes(problem, name)
     fused = name == "numba_cuda" or bridged(problem, name)
     if grad and fused and problem.requires_grad:
-        return _autograd.torch_attention(problem, (forward, backward))
+        generic = _autograd.direct(load("chunked", problem.xp), problem)
+        return _autograd.torch_attention(problem, (forward, backward), generic)
     return forward(problem.q, problem.k, problem.v)
 
 
