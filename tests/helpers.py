@@ -184,8 +184,17 @@ def to_xp(a: np.ndarray, xp: Any, *, dtype: str | None = None, device: Any = Non
     target = None if dtype is None else dtype_of(xp, dtype)
     if target is None and a.dtype == np.float64:
         target = xp.float64
-    return xp.asarray(a, dtype=target, device=device) if target is not None else \
+    x = xp.asarray(a, dtype=target, device=device) if target is not None else \
         xp.asarray(a, device=device)
+    if a.ndim >= 2 and "dask" in getattr(xp, "__name__", ""):
+        # a few chunks along the sequence axis, so that the Dask plan has tiles to merge
+        n = a.shape[-2]
+        x = x.rechunk({a.ndim - 2: max(DASK_TEST_CHUNK, -(-n // 4))})
+    return x
+
+
+#: Fewest positions per chunk (axis -2) of the Dask arrays the tests make (at most 4 chunks).
+DASK_TEST_CHUNK = 5
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -93,6 +93,8 @@ class Explanation:
     layout: str = "BHTE"
     #: The position and score keywords in use (window, softcap, ALiBi, key lengths).
     features: dict[str, str] = field(default_factory=dict)
+    #: For ``"distributed"``: the task plan (chunks, tile and merge tasks).
+    plan: str = ""
 
     def __str__(self) -> str:
         shapes = ", ".join(f"{k} {v}" for k, v in self.shape.items())
@@ -110,6 +112,8 @@ class Explanation:
         if self.layout != "BHTE":
             lines.append(f"layout: {self.layout} (query, key, value and out are (B…, T, H, E); "
                          "shapes above are their (B…, H, T, E) views)")
+        if self.plan:
+            lines.append(f"plan: {self.plan}")
         if self.features:
             lines.append("features: " + ", ".join(f"{k} {v}" for k, v in self.features.items()))
         if self.candidates:
@@ -317,6 +321,13 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
             f"for NumPy arrays: {kernel_reason}"
         )
 
+    # --- distributed: Dask arrays, one task per (query chunk, key chunk)
+    plan_why: str | None = "not considered"
+    if requested in ("auto", "distributed"):
+        plan_why = distributed_status(problem, for_vjp)
+    if requested == "distributed" and plan_why is not None:
+        raise ValueError(f"implementation='distributed' cannot run this call: {plan_why}")
+
     budget_name, budget_why = _budget_reason(score_bytes, budget, numpy)
     candidates: dict[str, str] = {}
     if requested != "auto":
@@ -327,6 +338,10 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
                   "expresses this call exactly")
     elif usable and is_cuda(problem):
         name, reason = "numba_cuda", "CUDA arrays and a working Numba CUDA kernel"
+    elif plan_why is None:
+        name, reason = "distributed", (
+            "Dask arrays: one task per (query chunk, key chunk) on the fastest local path "
+            "for its blocks, merged through the log-sum-exp, tiles no query sees left out")
     else:
         name, reason = budget_name, budget_why
     if requested == "auto":
@@ -339,10 +354,16 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
             candidates["numba_cuda"] = "runs on the CUDA simulator only when asked by name"
         else:
             candidates["numba_cuda"] = kernel_reason
+        if name == "distributed":
+            candidates["distributed"] = ""
+        elif name in ("native", "numba_cuda") and plan_why is None:
+            candidates["distributed"] = f"{name} comes first"
+        else:
+            candidates["distributed"] = plan_why or "not needed"
         for other in ("reference", "chunked"):
             if other == name:
                 candidates[other] = ""
-            elif name in ("native", "numba_cuda"):
+            elif name in ("native", "numba_cuda", "distributed"):
                 candidates[other] = f"{name} comes first"
             else:
                 candidates[other] = budget_why
@@ -374,7 +395,32 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         candidates=candidates,
         layout=problem.layout,
         features=_features(problem),
+        plan=distributed_plan(problem) if name == "distributed" else "",
     )
+
+
+def distributed_status(problem: Problem, for_vjp: bool = False) -> str | None:
+    """Why the Dask plan cannot run this call (``None``: it can)."""
+    if library_name(problem.xp) != "dask":
+        return f"inputs are {library_name(problem.xp)} arrays, not Dask arrays"
+    if for_vjp:
+        return ("the Dask plan has no backward pass; attention_vjp runs the Array-API "
+                "blocked path on Dask arrays")
+    from .implementations import distributed
+
+    return distributed.unavailable(problem.q, problem.k, problem.v, problem.mask,
+                                   problem.rules)
+
+
+def distributed_plan(problem: Problem) -> str:
+    """The Dask plan's tasks for this call, in one line (built from shapes; nothing runs)."""
+    from .implementations import distributed
+
+    rules = problem.rules
+    assert rules is not None
+    q, k, _ = distributed.rechunked(problem.q, problem.k, problem.v)
+    return distributed.make_plan(q, k, rules,
+                                 distributed.literal_values(rules.key_lengths)).describe()
 
 
 def _features(problem: Problem) -> dict[str, str]:

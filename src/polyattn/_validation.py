@@ -11,7 +11,7 @@ import numbers
 
 from ._compat import Array, Namespace, library_name
 
-IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda")
+IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda", "distributed")
 ALIGNMENTS = ("top_left", "bottom_right")
 #: "BHTE": (B…, H, T, E), as torch; "BTHE": (B…, T, H, E), as JAX, Flax, Keras, FlashAttention.
 LAYOUTS = ("BHTE", "BTHE")

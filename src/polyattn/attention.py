@@ -69,13 +69,17 @@ def scaled_dot_product_attention(
         Also return the log-sum-exp of each row's scores, which lets partial
         results over disjoint key sets be merged exactly.
 
-    implementation : {"auto", "native", "reference", "chunked", "numba_cuda"}
+    implementation : {"auto", "native", "reference", "chunked", "numba_cuda", "distributed"}
         Which implementation runs; :func:`explain` tells what ``"auto"`` picks
         and why the others were not. ``"native"`` is the input library's own
         fused attention (torch's ``scaled_dot_product_attention``, JAX's
         ``dot_product_attention``), used only where it computes this call
         exactly; asked for by name where it cannot, it raises ``ValueError``
         with the reason (``return_lse=True``, float64 on JAX, …).
+        ``"distributed"`` (Dask arrays; what ``"auto"`` picks for them) is a
+        task graph with one task per (query chunk, key chunk), merged through
+        the log-sum-exp, which runs on any Dask scheduler, a cluster included;
+        the chunks are those of ``query`` and ``key`` along the sequence axis.
     layout : {"BHTE", "BTHE"}
         ``"BHTE"``: query, key, value and out are (B…, H, T, E), as torch.
         ``"BTHE"``: they are (B…, T, H, E), as JAX, Flax, Keras and

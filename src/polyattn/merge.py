@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from ._compat import Array, check_same_device, namespace_of
 from ._problem import swap_heads_and_time
 from ._validation import LAYOUTS, check_choice, check_floating, check_min_ndim, shape_str
-from .implementations._common import log_of_sum, safe_divide, stable_shift
+from .implementations._merge import merge
 
 __all__ = ["merge_attention"]
 
@@ -110,26 +110,4 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array], /, *,
             out, lse = merge_attention([swap_heads_and_time(o, xp) for o in outs], lses)
             return swap_heads_and_time(out, xp), lse
     _check(outs, lses)
-    xp = namespace_of({"outs[0]": outs[0]})
-    out_dtype = xp.result_type(*outs)
-    lse_dtype = xp.result_type(*lses)
-    # --- lse = m + log Σ exp(lse_i - m), with m the largest part (0 where all are -inf)
-    stacked = xp.stack([xp.astype(s, lse_dtype) for s in lses], axis=0)  # (P, B…, H, Tq)
-    m = stable_shift(xp.max(stacked, axis=0), xp)                         # (B…, H, Tq)
-    w = xp.exp(stacked - m)                                               # (P, B…, H, Tq)
-    total = xp.sum(w, axis=0)
-    lse = log_of_sum(total, m, xp)
-    # --- weights exp(lse_i - lse) = w_i / Σ w; 0 for rows with no key anywhere
-    scale = safe_divide(w, total, xp)                                    # (P, B…, H, Tq)
-    acc_dtype = xp.result_type(out_dtype, lse_dtype)
-    out = None
-    for i, o in enumerate(outs):
-        part = xp.astype(o, acc_dtype) * xp.astype(scale[i, ...], acc_dtype)[..., None]
-        # a part whose rows saw no key (weight 0) contributes 0, even if its out is not finite
-        # (a NaN weight, from a NaN input, propagates)
-        part = xp.where(scale[i, ...][..., None] != 0, part, 0.0)
-        out = part if out is None else out + part
-    assert out is not None  # at least one part was checked above
-    if out.dtype != out_dtype:
-        out = xp.astype(out, out_dtype)
-    return out, lse
+    return merge(outs, lses, namespace_of({"outs[0]": outs[0]}))

@@ -57,12 +57,13 @@ def _mask_block(mask: Array | None, q0: int, q1: int, k0: int, k1: int) -> Array
 
 
 def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0: int,
-                        rules: Rules, block_k: int, xp: Any,
+                        rules: Rules, block_k: int, xp: Any, lse_dtype: Any = None,
                         ) -> tuple[Array, Array]:
     """Online softmax of one query block over all key blocks.
 
     ``qg`` (B…, Hkv, G, bq, E) already scaled, ``kg``/``vg`` (B…, Hkv, 1, Tk, ·),
-    ``mask`` grouped (B…, Hkv|1, G|1, Tq|1, Tk|1). Returns out and lse for the block.
+    ``mask`` grouped (B…, Hkv|1, G|1, Tq|1, Tk|1). Returns out and lse for the block,
+    the lse in ``lse_dtype`` (default: the inputs' dtype).
     """
     bq = qg.shape[-2]
     q1 = q0 + bq
@@ -93,20 +94,25 @@ def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0:
     if m is None:  # causal or window rules exclude every key of this block
         shape = (*qg.shape[:-1], vg.shape[-1])
         zeros = xp.zeros(shape, dtype=qg.dtype, device=dev)
-        return zeros, xp.full(qg.shape[:-1], NEG_INF, dtype=qg.dtype, device=dev)
+        return zeros, xp.full(qg.shape[:-1], NEG_INF, dtype=lse_dtype or qg.dtype, device=dev)
     # --- normalise: out = acc / l, lse = m + log(l)
     out = safe_divide(acc, l, xp)
-    lse = log_of_sum(l, stable_shift(m, xp), xp)[..., 0]
+    m = stable_shift(m, xp)
+    if lse_dtype is not None and lse_dtype != m.dtype:
+        l, m = xp.astype(l, lse_dtype), xp.astype(m, lse_dtype)
+    lse = log_of_sum(l, m, xp)[..., 0]
     return out, lse
 
 
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
               block_q: int | None = None, block_k: int | None = None,
-              ) -> tuple[Array, Array]:
+              lse_dtype: Any = None) -> tuple[Array, Array]:
     """Blocked online-softmax attention; see :mod:`polyattn.implementations`.
 
-    ``block_q`` and ``block_k`` override the module's block sizes.
+    ``block_q`` and ``block_k`` override the module's block sizes; ``lse_dtype``
+    (e.g. float64 for float32 inputs) keeps the lse's ``m + log l`` exact enough to
+    merge partial results whose scores are large.
     """
     rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     block_q = block_q or BLOCK_Q
@@ -119,7 +125,8 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     outs, lses = [], []
     for q0 in range(0, tq, block_q):
         q1 = min(q0 + block_q, tq)
-        o, s = _attend_query_block(qg[..., q0:q1, :], kg, vg, maskg, q0, rules, block_k, xp)
+        o, s = _attend_query_block(qg[..., q0:q1, :], kg, vg, maskg, q0, rules, block_k, xp,
+                                   lse_dtype)
         outs.append(o)
         lses.append(s)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)

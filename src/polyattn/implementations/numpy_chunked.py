@@ -299,8 +299,8 @@ class _Problem:
         self.e, self.ev = q.shape[-1], v.shape[-1]
         self.rules = rules or Rules.from_causal_offset(causal_offset, self.tq, self.tk)
         # how far left and right of its position a query sees (None: unbounded); a reach
-        # beyond Tq + Tk covers every key from every position, so it is capped there
-        reach = self.tq + self.tk
+        # beyond Tq + Tk + |offset| covers every key from every position, so it is capped there
+        reach = self.tq + self.tk + max(abs(off) for off in self.rules.offset_range())
         left, right = self.rules.left_reach(), self.rules.right_reach()
         self.left = None if left is None else min(left, reach)
         self.right = None if right is None else min(right, reach)
@@ -704,7 +704,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
         l[empty] = 1.0
     np.divide(acc, l[..., None], out=out_slice)
     np.log(l, out=l)
-    np.add(m, l, out=lse_slice)
+    np.add(m, l, out=lse_slice, dtype=lse_slice.dtype)
     if empty is not None:
         out_slice[empty] = 0.0
         lse_slice[empty] = -np.inf
@@ -725,14 +725,18 @@ def _output(q: np.ndarray, ev: int) -> np.ndarray:
 
 
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
-              scale: float, xp: Any, rules: Rules | None = None) -> tuple[Any, Any]:
+              scale: float, xp: Any, rules: Rules | None = None,
+              threads: int | None = None, lse_dtype: Any = None) -> tuple[Any, Any]:
     """Blocked, multi-threaded attention on NumPy arrays; see :mod:`polyattn.implementations`.
 
     ``xp`` is accepted for the common signature; the arrays must be NumPy arrays. They
     may be strided views (no copy is made of ``q`` or ``k``, nor of ``v`` where its rows
     are contiguous), and ``out`` follows the memory order of ``q`` (:func:`_output`).
     ``rules`` (windows, key lengths, soft-capping, ALiBi) replaces ``causal_offset``
-    where given; its key lengths and slopes are read as NumPy arrays.
+    where given; its key lengths and slopes are read as NumPy arrays. ``threads``
+    caps the worker threads of this call (default :func:`num_threads`; 1 runs inline);
+    ``lse_dtype`` (e.g. float64 for float32 inputs) is the dtype of ``lse`` = ``m + log l``,
+    summed in it, so that partial results with large scores merge exactly enough.
 
     Examples
     --------
@@ -753,7 +757,7 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset, scale,
                        rules)
     out = _output(q, problem.ev)                  # (B…, H, Tq, Ev)
-    lse = np.empty(q.shape[:-1], dtype=q.dtype)   # (B…, H, Tq)
+    lse = np.empty(q.shape[:-1], dtype=lse_dtype or q.dtype)   # (B…, H, Tq)
     items = [(b, hk, q0) for b in np.ndindex(*q.shape[:-3]) for hk in range(problem.hkv)
              for q0 in range(0, problem.tq, problem.bq)]
     if not items:
@@ -763,7 +767,7 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     # Threads over items only where each worker's BLAS runs on one thread without
     # changing any other thread's: a pool on top of BLAS's own threads oversubscribes
     # the cores.
-    n = min(num_threads(), len(items))
+    n = min(num_threads() if threads is None else max(1, int(threads)), len(items))
     if n == 1 or threading_mode() != "pool":  # inline; BLAS keeps its own threads
         for b, hk, q0 in items:
             _attend_item(problem, b, hk, q0, out, lse)
