@@ -20,7 +20,7 @@ BACKEND_DEPS = {
     "array_api_strict": [],
     "torch": ["torch"],
     "jax": ["jax"],
-    "dask": ["dask[array]"],
+    "dask": ["dask[array]", "distributed"],  # distributed: the LocalCluster tests
     "cupy": ["cupy-cuda13x", "numba-cuda[cu13]"],
 }
 CPU_BACKENDS = ["numpy", "array_api_strict", "torch", "jax", "dask"]
