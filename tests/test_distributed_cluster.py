@@ -117,7 +117,7 @@ def test_the_cluster_is_closed_when_a_task_fails():
 
     q = da.map_blocks(boom, dtype=np.float32, chunks=((1,), (1,), (8, 8), (4,)),
                       meta=np.empty((0, 0, 0, 0), np.float32))
-    with pytest.raises(RuntimeError, match="cannot be computed"):  # noqa: PT012
+    with pytest.raises(RuntimeError, match="cannot be computed"):
         with distributed.LocalCluster(**{**CLUSTER, "n_workers": 1}) as cluster, \
                 distributed.Client(cluster) as c:
             pids = c.run(os.getpid)
