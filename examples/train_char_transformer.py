@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import pathlib
 import sys
 import time
@@ -637,6 +638,16 @@ def main(argv: list[str] | None = None) -> History:
     if not 0.0 <= args.attn_dropout < 1.0:
         parser.error(f"--attn-dropout must be in [0, 1); got {args.attn_dropout}")
 
+    if args.out:
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder):
+            parser.error(f"--out {args.out}: the folder {folder} does not exist")
+    try:
+        asarray = array_factory(args.library)
+    except ImportError as exc:
+        parser.error(f"--library {args.library} needs {exc.name or args.library}, which is not "
+                     f"installed ({exc})")
+
     text = load_text()
     vocab = Vocabulary.of(text)
     train_ids, held_ids = split(vocab.encode(text))
@@ -646,7 +657,6 @@ def main(argv: list[str] | None = None) -> History:
     missing = set(args.prompt) - set(vocab.chars)
     if missing:
         parser.error(f"--prompt uses characters the text does not contain: {sorted(missing)}")
-    asarray = array_factory(args.library)
     config = Config(vocab_size=len(vocab.chars), activation=args.activation,
                     tied=not args.untied)
     model = Model.init(config, seed=args.seed, asarray=asarray, dtype=args.dtype)
@@ -661,7 +671,7 @@ def main(argv: list[str] | None = None) -> History:
     print(f"{args.steps} steps in {history.seconds:.1f} s "
           f"({args.steps * args.batch * args.seq_len / history.seconds:,.0f} tokens/s): "
           f"loss {history.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
-          f"(mean of the last {len(tail)} steps)"
+          + (f"(mean of the last {len(tail)} steps)" if len(tail) > 1 else "(the last step)")
           + (f", held-out {history.held_out[-1]:.3f}" if history.held_out else ""))
     if args.out:
         save_loss_plot(history, args.out,

@@ -107,7 +107,7 @@ def attention_vjp(
 
     >>> g = np.zeros_like(out)
     >>> g[..., :-1, :] = 1.0                     # a loss on all but the last query row
-    >>> np.abs(pullback(g)[1][..., -1, :]).max()   # d loss / d (last key)
+    >>> float(np.abs(pullback(g)[1][..., -1, :]).max())   # d loss / d (last key)
     0.0
 
     With dropout, the same seed drops the same weights in both passes:
