@@ -346,3 +346,22 @@ def test_multi_head_attention_on_dask():
                                         is_causal=True)
     assert isinstance(got, da.Array)
     np.testing.assert_allclose(got.compute(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_tiles_of_other_libraries_run_the_blocked_path(shift):
+    """Blocks that are not NumPy arrays (CuPy on a GPU) go through the Array-API path."""
+    xps = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(14)
+    q, k, v = _inputs(rng, b=2, tq=6, tk=20)
+    lengths = np.array([[17], [9]]).reshape(2)
+    spec = distributed.Spec(scale=0.3, tq=12, tk=30, causal=True, offset=4,
+                            lengths_shift=shift, window=(7, 0), softcap=3.0)
+    slopes = np.array([[0.5, 0.25, 0.125, 0.0625]])
+    got = distributed._tile(*(xps.asarray(x) for x in (q, k, v)), None,
+                            xps.asarray(lengths), xps.asarray(slopes), spec, 5, 8)
+    want = distributed._tile(q, k, v, None, lengths, slopes, spec, 5, 8)
+    assert isinstance(got[0], type(xps.asarray(1.0)))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == xps.asarray(w).dtype
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-12, atol=1e-12)
