@@ -247,6 +247,59 @@ def test_dropped_weights_jax_32_bit(narrow_jax, implementation_name, monkeypatch
     np.testing.assert_array_equal(np.asarray(out) != 0, numpy_keep((2, 4, 6, tk), p, seed))
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_traced_seed_under_jax_jit(x64, monkeypatch):
+    """A seed passed to a jitted function is traced: one compilation for every seed, and
+    the same weights dropped as with the seed given as an int, with and without x64."""
+    _jax_session()
+    jax = pytest.importorskip("jax")
+    was = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", x64)
+    try:
+        jnp = jax.numpy
+        p = 0.6
+        q, k = _problem(np.random.default_rng(1))
+        tk = k.shape[-2]
+        eye = np.broadcast_to(np.eye(tk), (*k.shape[:-1], tk))      # out = the weights
+        qx, kx, vx = (jnp.asarray(a, dtype=jnp.float32) for a in (q, k, eye))
+
+        def weights(q, k, v, seed):
+            return polyattn.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                                         dropout_p=p, dropout_seed=seed)
+
+        step = jax.jit(weights)
+        grad = jax.jit(jax.grad(lambda q, seed: weights(q, kx, vx, seed).sum()))
+        seeds = [0, 7, 2**31 - 1] + ([2**40 + 3] if x64 else [])
+        for seed in seeds:
+            out = step(qx, kx, vx, seed)
+            np.testing.assert_array_equal(np.asarray(out) != 0,
+                                          numpy_keep((2, 4, 6, tk), p, seed), err_msg=seed)
+            grad(qx, seed)
+        assert step._cache_size() == 1 and grad._cache_size() == 1
+    finally:
+        jax.config.update("jax_enable_x64", was)
+
+
+def test_seed_as_a_0d_integer_array(xp, device):
+    """A concrete 0-d integer array is read as its int; other arrays are refused."""
+    q, k = _problem(np.random.default_rng(2))
+    args = [to_xp(a, xp, dtype="float64", device=device) for a in (q, k, k)]
+    want = polyattn.scaled_dot_product_attention(*args, enable_gqa=True, dropout_p=0.5,
+                                                 dropout_seed=11)
+    seed = to_xp(np.asarray(11), xp, device=device)
+    got = polyattn.scaled_dot_product_attention(*args, enable_gqa=True, dropout_p=0.5,
+                                                dropout_seed=seed)
+    np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+    with pytest.raises(TypeError, match="0-d integer array; got an array of shape"):
+        polyattn.scaled_dot_product_attention(*args, enable_gqa=True, dropout_p=0.5,
+                                              dropout_seed=to_xp(np.arange(2), xp,
+                                                                 device=device))
+    with pytest.raises(TypeError, match="0-d integer array; got dtype"):
+        polyattn.scaled_dot_product_attention(*args, enable_gqa=True, dropout_p=0.5,
+                                              dropout_seed=to_xp(np.asarray(1.0), xp,
+                                                                 device=device))
+
+
 def test_dropout_zero_is_no_dropout(xp, device, backend, implementation):
     """``dropout_p=0`` with a seed gives the bits of a call without dropout."""
     q, k = _problem(np.random.default_rng(1))

@@ -160,7 +160,7 @@ def check_softcap(softcap: object) -> float | None:
     return float(softcap)
 
 
-def check_dropout(p: object, seed: object) -> tuple[float, int]:
+def check_dropout(p: object, seed: object) -> tuple[float, Array]:
     """``dropout_p`` in [0, 1) and, when it is > 0, ``dropout_seed`` an int in [0, 2⁶⁴)."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"`dropout_p` must be a real number in [0, 1); got {p!r}")
@@ -174,9 +174,28 @@ def check_dropout(p: object, seed: object) -> tuple[float, int]:
                              "drawn from counters keyed by it, the same on every backend, "
                              "and the backward pass needs the same seed again")
         return p, 0
+    if hasattr(seed, "shape") and hasattr(seed, "dtype") and not isinstance(seed, numbers.Number):
+        seed = _seed_array(seed)
+        if not isinstance(seed, int):
+            return p, seed
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"`dropout_seed` must be an int in [0, 2**64); got "
                         f"{type(seed).__name__} {seed!r}")
     if not 0 <= int(seed) < 2**64:
         raise ValueError(f"`dropout_seed` must lie in [0, 2**64); got {seed!r}")
     return p, int(seed)
+
+
+def _seed_array(seed: Array) -> Array:
+    """A 0-d integer array seed as an int, or as it is where its value is not at hand
+    (traced by ``jax.jit``: the mask is then computed from the traced value)."""
+    from ._compat import array_namespace, concrete_values
+
+    if tuple(seed.shape) != ():
+        raise TypeError(f"`dropout_seed` must be an int or a 0-d integer array; got an array "
+                        f"of shape {shape_str(seed)}")
+    if not array_namespace(seed).isdtype(seed.dtype, "integral"):
+        raise TypeError(f"`dropout_seed` must be an int or a 0-d integer array; got dtype "
+                        f"{seed.dtype}")
+    values = concrete_values(seed)
+    return seed if values is None else int(values)

@@ -113,7 +113,8 @@ def scaled_dot_product_attention(
         (Philox4x32-10 of each weight's flat index in (B…, H, Tq, Tk)): the
         same seed drops the same weights on every library, implementation
         and device, and :func:`attention_vjp` drops them again in the
-        backward pass without storing a mask.
+        backward pass without storing a mask. A 0-d integer array is taken
+        too; under ``jax.jit`` a traced seed needs no new compilation.
 
     Returns
     -------

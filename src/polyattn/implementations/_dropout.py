@@ -57,6 +57,26 @@ def key_words(seed: int) -> tuple[int, int]:
     return seed & MASK32, (seed >> 32) & MASK32
 
 
+def _key_arrays(seed: Array, xp: Any, narrow: bool) -> tuple[Array, Array]:
+    """The key words of a seed given as a 0-d integer array (traced under ``jax.jit``).
+
+    Its value is read modulo 2⁶⁴ (uint32 words: modulo 2³², all a 32-bit type holds);
+    a non-negative seed gives the key words of the same int.
+    """
+    if narrow:
+        s = xp.astype(seed, xp.uint32)
+        return s, xp.zeros_like(s)
+    s = xp.astype(seed, xp.int64)         # a uint64 above 2⁶³ wraps: the bits stay
+    return s & MASK32, (s >> 32) & MASK32
+
+
+def _next_key(k: Any, w: int, xp: Any, narrow: bool) -> Any:
+    """``(k + w) mod 2³²``: the key schedule's Weyl step, on an int or a word array."""
+    if narrow and not isinstance(k, int):
+        return k + _word(w, xp)           # uint32 arithmetic wraps by itself
+    return (k + w) & MASK32
+
+
 def _narrow(xp: Any) -> bool:
     """Whether 32-bit words must be uint32 (JAX without 64-bit types)."""
     if library_name(xp) != "jax":
@@ -86,20 +106,21 @@ def _mulhilo_narrow(a: Array, b: int) -> tuple[Array, Array]:
     return hi, lo
 
 
-def philox(c0: Array, c1: Array, c2: Array, c3: Array, seed: int, xp: Any,
+def philox(c0: Array, c1: Array, c2: Array, c3: Array, seed: int | Array, xp: Any,
            ) -> tuple[Array, Array, Array, Array]:
     """Philox4x32-10 of the counters ``(c0, c1, c2, c3)`` under key ``seed``.
 
     The words are int64 arrays holding values in [0, 2³²) (uint32 arrays on
     JAX without 64-bit types); they broadcast together. Returns the four
-    output words in the same form.
+    output words in the same form. ``seed`` is an int, or a 0-d integer array
+    of ``xp`` (a seed traced by ``jax.jit``).
     """
     narrow = _narrow(xp)
     mulhilo = _mulhilo_narrow if narrow else _mulhilo_wide
-    k0, k1 = key_words(seed)
+    k0, k1 = key_words(seed) if isinstance(seed, int) else _key_arrays(seed, xp, narrow)
     for r in range(ROUNDS):
         if r:
-            k0, k1 = (k0 + W0) & MASK32, (k1 + W1) & MASK32
+            k0, k1 = _next_key(k0, W0, xp, narrow), _next_key(k1, W1, xp, narrow)
         hi0, lo0 = mulhilo(c0, M0)
         hi1, lo1 = mulhilo(c2, M1)
         # uint32 words: a Python int >= 2³¹ next to them would be read as an int32
@@ -108,9 +129,9 @@ def philox(c0: Array, c1: Array, c2: Array, c3: Array, seed: int, xp: Any,
     return c0, c1, c2, c3
 
 
-def _word(x: int, xp: Any) -> Array:
+def _word(x: int | Array, xp: Any) -> Array:
     """The 32-bit word ``x`` as a uint32 scalar array (for the narrow path)."""
-    return xp.asarray(x, dtype=xp.uint32)
+    return x if not isinstance(x, int) else xp.asarray(x, dtype=xp.uint32)
 
 
 def philox_numpy(c0: Any, c1: Any, c2: Any, c3: Any, seed: int) -> tuple[Any, ...]:
@@ -131,7 +152,7 @@ def philox_numpy(c0: Any, c1: Any, c2: Any, c3: Any, seed: int) -> tuple[Any, ..
     return c0, c1, c2, c3
 
 
-def keep(row: Array, col: Array, tk: int, seed: int, p: float, xp: Any) -> Array:
+def keep(row: Array, col: Array, tk: int, seed: int | Array, p: float, xp: Any) -> Array:
     """Boolean: whether weight ``n = row · tk + col`` survives dropout ``p`` under ``seed``.
 
     ``row`` is the flat index of a query row in (B…, H, Tq), ``col`` the key
@@ -159,7 +180,8 @@ def keep(row: Array, col: Array, tk: int, seed: int, p: float, xp: Any) -> Array
 
 
 def keep_grouped(batch: tuple[int, ...], hkv: int, g: int, tq: int, tk: int, q0: int, q1: int,
-                 k0: int, k1: int, seed: int, p: float, xp: Any, device: Any) -> Array:
+                 k0: int, k1: int, seed: int | Array, p: float, xp: Any, device: Any,
+                 ) -> Array:
     """The keep-mask of one tile in the grouped layout (B…, Hkv, G, q1 - q0, k1 - k0).
 
     Query head ``h = hk · G + g``; the flat row index is ``((b·H + h)·Tq + i)``

@@ -52,7 +52,7 @@ class Rules:
     alibi: Array | None = None
     #: Dropout (§4.1): probability in [0, 1) and the Philox key; 0 is no dropout.
     dropout_p: float = 0.0
-    dropout_seed: int = 0
+    dropout_seed: Any = 0          # an int, or a 0-d integer array traced by jax.jit
 
     @classmethod
     def from_causal_offset(cls, causal_offset: int | None, tq: int, tk: int) -> Rules:
