@@ -166,6 +166,13 @@ def bench_backward(session: nox.Session) -> None:
 
 
 @nox.session(default=False, tags=["bench"])
+def bench_dask(session: nox.Session) -> None:
+    """Dask benchmark: the distributed plan on a LocalCluster of 1 and 2 workers, cost per task."""
+    install(session, "-e", ".[fast]", "dask[array]", "distributed", "matplotlib")
+    session.run("python", "benchmarks/dask_scaling.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["bench"])
 def bench_torch(session: nox.Session) -> None:
     """torch CPU benchmark: polyattn "auto" on torch tensors vs torch SDPA vs naive torch."""
     install(session, "-e", ".", "torch", "threadpoolctl")
