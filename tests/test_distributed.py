@@ -282,12 +282,17 @@ def test_large_scores_merge_within_the_contract_in_float32():
     assert_close(sdpa(*args, enable_gqa=True).compute(), ref, "float32")
 
 
-def test_numpy_mask_with_dask_inputs_raises_or_works():
+def test_numpy_constants_with_dask_inputs():
+    """NumPy masks, slopes and key lengths (a NumPy scalar too) join Dask inputs."""
     rng = np.random.default_rng(10)
-    q, k, v = _inputs(rng, b=1, tq=8, tk=8)
-    with pytest.raises(TypeError, match="attn_mask"):
-        sdpa(_dask(q, 4), _dask(k, 4), _dask(v, 4), enable_gqa=True,
-             attn_mask=np.ones((8, 8), dtype=bool))
+    q, k, v = _inputs(rng, b=2, tq=12, tk=12)
+    kw = {"attn_mask": rng.random((12, 12)) > 0.2, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4]),
+          "key_lengths": np.int64(9), "is_causal": True}
+    got = sdpa(_dask(q, 4), _dask(k, 4), _dask(v, 4), enable_gqa=True, **kw)
+    assert polyattn.explain(_dask(q, 4), _dask(k, 4), _dask(v, 4), enable_gqa=True,
+                            **kw).implementation == "distributed"
+    np.testing.assert_allclose(got.compute(), sdpa(q, k, v, enable_gqa=True, **kw),
+                               rtol=1e-12, atol=1e-12)
 
 
 # --- what the plan does not do, said plainly ---------------------------------------------
@@ -321,6 +326,55 @@ def test_unknown_chunk_sizes_are_named():
     unknown = q[:, :, q[0, 0, :, 0] == 0]          # (1, 1, nan, 4)
     why = distributed.unavailable(unknown, q, q, None, None)
     assert why is not None and "unknown size" in why
+    for implementation in ("auto", "chunked", "distributed"):
+        with pytest.raises(ValueError, match=r"`query` has a shape that is not known.*"
+                                             r"compute_chunk_sizes"):
+            sdpa(unknown, q, q, implementation=implementation)
+    with pytest.raises(ValueError, match="`key` has a shape that is not known"):
+        polyattn.explain(q, unknown, q)
+
+
+def test_computed_key_lengths_are_not_computed_early():
+    """Key lengths that the graph computes stay lazy; every key chunk keeps its tile."""
+    def boom(x):
+        if x.size:
+            raise AssertionError("key lengths were computed while the graph was built")
+        return x
+
+    q = da.zeros((2, 2, 64, 4), chunks=(1, 2, 16, 4))
+    lengths = da.from_array(np.array([10, 40])).map_blocks(boom, dtype=int,
+                                                          meta=np.empty((0,), int))
+    out = sdpa(q, q, q, key_lengths=lengths, is_causal=True)
+    assert out.shape == q.shape
+    assert "20 tile tasks" in polyattn.explain(q, q, q, key_lengths=lengths,
+                                               is_causal=True).plan   # 2 x causal 10
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_key_lengths_from_numpy_are_at_hand(chunks):
+    from polyattn._compat import concrete_values
+
+    lengths = da.from_array(np.array([10, 40]), chunks=chunks)
+    np.testing.assert_array_equal(concrete_values(lengths), [10, 40])
+    assert concrete_values(lengths + 1) is None           # a task: not at hand
+    q = da.zeros((2, 2, 64, 4), chunks=(1, 2, 16, 4))
+    # row 0 sees keys < 10 (key chunk 0), row 1 keys < 40 (chunks 0-2)
+    assert "16 tile tasks" in polyattn.explain(q, q, q, key_lengths=lengths).plan
+    with pytest.raises(ValueError, match="`key_lengths` must lie in"):
+        sdpa(q, q, q, key_lengths=da.from_array(np.array([10, 65]), chunks=chunks))
+
+
+def test_window_with_positions_from_key_lengths_keeps_the_band():
+    q = da.zeros((1, 1, 4096, 4), chunks=(1, 1, 512, 4))
+    kw = {"is_causal": True, "window": (100, 0), "causal_alignment": "bottom_right"}
+    assert "15 tile tasks" in polyattn.explain(q, q, q, **kw).plan
+    assert "15 tile tasks" in polyattn.explain(q, q, q, key_lengths=4096, **kw).plan
+    # decoding: one query at position 8999 sees keys 7999..8999, two chunks of 1024
+    q1 = da.zeros((1, 1, 1, 4), chunks=(1, 1, 1, 4))
+    k = da.zeros((1, 1, 16384, 4), chunks=(1, 1, 1024, 4))
+    e = polyattn.explain(q1, k, k, key_lengths=9000, is_causal=True,
+                         causal_alignment="bottom_right", window=(1000, 0))
+    assert "2 tile tasks" in e.plan
 
 
 # --- schedulers ----------------------------------------------------------------------------
@@ -365,3 +419,9 @@ def test_tiles_of_other_libraries_run_the_blocked_path(shift):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == xps.asarray(w).dtype
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-12, atol=1e-12)
+
+
+def test_module_with_numpy_parameters_names_dask_array():
+    mha = polyattn.MultiHeadAttention(8, 2, seed=0)
+    with pytest.raises(TypeError, match=r"xp=dask\.array\)"):
+        mha(da.zeros((1, 4, 8), chunks=(1, 2, 8)))

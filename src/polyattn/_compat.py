@@ -192,10 +192,12 @@ def concrete_values(x: Array) -> Any:
     """``x``'s values as a NumPy array where they are at hand, else ``None``.
 
     At hand: NumPy, torch (CPU and CUDA, outside tracing), CuPy, JAX arrays
-    that are not tracers, array-api-strict. Not at hand: JAX tracers (under
-    ``jax.jit``, ``grad``, …), Dask arrays (computing them would run the
-    graph), torch tensors being traced. Used for cheap value checks of small
-    integer arguments (``key_lengths``), never on the attention inputs.
+    that are not tracers, array-api-strict, Dask arrays whose graph is only
+    their chunks' values (``da.from_array`` of a NumPy array). Not at hand:
+    JAX tracers (under ``jax.jit``, ``grad``, …), other Dask arrays
+    (computing them would run the graph), torch tensors being traced. Used
+    for cheap value checks of small integer arguments (``key_lengths``),
+    never on the attention inputs.
     """
     import numpy as np
 
@@ -219,6 +221,36 @@ def concrete_values(x: Array) -> Any:
             return np.asarray(x)
         if lib == "array_api_strict":
             return np.asarray(x._array)
+        if lib == "dask":
+            return _dask_literal(x)
     except Exception:  # values not at hand: skip the check, never fail on it
         return None
     return None
+
+
+def _dask_literal(x: Array) -> Any:
+    """A Dask array's values when its graph holds nothing but its chunks' values
+    (``da.from_array`` or ``da.asarray`` of a NumPy array or an int); ``None`` when
+    any task would have to run."""
+    import numpy as np
+    from dask.array.core import concatenate3
+
+    graph = dict(x.__dask_graph__())
+    keys = x.__dask_keys__()
+
+    def value(key: Any) -> Any:
+        if isinstance(key, list):
+            return [value(k) for k in key]
+        v = graph[key]
+        v = getattr(v, "value", v)              # a DataNode wraps its literal
+        if not isinstance(v, (np.ndarray, np.generic)):
+            raise LookupError(key)              # a task: not at hand
+        return np.asarray(v)
+
+    if len(graph) != x.npartitions:
+        return None
+    try:
+        blocks = value(keys)
+    except LookupError:
+        return None
+    return np.asarray(concatenate3(blocks) if x.ndim else blocks).reshape(x.shape)

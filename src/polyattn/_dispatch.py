@@ -419,8 +419,7 @@ def distributed_plan(problem: Problem) -> str:
     rules = problem.rules
     assert rules is not None
     q, k, _ = distributed.rechunked(problem.q, problem.k, problem.v)
-    return distributed.make_plan(q, k, rules,
-                                 distributed.literal_values(rules.key_lengths)).describe()
+    return distributed.make_plan(q, k, rules, rules.lengths_at_hand).describe()
 
 
 def _features(problem: Problem) -> dict[str, str]:

@@ -29,6 +29,7 @@ from ._validation import (
     check_choice,
     check_dropout,
     check_floating,
+    check_known_shape,
     check_min_ndim,
     check_scale,
     check_softcap,
@@ -142,9 +143,13 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     are viewed as (B…, H, T, E) (``permute_dims``, no copy); shapes in error
     messages are then those of the views, which the messages say.
     """
+    attn_mask, alibi_slopes, key_lengths = _lift_to_dask(
+        (query, key, value), (attn_mask, alibi_slopes, key_lengths))
     arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
               "alibi_slopes": alibi_slopes,
               "key_lengths": key_lengths if _array_like(key_lengths) else None}
+    for name, x in arrays.items():
+        check_known_shape(name, x)
     xp = namespace_of(arrays)
     check_same_device(arrays)
     extras = {"window": check_window(window), "softcap": check_softcap(softcap),
@@ -170,6 +175,20 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
             raise
         raise ValueError(f"{exc} (layout='BTHE': the shapes are shown as their "
                          "(B…, H, T, E) views)") from None
+
+
+def _lift_to_dask(inputs: tuple[Array | None, ...], constants: tuple[Any, ...],
+                  ) -> tuple[Any, ...]:
+    """NumPy masks, slopes and key lengths as Dask arrays when the inputs are Dask arrays.
+
+    They are small next to the inputs (or broadcast views), and a NumPy array is what
+    a Dask user has at hand for them; anything else is returned as it is.
+    """
+    if not any(type(x).__module__.startswith("dask") for x in inputs if x is not None):
+        return constants
+    import dask.array as da
+
+    return tuple(da.asarray(c) if type(c).__module__ == "numpy" else c for c in constants)
 
 
 #: Arguments whose shapes do not depend on the layout (their errors quote them as given).
@@ -245,13 +264,15 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
     tq, tk = query.shape[-2], key.shape[-2]
     mask = normalise_mask(attn_mask, (*batch, h, tq, tk), compute_dtype, xp)
     bottom_right = causal_alignment == "bottom_right"
-    lengths = _key_lengths(extras["key_lengths"], tuple(batch), tk, xp, device_of(query))
+    lengths, lengths_at_hand = _key_lengths(extras["key_lengths"], tuple(batch), tk, xp,
+                                            device_of(query))
     rules = Rules(
         tq=tq, tk=tk, causal=is_causal, offset=_causal_offset(tq, tk, causal_alignment),
         key_lengths=lengths, lengths_shift=bottom_right and lengths is not None,
         window=extras["window"], softcap=extras["softcap"],
         alibi=_alibi(extras["alibi_slopes"], tuple(batch), h, compute_dtype, xp),
-        dropout_p=extras["dropout"][0], dropout_seed=extras["dropout"][1])
+        dropout_p=extras["dropout"][0], dropout_seed=extras["dropout"][1],
+        lengths_at_hand=lengths_at_hand)
     return Problem(
         xp=xp,
         q=to_layout(query, h),
@@ -295,10 +316,11 @@ def _alibi(slopes: Array | None, batch: tuple[int, ...], h: int, dtype: Any,
 
 
 def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
-                 device: Any) -> Array | None:
-    """``key_lengths`` as an integer array with ``len(B…)`` dimensions; values checked."""
+                 device: Any) -> tuple[Array | None, Any]:
+    """``key_lengths`` as an integer array with ``len(B…)`` dimensions, values checked where
+    they are at hand; and those values (NumPy, ``len(B…)`` dimensions) or ``None``."""
     if lengths is None:
-        return None
+        return None, None
     if not _array_like(lengths):
         if isinstance(lengths, bool) or not isinstance(lengths, int):
             raise TypeError("`key_lengths` must be an integer array (B…,) or an int; got "
@@ -316,4 +338,5 @@ def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
     if values is not None and values.size and (values.min() < 0 or values.max() > tk):
         raise ValueError(f"`key_lengths` must lie in [0, Tk] = [0, {tk}] (Tk: keys given); "
                          f"got values from {int(values.min())} to {int(values.max())}")
-    return xp.reshape(lengths, (1,) * (len(batch) - lengths.ndim) + tuple(lengths.shape))
+    shape = (1,) * (len(batch) - lengths.ndim) + tuple(lengths.shape)
+    return xp.reshape(lengths, shape), None if values is None else values.reshape(shape)

@@ -160,6 +160,18 @@ def check_softcap(softcap: object) -> float | None:
     return float(softcap)
 
 
+def check_known_shape(name: str, x: object) -> None:
+    """``ValueError`` for an array whose shape is not known (Dask chunks of unknown size)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+        return
+    if any(s is None or (isinstance(s, float) and math.isnan(s)) for s in shape):
+        hint = (" (Dask: call .compute_chunk_sizes() on it first)"
+                if type(x).__module__.startswith("dask") else "")
+        raise ValueError(f"`{name}` has a shape that is not known yet, {tuple(shape)}; "
+                         f"attention needs its sizes{hint}")
+
+
 def check_dropout(p: object, seed: object) -> tuple[float, Array]:
     """``dropout_p`` in [0, 1) and, when it is > 0, ``dropout_seed`` an int in [0, 2⁶⁴)."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):

@@ -569,7 +569,7 @@ class MultiHeadAttention:
             raise TypeError(
                 f"`query` is a {library_name(theirs)} array but this module's parameters are "
                 f"{library_name(ours)} arrays; create or load them in that library, e.g. "
-                f"MultiHeadAttention(..., xp={library_name(theirs)}) or "
+                f"MultiHeadAttention(..., xp={_module_path(library_name(theirs))}) or "
                 f"MultiHeadAttention.from_torch(module, xp=torch)")
 
     def _call_time_first(self, query: Array, key: Array, value: Array,
@@ -673,3 +673,8 @@ def _to_namespace(host: dict[str, Any], xp: Namespace, dtype: Any, device: Any) 
         dtype = default_float_dtype(xp, device)
     return {k: xp.asarray(np.ascontiguousarray(v), dtype=dtype, device=device)
             for k, v in host.items()}
+
+
+def _module_path(library: str) -> str:
+    """The module a user passes as ``xp`` for a library (``dask`` -> ``dask.array``)."""
+    return {"jax": "jax.numpy", "dask": "dask.array"}.get(library, library)

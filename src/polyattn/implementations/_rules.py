@@ -53,6 +53,9 @@ class Rules:
     #: Dropout (§4.1): probability in [0, 1) and the Philox key; 0 is no dropout.
     dropout_p: float = 0.0
     dropout_seed: Any = 0          # an int, or a 0-d integer array traced by jax.jit
+    #: ``key_lengths`` as a NumPy array where its values were at hand when the call was
+    #: checked (for plans built before anything runs, such as the Dask one), else ``None``.
+    lengths_at_hand: Any = None
 
     @classmethod
     def from_causal_offset(cls, causal_offset: int | None, tq: int, tk: int) -> Rules:
@@ -104,13 +107,16 @@ class Rules:
         """How far left of ``p_i`` a key may be (``None``: unbounded)."""
         return None if self.window is None else self.window[0]
 
-    def key_range(self, q0: int, q1: int) -> tuple[int, int]:
+    def key_range(self, q0: int, q1: int, offsets: tuple[int, int] | None = None,
+                  ) -> tuple[int, int]:
         """Keys ``[lo, hi)`` that some query in ``[q0, q1)`` may see, in some batch row.
 
         Decided from shapes alone (key lengths only narrow it further), so
-        loops over key blocks stay value-independent.
+        loops over key blocks stay value-independent. ``offsets``: the smallest and
+        largest ``p_i - i`` where they are known more closely than
+        :meth:`offset_range` (from key lengths at hand).
         """
-        lo_off, hi_off = self.offset_range()
+        lo_off, hi_off = offsets or self.offset_range()
         hi = self.tk
         right = self.right_reach()
         if right is not None:

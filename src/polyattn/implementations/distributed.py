@@ -121,25 +121,13 @@ def unavailable(q: Array, k: Array, v: Array | None, mask: Array | None,
     return None
 
 
-def literal_values(x: Array | None) -> np.ndarray | None:
-    """The values of a small Dask array made from a literal (a NumPy array or an int),
-    computed from its few-task graph; ``None`` for anything else (never computes work)."""
-    if x is None or not _is_dask(x) or x.npartitions != 1:
-        return None
-    graph = dict(x.__dask_graph__())
-    literals = [v for v in graph.values()
-                if isinstance(getattr(v, "value", v), (np.ndarray, np.generic, int))]
-    if len(graph) > 3 or not literals:
-        return None
-    return np.asarray(x.compute(scheduler="sync"))
-
-
 def make_plan(q: Array, k: Array, rules: Rules, lengths: np.ndarray | None) -> Plan:
     """The tiles of a problem whose query and key chunks are those of ``q`` and ``k``.
 
     A key chunk is kept for a query chunk when some query of it may see some key of it
     (:meth:`Rules.key_range`), and, with ``lengths`` at hand, when it starts before the
-    longest key length of the batch chunk.
+    longest key length of the batch chunk (and, where positions follow the key lengths,
+    when it lies in the band of positions those lengths give).
     """
     nb = q.ndim - 3
     batch_chunks = tuple(tuple(int(c) for c in q.chunks[i]) for i in range(nb))
@@ -152,13 +140,15 @@ def make_plan(q: Array, k: Array, rules: Rules, lengths: np.ndarray | None) -> P
         lengths = np.broadcast_to(lengths, tuple(sum(c) for c in batch_chunks))
     tiles = {}
     for bidx in product(*(range(len(c)) for c in batch_chunks)):
-        longest = None
+        longest, offsets = None, None
         if lengths is not None:
             block = lengths[tuple(slice(s[i], s[i + 1]) for s, i in zip(batch_starts, bidx,
                                                                         strict=True))]
             longest = int(block.max()) if block.size else 0
+            if rules.lengths_shift and block.size:     # p_i = i + L_b - Tq
+                offsets = (int(block.min()) - rules.tq, longest - rules.tq)
         for iq in range(len(q_chunks)):
-            lo, hi = rules.key_range(int(q_starts[iq]), int(q_starts[iq + 1]))
+            lo, hi = rules.key_range(int(q_starts[iq]), int(q_starts[iq + 1]), offsets)
             if longest is not None:
                 hi = min(hi, longest)
             tiles[bidx, iq] = tuple(ik for ik in range(len(k_chunks))
@@ -219,7 +209,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     mask = _along(mask, [*batch, None, q.chunks[nb + 1], k.chunks[nb + 1]])
     lengths = _along(rules.key_lengths, batch)
     slopes = _along(rules.alibi, [*batch, None])
-    plan = make_plan(q, k, rules, literal_values(rules.key_lengths))
+    plan = make_plan(q, k, rules, rules.lengths_at_hand)
     spec = Spec(scale=float(scale), tq=rules.tq, tk=rules.tk, causal=rules.causal,
                 offset=rules.offset, lengths_shift=rules.lengths_shift, window=rules.window,
                 softcap=rules.softcap)
