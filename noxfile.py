@@ -90,6 +90,15 @@ def kernel_ptx(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", *args)
 
 
+@nox.session(tags=["cpu"])
+def numba_cpu(session: nox.Session) -> None:
+    """The fused Numba CPU kernel (implementation "numba_cpu") against the float64 oracle."""
+    install(session, "-e", ".[test,numba]")
+    session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                *(session.posargs or ["tests/test_numba_cpu.py"]))
+
+
 @nox.session(tags=["style"])
 def lint(session: nox.Session) -> None:
     """Lint with ruff."""

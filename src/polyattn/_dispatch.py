@@ -321,6 +321,12 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
             f"for NumPy arrays: {kernel_reason}"
         )
 
+    # --- numba_cpu: the fused CPU kernel, on NumPy arrays, when asked for by name
+    if requested == "numba_cpu":
+        why = numba_cpu_status(problem, for_vjp)
+        if why is not None:
+            raise ValueError(f"implementation='numba_cpu' cannot run this call: {why}")
+
     # --- distributed: Dask arrays, one task per (query chunk, key chunk)
     plan_why: str | None = "not considered"
     if requested in ("auto", "distributed"):
@@ -397,6 +403,20 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         features=_features(problem),
         plan=distributed_plan(problem) if name == "distributed" else "",
     )
+
+
+def numba_cpu_status(problem: Problem, for_vjp: bool = False) -> str | None:
+    """Why the fused Numba CPU kernel cannot run this call (``None``: it can)."""
+    if not is_numpy(problem.xp):
+        return (f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays")
+    if for_vjp:
+        return "it has no backward pass yet; attention_vjp runs the NumPy fast path"
+    if problem.rules is not None and problem.rules.dropout:
+        return "it does not do dropout; the NumPy fast path (implementation='chunked') does"
+    from .implementations import numba_cpu
+
+    usable, why = numba_cpu.availability()
+    return None if usable else why
 
 
 def distributed_status(problem: Problem, for_vjp: bool = False) -> str | None:

@@ -11,7 +11,8 @@ import numbers
 
 from ._compat import Array, Namespace, library_name
 
-IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda", "distributed")
+IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda", "distributed",
+                   "numba_cpu")
 ALIGNMENTS = ("top_left", "bottom_right")
 #: "BHTE": (B…, H, T, E), as torch; "BTHE": (B…, T, H, E), as JAX, Flax, Keras, FlashAttention.
 LAYOUTS = ("BHTE", "BTHE")
