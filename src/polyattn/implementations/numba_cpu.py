@@ -366,12 +366,13 @@ def exp(x: np.ndarray) -> np.ndarray:
 
 # --- the call ----------------------------------------------------------------------------
 
-def _own(x: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` (B…, A, T, F) as (B_own, A, T, F) without its broadcast batch axes, and the map
-    from each flat batch index of B… to its row of that array."""
-    batch = x.shape[:nb]
-    own_index = tuple(slice(None) if s != 0 or n == 1 else slice(0, 1)
-                      for s, n in zip(x.strides[:nb], batch, strict=True))
+def _own(x: np.ndarray, batch: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` (B…|1, A, T, F), each batch axis 1 or full, as (B_own, A, T, F) without its
+    broadcast batch axes, and the map from each flat index of the problem's batch B… to
+    its row of that array."""
+    nb = len(batch)
+    own_index = tuple(slice(0, 1) if s == 0 and n > 1 else slice(None)
+                      for s, n in zip(x.strides[:nb], x.shape[:nb], strict=True))
     own = x[own_index]
     own_batch = own.shape[:nb]
     flat = own.reshape((math.prod(own_batch), *x.shape[nb:]))        # a copy only if needed
@@ -405,9 +406,9 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     batch = tuple(q.shape[:nb])
     n_batch = math.prod(batch)
     dtype = q.dtype
-    q4, qmap = _own(q, nb)
-    k4, kmap = _own(k, nb)
-    v4, vmap = _own(v, nb)
+    q4, qmap = _own(q, batch)
+    k4, kmap = _own(k, batch)
+    v4, vmap = _own(v, batch)
     if mask is None:
         mask4, mmap, has_mask = np.zeros((1, 1, 1, 1), dtype=dtype), np.zeros(n_batch,
                                                                               np.int64), 0
@@ -415,7 +416,7 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
         mask = np.asarray(mask)
         if mask.dtype == np.bool_:
             mask = np.where(mask, dtype.type(0.0), dtype.type(-np.inf))
-        mask4, mmap = _own(mask.astype(dtype, copy=False), nb)
+        mask4, mmap = _own(mask.astype(dtype, copy=False), batch)
         has_mask = 1
     lengths = _per_batch(rules.key_lengths, batch, tk, np.int64)
     lengths = np.clip(lengths, 0, tk)
