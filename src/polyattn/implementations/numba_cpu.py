@@ -92,13 +92,13 @@ def _define(numba: Any) -> dict[str, Any]:
     exact = {"contract", "nsz", "arcp"}
 
     @njit(nogil=True, fastmath=exact, cache=True)
-    def exp32(x: Any, out: Any) -> None:
-        """``out[i] = e^x[i]``, float32 (see the module)."""
+    def exp32(x: Any, out: Any, ebits: Any) -> None:
+        """``out[i] = e^x[i]``, float32 (see the module); ``ebits``: float32 scratch, n long."""
         n = x.shape[0]
+        eb = ebits[:n].view(np.int32)
         lo, bias, shift = np.float32(-87.33654), np.int32(127), np.int32(23)
         log2e, ln2_hi, ln2_lo = np.float32(LOG2E), np.float32(LN2_HI), np.float32(LN2_LO)
         half, zero = np.float32(0.5), np.float32(0.0)
-        ebits = np.empty(n, dtype=np.int32)
         for i in range(n):
             v = x[i]
             t = max(v, lo)
@@ -112,18 +112,18 @@ def _define(numba: Any) -> dict[str, Any]:
             p = p * r + half
             p = p * r + np.float32(1.0)
             p = p * r + np.float32(1.0)
-            ebits[i] = (np.int32(k) + bias) << shift
+            eb[i] = (np.int32(k) + bias) << shift
             out[i] = p if v >= lo else (v if v != v else zero)
-        scale = ebits.view(np.float32)
+        scale = ebits
         for i in range(n):
             out[i] *= scale[i]
 
     @njit(nogil=True, fastmath=exact, cache=True)
-    def exp64(x: Any, out: Any) -> None:
-        """``out[i] = e^x[i]``, float64 (see the module)."""
+    def exp64(x: Any, out: Any, ebits: Any) -> None:
+        """``out[i] = e^x[i]``, float64 (see the module); ``ebits``: float64 scratch, n long."""
         n = x.shape[0]
+        eb = ebits[:n].view(np.int64)
         lo, bias, shift = -708.3964185322641, np.int64(1023), np.int64(52)
-        ebits = np.empty(n, dtype=np.int64)
         for i in range(n):
             v = x[i]
             t = max(v, lo)
@@ -143,21 +143,21 @@ def _define(numba: Any) -> dict[str, Any]:
             p = p * r + 0.5
             p = p * r + 1.0
             p = p * r + 1.0
-            ebits[i] = (np.int64(k) + bias) << shift
+            eb[i] = (np.int64(k) + bias) << shift
             out[i] = p if v >= lo else (v if v != v else 0.0)
-        scale = ebits.view(np.float64)
+        scale = ebits
         for i in range(n):
             out[i] *= scale[i]
 
     # one name for both dtypes inside compiled code (Numba's overloads are unannotated)
-    def exp_into(x, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    def exp_into(x, out, ebits):  # type: ignore[no-untyped-def]  # pragma: no cover
         raise NotImplementedError
 
     @overload(exp_into, jit_options={"nogil": True, "fastmath": exact})
-    def _exp_into(x, out):  # type: ignore[no-untyped-def]
+    def _exp_into(x, out, ebits):  # type: ignore[no-untyped-def]
         if x.dtype == numba.float32:
-            return lambda x, out: exp32(x, out)
-        return lambda x, out: exp64(x, out)
+            return lambda x, out, ebits: exp32(x, out, ebits)
+        return lambda x, out, ebits: exp64(x, out, ebits)
 
     @njit(nogil=True, fastmath=fastmath, cache=True)
     def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
@@ -194,6 +194,7 @@ def _define(numba: Any) -> dict[str, Any]:
         kblk = np.empty((block_k, e), dtype=dt)
         vblk = np.empty((block_k, ev), dtype=dt)
         expd = np.empty(block_k, dtype=dt)
+        ebits = np.empty(block_k, dtype=dt)         # the exponential's scratch
         hi_key = min(k_hi, length)
         for k0 in range(k_lo, hi_key, block_k):
             k1 = min(k0 + block_k, hi_key)
@@ -238,7 +239,7 @@ def _define(numba: Any) -> dict[str, Any]:
                 shift = m_new if m_new != ninf else zero
                 for j in range(n):
                     row[j] -= shift
-                exp_into(row[:n], expd)
+                exp_into(row[:n], expd, ebits)
                 total = zero
                 for j in range(n):
                     row[j] = expd[j]
@@ -360,7 +361,8 @@ def exp(x: np.ndarray) -> np.ndarray:
     """The kernel's exponential of a 1-D float32 or float64 array (for tests and checks)."""
     x = np.ascontiguousarray(x)
     out = np.empty_like(x)
-    kernels()["exp32" if x.dtype == np.float32 else "exp64"](x, out)
+    ebits = np.empty_like(x)
+    kernels()["exp32" if x.dtype == np.float32 else "exp64"](x, out, ebits)
     return out
 
 
