@@ -45,9 +45,9 @@ from ._rules import Rules
 Array = Any
 
 #: Query rows per work item, summed over the G heads of a group (float32; half in float64).
-BLOCK_ROWS = 256
+BLOCK_ROWS = 512
 #: Keys per block of scores.
-BLOCK_K = 128
+BLOCK_K = 256
 #: OpenBLAS runs a product ``(m, k) @ (k, n)`` on the calling thread alone when
 #: ``m·n·k`` is at most this (65536 × its GEMM_MULTITHREAD_THRESHOLD of 4): the kernel's
 #: products are cut into slabs that small, so that BLAS starts no threads of its own
@@ -81,93 +81,184 @@ LOG2E = 1.4426950408889634
 EXP_MIN = {np.dtype(np.float32): -87.33654, np.dtype(np.float64): -708.3964185322641}
 
 
+def _intrinsics(numba: Any) -> dict[str, Any]:
+    """LLVM-level helpers: reinterpreting integer bits as a float, and calling a C function
+    whose address is a run-time argument (so that compiled code stays cacheable)."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def float_from_bits(typingctx: Any, bits: Any) -> Any:
+        """The float whose bits are ``bits`` (int32 -> float32, int64 -> float64)."""
+        if bits == types.int32:
+            sig, llty = types.float32(types.int32), ir.FloatType()
+        elif bits == types.int64:
+            sig, llty = types.float64(types.int64), ir.DoubleType()
+        else:
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], llty)
+
+        return sig, codegen
+
+    @intrinsic
+    def call_int(typingctx: Any, address: Any, value: Any) -> Any:
+        """``int f(int)`` at ``address`` (an int64), called with ``value``."""
+        sig = types.int32(types.int64, types.int32)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            fn = builder.inttoptr(args[0], fnty.as_pointer())
+            return builder.call(fn, [args[1]])
+
+        return sig, codegen
+
+    @intrinsic
+    def call_gemm(typingctx: Any, address: Any, pointers: Any) -> Any:
+        """The BLAS ``?gemm`` at ``address``, called with 13 pointers (Fortran convention,
+        every argument by reference), given as a tuple of 64-bit integer addresses."""
+        if not (isinstance(pointers, types.BaseTuple) and len(pointers) == 13
+                and all(isinstance(x, types.Integer) and x.bitwidth == 64 for x in pointers)):
+            return None
+        sig = types.void(types.int64, pointers)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ptr = ir.IntType(8).as_pointer()
+            fnty = ir.FunctionType(ir.VoidType(), [ptr] * 13)
+            fn = builder.inttoptr(args[0], fnty.as_pointer())
+            builder.call(fn, [builder.inttoptr(builder.extract_value(args[1], i), ptr)
+                              for i in range(13)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def maxnum(typingctx: Any, a: Any, b: Any) -> Any:
+        """IEEE maxNum of two floats of one type: a NaN operand gives the other one (LLVM
+        vectorises reductions of it, which it cannot do for ``max`` without assuming no
+        NaN)."""
+        if a != b or a not in (types.float32, types.float64):
+            return None
+        sig = a(a, b)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            llty = args[0].type
+            name = "llvm.maxnum.f32" if a == types.float32 else "llvm.maxnum.f64"
+            fn = cgutils.get_or_insert_function(builder.module,
+                                                ir.FunctionType(llty, [llty, llty]), name)
+            return builder.call(fn, args)
+
+        return sig, codegen
+
+    return {"float_from_bits": float_from_bits, "call_int": call_int, "call_gemm": call_gemm,
+            "maxnum": maxnum}
+
+
 def _define(numba: Any) -> dict[str, Any]:
     """Compile-on-demand definitions (Numba is imported lazily)."""
     from numba import njit, prange
     from numba.extending import overload
 
+    low = _intrinsics(numba)
+    float_from_bits, call_int, call_gemm, maxnum = (low["float_from_bits"], low["call_int"],
+                                                    low["call_gemm"], low["maxnum"])
     fastmath = {"contract", "reassoc", "nsz", "arcp"}
     # the exponential keeps its evaluation order: reassociating (t - k·ln2_hi) - k·ln2_lo
     # into t - k·ln2 would lose the range reduction's extra bits
     exact = {"contract", "nsz", "arcp"}
 
+    @njit(nogil=True, fastmath=exact, cache=True, inline="always")
+    def exp_f32(v: Any) -> Any:
+        """e^v for one float32 (see the module)."""
+        lo = np.float32(-87.33654)
+        t = max(v, lo)
+        k = np.floor(t * np.float32(LOG2E) + np.float32(0.5))
+        r = (t - k * np.float32(LN2_HI)) - k * np.float32(LN2_LO)
+        p = np.float32(1.0 / 5040)
+        p = p * r + np.float32(1.0 / 720)
+        p = p * r + np.float32(1.0 / 120)
+        p = p * r + np.float32(1.0 / 24)
+        p = p * r + np.float32(1.0 / 6)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        # (Numba widens int32 arithmetic to int64: narrow back before reading the bits)
+        p = p * float_from_bits(np.int32((np.int32(k) + np.int32(127)) << np.int32(23)))
+        return p if v >= lo else (v if v != v else np.float32(0.0))
+
+    @njit(nogil=True, fastmath=exact, cache=True, inline="always")
+    def exp_f64(v: Any) -> Any:
+        """e^v for one float64 (see the module)."""
+        lo = -708.3964185322641
+        t = max(v, lo)
+        k = np.floor(t * LOG2E + 0.5)
+        r = (t - k * LN2_HI) - k * LN2_LO
+        p = 1.0 / 6227020800.0
+        p = p * r + 1.0 / 479001600.0
+        p = p * r + 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r + 1.0
+        p = p * r + 1.0
+        p = p * float_from_bits((np.int64(k) + np.int64(1023)) << np.int64(52))
+        return p if v >= lo else (v if v != v else 0.0)
+
+    # (loops below run over views from index 0: with an index that might be negative,
+    # Numba's wraparound check on every access keeps LLVM from vectorising)
     @njit(nogil=True, fastmath=exact, cache=True)
-    def exp32(x: Any, out: Any, ebits: Any) -> None:
-        """``out[i] = e^x[i]``, float32 (see the module); ``ebits``: float32 scratch, n long."""
-        n = x.shape[0]
-        eb = ebits[:n].view(np.int32)
-        lo, bias, shift = np.float32(-87.33654), np.int32(127), np.int32(23)
-        log2e, ln2_hi, ln2_lo = np.float32(LOG2E), np.float32(LN2_HI), np.float32(LN2_LO)
-        half, zero = np.float32(0.5), np.float32(0.0)
-        for i in range(n):
-            v = x[i]
-            t = max(v, lo)
-            k = np.floor(t * log2e + half)
-            r = (t - k * ln2_hi) - k * ln2_lo
-            p = np.float32(1.0 / 5040)
-            p = p * r + np.float32(1.0 / 720)
-            p = p * r + np.float32(1.0 / 120)
-            p = p * r + np.float32(1.0 / 24)
-            p = p * r + np.float32(1.0 / 6)
-            p = p * r + half
-            p = p * r + np.float32(1.0)
-            p = p * r + np.float32(1.0)
-            eb[i] = (np.int32(k) + bias) << shift
-            out[i] = p if v >= lo else (v if v != v else zero)
-        scale = ebits
-        for i in range(n):
-            out[i] *= scale[i]
+    def exp32(x: Any, shift: Any) -> None:
+        """``x[j] = e^(x[j] - shift)``, float32, in place."""
+        for j in range(x.shape[0]):
+            x[j] = exp_f32(x[j] - shift)
 
     @njit(nogil=True, fastmath=exact, cache=True)
-    def exp64(x: Any, out: Any, ebits: Any) -> None:
-        """``out[i] = e^x[i]``, float64 (see the module); ``ebits``: float64 scratch, n long."""
-        n = x.shape[0]
-        eb = ebits[:n].view(np.int64)
-        lo, bias, shift = -708.3964185322641, np.int64(1023), np.int64(52)
-        for i in range(n):
-            v = x[i]
-            t = max(v, lo)
-            k = np.floor(t * LOG2E + 0.5)
-            r = (t - k * LN2_HI) - k * LN2_LO
-            p = 1.0 / 6227020800.0
-            p = p * r + 1.0 / 479001600.0
-            p = p * r + 1.0 / 39916800.0
-            p = p * r + 1.0 / 3628800.0
-            p = p * r + 1.0 / 362880.0
-            p = p * r + 1.0 / 40320.0
-            p = p * r + 1.0 / 5040.0
-            p = p * r + 1.0 / 720.0
-            p = p * r + 1.0 / 120.0
-            p = p * r + 1.0 / 24.0
-            p = p * r + 1.0 / 6.0
-            p = p * r + 0.5
-            p = p * r + 1.0
-            p = p * r + 1.0
-            eb[i] = (np.int64(k) + bias) << shift
-            out[i] = p if v >= lo else (v if v != v else 0.0)
-        scale = ebits
-        for i in range(n):
-            out[i] *= scale[i]
+    def exp64(x: Any, shift: Any) -> None:
+        """``x[j] = e^(x[j] - shift)``, float64, in place."""
+        for j in range(x.shape[0]):
+            x[j] = exp_f64(x[j] - shift)
 
     # one name for both dtypes inside compiled code (Numba's overloads are unannotated)
-    def exp_into(x, out, ebits):  # type: ignore[no-untyped-def]  # pragma: no cover
+    def exp_shifted(x, shift):  # type: ignore[no-untyped-def]  # pragma: no cover
         raise NotImplementedError
 
-    @overload(exp_into, jit_options={"nogil": True, "fastmath": exact})
-    def _exp_into(x, out, ebits):  # type: ignore[no-untyped-def]
+    @overload(exp_shifted, jit_options={"nogil": True, "fastmath": exact})
+    def _exp_shifted(x, shift):  # type: ignore[no-untyped-def]
         if x.dtype == numba.float32:
-            return lambda x, out, ebits: exp32(x, out, ebits)
-        return lambda x, out, ebits: exp64(x, out, ebits)
+            return lambda x, shift: exp32(x, shift)
+        return lambda x, shift: exp64(x, shift)
+
+    @njit(nogil=True, cache=True)
+    def gemm(blas: Any, args: Any, ta: int, tb: int, m: int, n: int, k: int, alpha: Any,
+             a: int, lda: int, b: int, ldb: int, beta: Any, c: int, ldc: int) -> None:
+        """Column-major ``C = alpha·op(A)·op(B) + beta·C`` through the BLAS at ``blas[0]``;
+        ``a``, ``b``, ``c`` are addresses, ``ta``/``tb`` 0 ("N") or 1 ("T"). ``args`` is
+        scratch: (2 chars, 6 int32, 2 scalars) for the by-reference arguments."""
+        chars, ints, scal = args[0], args[1], args[2]
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5] = m, n, k, lda, ldb, ldc
+        scal[0], scal[1] = alpha, beta
+        c0, i0, s0 = chars.ctypes.data, ints.ctypes.data, scal.ctypes.data
+        size = scal.itemsize
+        call_gemm(blas[0], (c0 + ta, c0 + tb, i0, i0 + 4, i0 + 8, s0, a, i0 + 12, b,
+                            i0 + 16, s0 + size, c, i0 + 20))
 
     @njit(nogil=True, fastmath=fastmath, cache=True)
     def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                     mmap: Any, lengths: Any, offsets: Any, slopes: Any, item: Any,
-                    fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
+                    fparams: Any, iparams: Any, blas: Any, out: Any, lse: Any) -> None:
         """One work item: the G heads of key/value head ``hk`` of batch row ``b``, query
         rows ``[q0, q1)``, keys ``[k_lo, k_hi)``."""
         b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
-        h_all, e, ev = q.shape[1], q.shape[3], v.shape[3]
-        g_heads = h_all // k.shape[1]
+        e, ev = q.shape[3], v.shape[3]
+        g_heads = q.shape[1] // k.shape[1]
         bq = q1 - q0
         rows = g_heads * bq
         dt = q.dtype
@@ -182,77 +273,113 @@ def _define(numba: Any) -> dict[str, Any]:
         qb, kb, vb = qmap[b], kmap[b], vmap[b]
         mb = mmap[b]
         mh_full, mi_full, mj_full = mask.shape[1] > 1, mask.shape[2] > 1, mask.shape[3] > 1
+        size = q.itemsize
+        # one BLAS thread for this thread's products (restored at the end): BLAS must not
+        # start threads of its own inside the parallel loop
+        restore = call_int(blas[1], np.int32(1)) if blas[1] != 0 else np.int32(0)
+        args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
+                np.empty(2, dtype=dt))
 
         qs = np.empty((rows, e), dtype=dt)
         for g in range(g_heads):
             for i in range(bq):
                 for f in range(e):
-                    qs[g * bq + i, f] = q[qb, hk * g_heads + g, q0 + i, f] * scale
+                    qs[g * bq + i, f] = q[qb, hk * g_heads + g, q0 + i, f]
         m = np.full(rows, ninf, dtype=dt)
         l = np.zeros(rows, dtype=dt)
         acc = np.zeros((rows, ev), dtype=dt)
-        kblk = np.empty((block_k, e), dtype=dt)
-        vblk = np.empty((block_k, ev), dtype=dt)
-        expd = np.empty(block_k, dtype=dt)
-        ebits = np.empty(block_k, dtype=dt)         # the exponential's scratch
+        s = np.empty((rows, block_k), dtype=dt)
+        # key and value blocks are read in place when their rows are evenly spaced and
+        # their features contiguous; otherwise copied
+        k_direct = k.strides[3] == size and k.strides[2] % size == 0 and \
+            k.strides[2] >= e * size
+        v_direct = v.strides[3] == size and v.strides[2] % size == 0 and \
+            v.strides[2] >= ev * size
+        kblk = np.empty((0 if k_direct else block_k, e), dtype=dt)
+        vblk = np.empty((0 if v_direct else block_k, ev), dtype=dt)
         hi_key = min(k_hi, length)
         for k0 in range(k_lo, hi_key, block_k):
             k1 = min(k0 + block_k, hi_key)
             n = k1 - k0
-            for j in range(n):
-                for f in range(e):
-                    kblk[j, f] = k[kb, hk, k0 + j, f]
-                for f in range(ev):
-                    vblk[j, f] = v[vb, hk, k0 + j, f]
-            # products in slabs of ``sub`` rows: each stays under OpenBLAS's threshold for
-            # threading, so it runs on this thread only (no BLAS threads inside prange)
-            s = np.empty((rows, n), dtype=dt)                        # (rows, n)
-            kt = kblk[:n].T
+            if k_direct:
+                k_ptr, ldk = k[kb, hk, k0:].ctypes.data, k.strides[2] // size
+            else:
+                for j in range(n):
+                    for f in range(e):
+                        kblk[j, f] = k[kb, hk, k0 + j, f]
+                k_ptr, ldk = kblk.ctypes.data, e
+            if v_direct:
+                v_ptr, ldv = v[vb, hk, k0:].ctypes.data, v.strides[2] // size
+            else:
+                for j in range(n):
+                    for f in range(ev):
+                        vblk[j, f] = v[vb, hk, k0 + j, f]
+                v_ptr, ldv = vblk.ctypes.data, ev
+            # s[r, j] = scale · q_r · k_j  (row-major s is column-major sᵀ = K · Qᵀ)
             for r0 in range(0, rows, sub):
                 r1 = min(r0 + sub, rows)
-                np.dot(qs[r0:r1], kt, s[r0:r1])
+                gemm(blas, args, 1, 0, n, r1 - r0, e, scale, k_ptr, ldk,
+                     qs[r0:].ctypes.data, e, zero, s[r0:].ctypes.data, block_k)
             for r in range(rows):
                 g = r // bq
                 i = q0 + r - g * bq
                 h = hk * g_heads + g
                 pos = i + offset
-                slope = slopes[b, h] if has_alibi else zero
-                mh = h if mh_full else 0
-                mi = i if mi_full else 0
                 row = s[r]
+                # the keys this row may see at all (causal, window): [j0, j1)
+                j0, j1 = 0, n
+                if left >= 0:
+                    j0 = min(n, max(0, pos - left - k0))
+                if right >= 0:
+                    j1 = max(j0, min(n, pos + right + 1 - k0))
+                seg = row[j0:j1]
+                width = seg.shape[0]
+                if has_cap:
+                    for j in range(width):
+                        seg[j] = softcap * np.tanh(seg[j] / softcap)
+                if has_alibi:
+                    slope = slopes[b, h]
+                    first = pos - (k0 + j0)             # pos - key at j = 0
+                    for j in range(width):
+                        seg[j] -= slope * abs(first - j)
+                if has_mask:
+                    mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
+                    if mj_full:
+                        mseg = mrow[k0 + j0:k0 + j1]
+                        for j in range(width):
+                            seg[j] += mseg[j]
+                    else:
+                        mval = mrow[0]
+                        for j in range(width):
+                            seg[j] += mval
+                # the largest score that is not NaN: a NaN score needs no help to propagate
+                # (its weight e^(NaN - m) is NaN, and so are the row's sum and output)
                 bmax = ninf
-                for j in range(n):
-                    key = k0 + j
-                    x = row[j]
-                    if has_cap:
-                        x = softcap * np.tanh(x / softcap)
-                    if has_alibi:
-                        x -= slope * abs(pos - key)
-                    if has_mask:
-                        x += mask[mb, mh, mi, key if mj_full else 0]
-                    if (left >= 0 and key < pos - left) or (right >= 0 and key > pos + right):
-                        x = ninf
-                    row[j] = x
-                    bmax = max(bmax, x)
+                for j in range(width):
+                    bmax = maxnum(bmax, seg[j])
+                row[:j0] = zero
+                row[j1:n] = zero
                 m_old = m[r]
                 m_new = max(m_old, bmax)
                 shift = m_new if m_new != ninf else zero
-                for j in range(n):
-                    row[j] -= shift
-                exp_into(row[:n], expd, ebits)
+                exp_shifted(seg, shift)
                 total = zero
-                for j in range(n):
-                    row[j] = expd[j]
-                    total += expd[j]
-                alpha = zero if m_old == ninf else math.exp(m_old - shift)
-                l[r] = l[r] * alpha + total
-                for f in range(ev):
-                    acc[r, f] *= alpha
-                m[r] = m_new
-            vb_n = vblk[:n]
+                for j in range(width):
+                    total += seg[j]
+                if m_new != m_old:
+                    alpha = zero if m_old == ninf else math.exp(m_old - shift)
+                    l[r] *= alpha
+                    for f in range(ev):
+                        acc[r, f] *= alpha
+                    m[r] = m_new
+                l[r] += total
+            # acc += p · v  (column-major accᵀ += Vᵀ · Pᵀ)
             for r0 in range(0, rows, sub):
                 r1 = min(r0 + sub, rows)
-                acc[r0:r1] += np.dot(s[r0:r1], vb_n)
+                gemm(blas, args, 0, 0, ev, r1 - r0, n, one, v_ptr, ldv,
+                     s[r0:].ctypes.data, block_k, one, acc[r0:].ctypes.data, ev)
+        if blas[1] != 0:
+            call_int(blas[1], restore)
         for r in range(rows):
             g = r // bq
             i = q0 + r - g * bq
@@ -272,10 +399,10 @@ def _define(numba: Any) -> dict[str, Any]:
     @njit(signatures, parallel=True, nogil=True, fastmath=fastmath, cache=True)
     def forward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                 mmap: Any, lengths: Any, offsets: Any, slopes: Any, items: Any,
-                fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
+                fparams: Any, iparams: Any, blas: Any, out: Any, lse: Any) -> None:
         for t in prange(items.shape[0]):
             attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                        items[t], fparams, iparams, out, lse)
+                        items[t], fparams, iparams, blas, out, lse)
 
     return {"exp32": exp32, "exp64": exp64, "attend_item": attend_item, "forward": forward}
 
@@ -291,7 +418,7 @@ def _signature(numba: Any, dt: Any) -> Any:
 
     i1 = arr(t.int64, 1)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
-                  arr(dt, 2), arr(t.int64, 2), arr(dt, 1), i1, arr(dt, 4, False),
+                  arr(dt, 2), arr(t.int64, 2), arr(dt, 1), i1, i1, arr(dt, 4, False),
                   arr(dt, 3, False))
 
 
@@ -359,11 +486,54 @@ _call_lock = threading.Lock()
 
 def exp(x: np.ndarray) -> np.ndarray:
     """The kernel's exponential of a 1-D float32 or float64 array (for tests and checks)."""
-    x = np.ascontiguousarray(x)
-    out = np.empty_like(x)
-    ebits = np.empty_like(x)
-    kernels()["exp32" if x.dtype == np.float32 else "exp64"](x, out, ebits)
+    out = np.array(x, copy=True, order="C")
+    kernels()["exp32" if out.dtype == np.float32 else "exp64"](out, out.dtype.type(0.0))
     return out
+
+
+# --- BLAS --------------------------------------------------------------------------------
+
+#: Per dtype: (address of ?gemm, address of the BLAS's thread-local thread setter or 0).
+_blas: dict[str, np.ndarray] = {}
+#: Where the setter came from (for ``explain``): e.g. "openblas_set_num_threads_local".
+_blas_threads: list[str] = []
+
+
+def blas(dtype: np.dtype) -> np.ndarray:
+    """The BLAS the kernel calls: SciPy's ``sgemm``/``dgemm`` (the BLAS Numba itself
+    uses), and that library's thread-local thread count setter where it has one
+    (OpenBLAS ≥ 0.3.27, MKL). With the setter, each work item runs its products on one
+    BLAS thread, whatever their size, and puts the thread's previous setting back; without
+    it, products are cut into slabs too small for OpenBLAS to thread (``SINGLE_THREAD_GEMM``)."""
+    name = "sgemm" if dtype == np.float32 else "dgemm"
+    with _lock:
+        if name not in _blas:
+            import scipy.linalg.cython_blas as cython_blas
+            from numba.extending import get_cython_function_address
+
+            gemm = get_cython_function_address("scipy.linalg.cython_blas", name)
+            setter = 0
+            try:
+                library = ctypes.CDLL(cython_blas.__file__)
+            except OSError:
+                library = None
+            for symbol in ("openblas_set_num_threads_local", "mkl_set_num_threads_local"):
+                function = getattr(library, symbol, None) if library is not None else None
+                if function is not None:
+                    setter = ctypes.cast(function, ctypes.c_void_p).value or 0
+                    if not _blas_threads:
+                        _blas_threads.append(symbol)
+                    break
+            _blas[name] = np.array([gemm, setter], dtype=np.int64)
+        return _blas[name]
+
+
+def blas_threads() -> str:
+    """How BLAS is kept to one thread inside the kernel's parallel loop."""
+    if _blas_threads:
+        return f"one BLAS thread per work item ({_blas_threads[0]})"
+    return ("products cut into slabs OpenBLAS runs on the calling thread (no thread-local "
+            "BLAS setting found)")
 
 
 # --- the call ----------------------------------------------------------------------------
@@ -457,15 +627,23 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
         items_arr = np.asarray(items, dtype=np.int64)
         items_arr = items_arr[np.argsort(-(items_arr[:, 5] - items_arr[:, 4]), kind="stable")]
         fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf], dtype=dtype)
+        forward = kernels()["forward"]
+        library = blas(dtype)
+        sub = rows * g if library[1] else _slab_rows(max(e, ev))
         iparams = np.array([int(rules.causal), left, right, has_mask,
                             int(rules.alibi is not None), int(rules.softcap is not None),
-                            BLOCK_K, _slab_rows(max(e, ev))], dtype=np.int64)
-        forward = kernels()["forward"]
-        with _serialised():
-            forward(q4, k4, v4, qmap, kmap, vmap, mask4, mmap, lengths, offsets, slopes,
-                    items_arr, fparams, iparams, out, lse)
-            if not _layer:
-                import numba
+                            BLOCK_K, sub], dtype=np.int64)
+        import numba
 
+        with _serialised():
+            # items one at a time to whichever thread is free (they are sorted largest
+            # first: static chunks would leave one thread with the large ones)
+            before = numba.set_parallel_chunksize(1)
+            try:
+                forward(q4, k4, v4, qmap, kmap, vmap, mask4, mmap, lengths, offsets, slopes,
+                        items_arr, fparams, iparams, library, out, lse)
+            finally:
+                numba.set_parallel_chunksize(before)
+            if not _layer:
                 _layer.append(str(numba.threading_layer()))
     return out.reshape((*batch, *out_shape[1:])), lse.reshape((*batch, h, tq))
