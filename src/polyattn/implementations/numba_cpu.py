@@ -119,8 +119,9 @@ def _intrinsics(numba: Any) -> dict[str, Any]:
     def call_gemm(typingctx: Any, address: Any, pointers: Any) -> Any:
         """The BLAS ``?gemm`` at ``address``, called with 13 pointers (Fortran convention,
         every argument by reference), given as a tuple of 64-bit integer addresses."""
-        if not (isinstance(pointers, types.BaseTuple) and len(pointers) == 13
-                and all(isinstance(x, types.Integer) and x.bitwidth == 64 for x in pointers)):
+        members: list[Any] = list(getattr(pointers, "types", ()))
+        if len(members) != 13 or not all(isinstance(x, types.Integer) and
+                                         getattr(x, "bitwidth", 0) == 64 for x in members):
             return None
         sig = types.void(types.int64, pointers)
 
