@@ -158,8 +158,8 @@ def fuzz(session: nox.Session) -> None:
 
 @nox.session(default=False, tags=["bench"])
 def bench(session: nox.Session) -> None:
-    """CPU benchmark: polyattn vs torch SDPA vs naive NumPy, side by side."""
-    install(session, "-e", ".", "torch", "threadpoolctl", "matplotlib")
+    """CPU benchmark: polyattn vs torch SDPA vs naive NumPy, side by side (with numba_cpu)."""
+    install(session, "-e", ".[numba]", "torch", "threadpoolctl", "matplotlib")
     session.run("python", "benchmarks/cpu.py", *session.posargs)
 
 

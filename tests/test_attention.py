@@ -405,6 +405,7 @@ def test_explain_reports_choice(xp, device, backend):
 
 def test_explain_chunked_over_budget(monkeypatch):
     monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "100")
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
     q = np.zeros((1, 2, 8, 4), dtype=np.float32)
     e = polyattn.explain(q, q, q)
     assert e.implementation == "chunked"

@@ -7,6 +7,7 @@ Runs where Numba is installed (``nox -s numba_cpu``); skipped elsewhere with the
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,4 +179,103 @@ def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match=r"numba_cpu.*NumPy arrays"):
         sdpa(qs, qs, qs, implementation="numba_cpu")
     assert polyattn.explain(q, q, q, implementation="numba_cpu").implementation == "numba_cpu"
-    assert polyattn.explain(q, q, q).implementation != "numba_cpu"     # not chosen by "auto"
+
+
+# --- what "auto" does with it -----------------------------------------------------------------
+
+def test_auto_takes_it_above_the_score_budget_only(monkeypatch):
+    monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
+    big = np.zeros((1, 4, 128, 16), dtype=np.float32)        # 256 KiB of scores
+    small = np.zeros((1, 1, 16, 16), dtype=np.float32)       # 1 KiB
+    chosen = polyattn.explain(big, big, big)
+    assert chosen.implementation == "numba_cpu"
+    assert "measured faster" in chosen.reason
+    assert chosen.candidates["numba_cpu"] == ""
+    assert chosen.candidates["chunked"] == "numba_cpu comes first"
+    assert "numba_cpu kernel:" in str(chosen)
+    below = polyattn.explain(small, small, small)
+    assert below.implementation == "reference"
+    assert "fits" in below.candidates["numba_cpu"]
+    # what it cannot do goes to the NumPy fast path, with the reason
+    drop = polyattn.explain(big, big, big, dropout_p=0.1, dropout_seed=3)
+    assert drop.implementation == "chunked" and "dropout" in drop.candidates["numba_cpu"]
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
+    off = polyattn.explain(big, big, big)
+    assert off.implementation == "chunked"
+    assert "POLYATTN_NUMBA_CPU=0" in off.candidates["numba_cpu"]
+    # by name it still runs
+    assert polyattn.explain(big, big, big, implementation="numba_cpu").implementation == \
+        "numba_cpu"
+
+
+def test_auto_falls_back_when_the_kernel_cannot_compile(monkeypatch):
+    rng = np.random.default_rng(34)
+    q, k, v = (x.astype(np.float32) for x in _inputs(rng, b=1, hkv=4, tq=64, tk=64))
+
+    def broken():
+        raise numba_cpu.KernelUnavailable("the numba_cpu kernel failed to compile: test")
+
+    monkeypatch.setattr(numba_cpu, "kernels", broken)
+    got = sdpa(q, k, v)
+    want = sdpa(q, k, v, implementation="chunked")
+    np.testing.assert_array_equal(got, want)
+    monkeypatch.setattr(numba_cpu, "_compiled", ["failed to compile: test"])
+    chosen = polyattn.explain(q, k, v)
+    assert chosen.implementation == "chunked"
+    assert "failed to compile" in chosen.candidates["numba_cpu"]
+
+
+@pytest.mark.parametrize("blas_limit", [None, 1])
+def test_strided_features_and_blas_threads(blas_limit):
+    """Keys/values whose features are not contiguous are copied per block (the BLAS reads
+    the others in place); products are cut into slabs unless BLAS runs one thread anyway
+    (then they run whole); the BLAS thread count is the same after the call."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    rng = np.random.default_rng(35)
+    q, k, v = _inputs(rng, b=1, tq=600, tk=300, e=16, ev=16)
+    k, v = k[..., ::2], v[..., ::2]                          # stride 2 along the features
+    q = q[..., :8]
+    want = sdpa(q, k, v, enable_gqa=True, implementation="reference")
+    limit = (threadpoolctl.threadpool_limits(blas_limit, user_api="blas") if blas_limit
+             else threadpoolctl.threadpool_limits(None))
+    with limit:
+        before = numba_cpu.blas_threads()
+        got = sdpa(q, k, v, enable_gqa=True, implementation="numba_cpu")
+        assert numba_cpu.blas_threads() == before
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_warmup_caches_the_kernel_where_the_package_is_read_only(tmp_path):
+    """``python -m polyattn warmup`` compiles into Numba's user-wide cache when no cache
+    can be written next to the package; a second process loads it from there."""
+    import os
+    import shutil
+    import stat
+    import subprocess
+    import sys
+
+    src = Path(polyattn.__file__).resolve().parent
+    copy = tmp_path / "site" / "polyattn"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    # a file where Numba would make its cache folder: unwritable even for root, which
+    # permission bits do not stop
+    (copy / "implementations" / "__pycache__").write_text("")
+    for path in [copy, *copy.rglob("*")]:
+        mode = path.stat().st_mode
+        path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(PYTHONPATH=str(copy.parent), HOME=str(tmp_path / "home"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    try:
+        runs = [subprocess.run([sys.executable, "-m", "polyattn", "warmup"], env=env,
+                               capture_output=True, text=True, timeout=600, check=False)
+                for _ in range(2)]
+    finally:
+        for path in [copy, *copy.rglob("*")]:
+            path.chmod(path.stat().st_mode | stat.S_IWUSR)
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert "compiled in" in runs[0].stdout
+    assert "loaded from Numba's cache" in runs[1].stdout
+    assert str(tmp_path) in runs[1].stdout                    # the user-wide cache
+    assert not list(copy.rglob("*.nbi"))                      # nothing written to the package

@@ -69,7 +69,8 @@ def check(got, ref, dtype_name):
     assert_lse_close(lse, ref_lse, dtype_name)
 
 
-def test_dispatch_uses_numpy_path():
+def test_dispatch_uses_numpy_path(monkeypatch):
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")   # where Numba is installed, it comes first
     q = np.zeros((1, 2, 256, 16), dtype=np.float32)
     e = polyattn.explain(q, q, q)
     assert e.implementation == "chunked"
@@ -83,6 +84,7 @@ def test_dispatch_uses_numpy_path():
 
 
 def test_dispatch_budget_override(monkeypatch):
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
     q = np.zeros((1, 2, 256, 16), dtype=np.float32)
     monkeypatch.setenv("POLYATTN_SCORE_BUDGET", str(2**30))
     assert polyattn.explain(q, q, q).implementation == "reference"

@@ -7,7 +7,10 @@ CUDA kernel go to ``"numba_cuda"`` (for torch tensors that require
 gradients, through a ``torch.autograd.Function`` whose backward pass is the
 kernel's, unless ``attn_mask`` or ``alibi_slopes`` require one too);
 otherwise ``"reference"`` while the score matrix fits the score budget, else
-``"chunked"``. On torch CPU tensors ``"chunked"`` runs the NumPy fast path
+``"chunked"`` — on NumPy arrays ``"numba_cpu"`` (the fused Numba kernel) in
+its place where Numba is installed and the kernel can run the call (measured
+faster than the NumPy fast path above the budget; ``POLYATTN_NUMBA_CPU=0``
+turns that off). On torch CPU tensors ``"chunked"`` runs the NumPy fast path
 over NumPy views of them (differentiable the same way), except while
 ``torch.compile`` traces.
 
@@ -95,6 +98,8 @@ class Explanation:
     features: dict[str, str] = field(default_factory=dict)
     #: For ``"distributed"``: the task plan (chunks, tile and merge tasks).
     plan: str = ""
+    #: For ``"numba_cpu"``: whether its compiled kernel is ready (in memory, cached, or not).
+    compiled: str = ""
 
     def __str__(self) -> str:
         shapes = ", ".join(f"{k} {v}" for k, v in self.shape.items())
@@ -114,6 +119,8 @@ class Explanation:
                          "shapes above are their (B…, H, T, E) views)")
         if self.plan:
             lines.append(f"plan: {self.plan}")
+        if self.compiled:
+            lines.append(f"numba_cpu kernel: {self.compiled}")
         if self.features:
             lines.append("features: " + ", ".join(f"{k} {v}" for k, v in self.features.items()))
         if self.candidates:
@@ -275,8 +282,10 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
            for_vjp: bool = False) -> Explanation:
     """Decide which implementation runs; raise if a requested one cannot.
 
-    ``"auto"`` walks the preference list native → numba_cuda → reference /
-    chunked (by the score budget) and takes the first that can run the call;
+    ``"auto"`` walks the preference list native → numba_cuda → distributed →
+    reference / numba_cpu / chunked (by the score budget; numba_cpu in place of
+    chunked on NumPy arrays where it can run) and takes the first that can run
+    the call;
     every candidate's verdict is kept in :attr:`Explanation.candidates`.
     ``for_vjp``: the choice for :func:`polyattn.attention_vjp`, which runs the
     implementations' own backward passes (native has none).
@@ -321,11 +330,12 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
             f"for NumPy arrays: {kernel_reason}"
         )
 
-    # --- numba_cpu: the fused CPU kernel, on NumPy arrays, when asked for by name
-    if requested == "numba_cpu":
-        why = numba_cpu_status(problem, for_vjp)
-        if why is not None:
-            raise ValueError(f"implementation='numba_cpu' cannot run this call: {why}")
+    # --- numba_cpu: the fused CPU kernel, on NumPy arrays
+    cpu_why: str | None = "not considered"
+    if requested in ("auto", "numba_cpu"):
+        cpu_why = numba_cpu_status(problem, for_vjp, by_name=requested == "numba_cpu")
+    if requested == "numba_cpu" and cpu_why is not None:
+        raise ValueError(f"implementation='numba_cpu' cannot run this call: {cpu_why}")
 
     # --- distributed: Dask arrays, one task per (query chunk, key chunk)
     plan_why: str | None = "not considered"
@@ -348,6 +358,11 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         name, reason = "distributed", (
             "Dask arrays: one task per (query chunk, key chunk) on the fastest local path "
             "for its blocks, merged through the log-sum-exp, tiles no query sees left out")
+    elif budget_name == "chunked" and numpy and cpu_why is None:
+        name, reason = "numba_cpu", (
+            f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget for "
+            "NumPy arrays, and above it the fused Numba kernel was measured faster than the "
+            "NumPy fast path (numpy_chunked): 0.5-0.8x its time on the benchmark shapes")
     else:
         name, reason = budget_name, budget_why
     if requested == "auto":
@@ -366,10 +381,20 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
             candidates["distributed"] = f"{name} comes first"
         else:
             candidates["distributed"] = plan_why or "not needed"
+        if name == "numba_cpu":
+            candidates["numba_cpu"] = ""
+        elif name in ("native", "numba_cuda", "distributed"):
+            candidates["numba_cpu"] = cpu_why or f"{name} comes first"
+        elif cpu_why is None:
+            candidates["numba_cpu"] = (
+                f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget, "
+                "where materialising it was measured faster than either blocked path")
+        else:
+            candidates["numba_cpu"] = cpu_why
         for other in ("reference", "chunked"):
             if other == name:
                 candidates[other] = ""
-            elif name in ("native", "numba_cuda", "distributed"):
+            elif name in ("native", "numba_cuda", "distributed", "numba_cpu"):
                 candidates[other] = f"{name} comes first"
             else:
                 candidates[other] = budget_why
@@ -402,11 +427,18 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         layout=problem.layout,
         features=_features(problem),
         plan=distributed_plan(problem) if name == "distributed" else "",
+        compiled=numba_cpu_compiled() if name == "numba_cpu" else "",
     )
 
 
-def numba_cpu_status(problem: Problem, for_vjp: bool = False) -> str | None:
-    """Why the fused Numba CPU kernel cannot run this call (``None``: it can)."""
+def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
+                     by_name: bool = True) -> str | None:
+    """Why the fused Numba CPU kernel cannot run this call (``None``: it can).
+
+    ``by_name=False`` (for ``"auto"``) also honours ``POLYATTN_NUMBA_CPU=0``.
+    """
+    if not by_name and os.environ.get("POLYATTN_NUMBA_CPU", "").strip() == "0":
+        return "turned off for implementation='auto' by POLYATTN_NUMBA_CPU=0"
     if not is_numpy(problem.xp):
         return (f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays")
     if for_vjp:
@@ -417,6 +449,13 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False) -> str | None:
 
     usable, why = numba_cpu.availability()
     return None if usable else why
+
+
+def numba_cpu_compiled() -> str:
+    """Whether the numba_cpu kernel is compiled, cached on disk, or still to compile."""
+    from .implementations import numba_cpu
+
+    return numba_cpu.cache_state()
 
 
 def distributed_status(problem: Problem, for_vjp: bool = False) -> str | None:
@@ -472,13 +511,23 @@ def _passes(problem: Problem, name: str) -> tuple[_autograd.Forward, _autograd.B
     return _autograd.direct(load(name, problem.xp), problem)
 
 
-def run(problem: Problem, name: str, *, grad: bool = True) -> tuple[Any, Any]:
+def run(problem: Problem, name: str, *, grad: bool = True,
+        fallback: bool = False) -> tuple[Any, Any]:
     """Call implementation ``name`` on a prepared problem.
 
     Paths that torch autograd cannot see through (the CUDA kernel, NumPy code
     on torch CPU tensors) are wrapped in a ``torch.autograd.Function`` when
-    the inputs require gradients (``grad=False``: never).
+    the inputs require gradients (``grad=False``: never). ``fallback``: where
+    ``"auto"`` chose ``"numba_cpu"`` and its kernel fails to compile, run the
+    NumPy fast path instead (``explain`` then says why numba_cpu is not usable).
     """
+    if name == "numba_cpu" and fallback:
+        from .implementations import numba_cpu
+
+        try:
+            numba_cpu.kernels()
+        except numba_cpu.KernelUnavailable:
+            name = "chunked"
     forward, backward = _passes(problem, name)
     fused = name == "numba_cuda" or bridged(problem, name)
     if grad and fused and problem.requires_grad:

@@ -177,7 +177,8 @@ def scaled_dot_product_attention(
     if problem.score_elements == 0:
         out, lse = _empty_problem(problem)
     else:
-        out, lse = _dispatch.run(problem, choice.implementation)
+        out, lse = _dispatch.run(problem, choice.implementation,
+                                 fallback=implementation == "auto")
     xp = problem.xp
     if out.dtype != problem.result_dtype:
         out = xp.astype(out, problem.result_dtype)

@@ -188,7 +188,39 @@ def cmd_info(args: argparse.Namespace) -> int:
     if cuda_ok:
         impls.append("numba_cuda (simulator, NumPy arrays)" if simulator_enabled()
                      else "numba_cuda")
+    usable, why = _numba_cpu_availability()
+    if usable:
+        impls.append("numba_cpu")
     print(f"implementations available: {', '.join(impls)}")
+    if usable:
+        from .implementations import numba_cpu
+
+        print(f"numba_cpu kernel: {numba_cpu.cache_state()}")
+    else:
+        print(f"numba_cpu kernel: not usable ({why})")
+    return 0
+
+
+def _numba_cpu_availability() -> tuple[bool, str]:
+    from .implementations import numba_cpu
+
+    return numba_cpu.availability()
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    """``warmup``: compile the numba_cpu kernel now (or load it from Numba's cache)."""
+    usable, why = _numba_cpu_availability()
+    if not usable:
+        raise CLIError(f"the numba_cpu kernel cannot be compiled: {why}")
+    from .implementations import numba_cpu
+
+    try:
+        what, seconds = numba_cpu.warmup()
+    except numba_cpu.KernelUnavailable as exc:
+        raise CLIError(str(exc)) from None
+    done = ("loaded from Numba's cache" if what == "loaded" else "compiled")
+    print(f"numba_cpu kernel {done} in {seconds:.1f} s (float32 and float64)")
+    print(f"numba_cpu kernel: {numba_cpu.cache_state_on_disk()}")
     return 0
 
 
@@ -574,6 +606,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"polyattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, array libraries found, CUDA availability")
+    sub.add_parser("warmup", help="compile the numba_cpu kernel now, so that the first call "
+                                  "does not wait for it (needs polyattn[numba])")
     demo = sub.add_parser("demo", help='self-attention on "这 部 电影 很 好看", step by step')
     demo.add_argument("--backend", choices=BACKENDS, default="numpy")
     demo.add_argument("--save-png", metavar="PATH", help="also write a heatmap (matplotlib)")
@@ -619,7 +653,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     handlers = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench,
-                "generate": cmd_generate}
+                "generate": cmd_generate, "warmup": cmd_warmup}
     try:
         status = handlers[args.command](args)
         sys.stdout.flush()
