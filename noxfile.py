@@ -92,14 +92,16 @@ def kernel_ptx(session: nox.Session) -> None:
 
 @nox.session(tags=["cpu"])
 def numba_cpu(session: nox.Session) -> None:
-    """The fused Numba CPU kernel (implementation "numba_cpu") against the float64 oracle."""
+    """The fused Numba CPU kernel (implementation "numba_cpu"): forward, backward, dropout,
+    what "auto" does with it, its cache, against the float64 oracle."""
     install(session, "-e", ".[test,numba]")
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
     # Numba checks no index unless asked: the tests ask, so an index out of range is an
     # IndexError here rather than memory read or written elsewhere
     session.env["NUMBA_BOUNDSCHECK"] = "1"
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                *(session.posargs or ["tests/test_numba_cpu.py"]))
+                *(session.posargs or ["tests/test_numba_cpu.py", "--doctest-modules",
+                                      "src/polyattn/implementations/numba_cpu.py"]))
 
 
 @nox.session(tags=["style"])
@@ -122,7 +124,10 @@ def docs(session: nox.Session) -> None:
     install(session, "-e", ".[test]", "-r", "docs/requirements.txt")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--doctest-modules",
-                "src/polyattn", "--ignore=src/polyattn/implementations/numba_cuda.py")
+                "src/polyattn", "--ignore=src/polyattn/implementations/numba_cuda.py",
+                # Numba is not installed here: the numba_cpu session runs these
+                "--ignore=src/polyattn/implementations/numba_cpu.py",
+                "--ignore=src/polyattn/implementations/_numba_cpu_kernels.py")
 
 
 @nox.session(tags=["docs"])
@@ -173,7 +178,7 @@ def bench_window(session: nox.Session) -> None:
 @nox.session(default=False, tags=["bench"])
 def bench_backward(session: nox.Session) -> None:
     """Forward+backward benchmark: attention_vjp on NumPy vs torch SDPA + backward(), CPU."""
-    install(session, "-e", ".", "torch", "threadpoolctl", "matplotlib")
+    install(session, "-e", ".[numba]", "torch", "threadpoolctl", "matplotlib")
     session.run("python", "benchmarks/backward.py", *session.posargs)
 
 

@@ -156,8 +156,16 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
     def theirs_forward() -> Any:
         return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
+    def numpy_path() -> tuple[np.ndarray, ...]:
+        with blas_mode(threading):
+            out, pullback = polyattn.attention_vjp(q, k, v, is_causal=causal,
+                                                   implementation="chunked")
+            return (out, *pullback(go))
+
     fns: dict[str, Any] = {"polyattn": ours, "polyattn forward": ours_forward,
                            "torch": theirs, "torch forward": theirs_forward}
+    if polyattn.explain(q, k, v, is_causal=causal).implementation != "chunked":
+        fns["numpy path"] = numpy_path        # the NumPy fast path, side by side
     if run_naive:
         def naive_fb() -> tuple[np.ndarray, ...]:
             with blas_mode(threading):
@@ -205,6 +213,8 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
         "score_matrix_mib": score_mib,
         "rel_diff_vs_torch": {name: rel_diff(kept[name], want) for name in kept},
     }
+    if "numpy path" in med:
+        row["ratio_to_torch"]["numpy path"] = med["numpy path"] / med["torch"]
     if run_naive:
         row["ratio_to_torch"]["naive"] = med["naive"] / med["torch"]
     else:
@@ -301,20 +311,23 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         "(B, H, T, T) matrix in the case's dtype.",
         "",
         "| case (B, H, T, E) | causal | dtype | polyattn ms | fwd ms | torch ms | fwd ms "
-        "| naive ms | ratio | fwd ratio | bwd ratio | polyattn MiB | work MiB | naive MiB "
-        "| scores MiB | diff vs torch |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| naive ms | ratio | fwd ratio | bwd ratio | NumPy path ratio | polyattn MiB "
+        "| work MiB | naive MiB | scores MiB | diff vs torch |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---:|",
     ]
     for r in rows:
         med, rat, mem = r["median_s"], r["ratio_to_torch"], r["peak_extra_mib"]
         naive_ms = f"{med['naive'] * 1e3:.0f}" if "naive" in med else "—"
         naive_mib = f"{mem['naive']:.0f}" if "naive" in mem else "—"
+        numpy_path = f"{rat['numpy path']:.2f}" if "numpy path" in rat else "—"
         lines.append(
             f"| {tuple(r['case'])} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
             f"| {med['polyattn'] * 1e3:.0f} | {med['polyattn forward'] * 1e3:.0f} "
             f"| {med['torch'] * 1e3:.0f} | {med['torch forward'] * 1e3:.0f} | {naive_ms} "
             f"| **{rat['polyattn']:.2f}** | {rat['polyattn forward']:.2f} "
-            f"| {rat['polyattn backward']:.2f} | {mem['polyattn']:.1f} "
+            f"| {rat['polyattn backward']:.2f} | {numpy_path} "
+            f"| {mem['polyattn']:.1f} "
             f"| {r['working_mib']['polyattn']:.1f} | {naive_mib} "
             f"| {r['score_matrix_mib']:.0f} | {r['rel_diff_vs_torch']['polyattn']:.1e} |")
     lines += ["", "## Targets", ""] + [f"- {t}" for t in targets(rows)]

@@ -441,10 +441,6 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
         return "turned off for implementation='auto' by POLYATTN_NUMBA_CPU=0"
     if not is_numpy(problem.xp):
         return (f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays")
-    if for_vjp:
-        return "it has no backward pass yet; attention_vjp runs the NumPy fast path"
-    if problem.rules is not None and problem.rules.dropout:
-        return "it does not do dropout; the NumPy fast path (implementation='chunked') does"
     from .implementations import numba_cpu
 
     usable, why = numba_cpu.availability()

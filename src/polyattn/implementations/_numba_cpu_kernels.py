@@ -84,7 +84,7 @@ def _maxnum(typingctx: Any, a: Any, b: Any) -> Any:
 maxnum: Any = intrinsic(_maxnum)
 
 
-# --- the exponential, the BLAS call, the kernel
+# --- the exponential, the dropout counters, the BLAS call, the kernel
 
 fastmath = {"contract", "reassoc", "nsz", "arcp"}
 # the exponential keeps its evaluation order: reassociating (t - k·ln2_hi) - k·ln2_lo
@@ -158,6 +158,24 @@ def _exp_shifted(x, shift):  # type: ignore[no-untyped-def]
         return lambda x, shift: exp32(x, shift)
     return lambda x, shift: exp64(x, shift)
 
+@njit(nogil=True, cache=True, inline="always")
+def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
+    """The first output word of Philox4x32-10 (``_dropout``) for the counter
+    ``(n mod 2³², n div 2³², 0, 0)`` under the key words ``(key0, key1)``; uint64 words
+    holding 32-bit values (every operand uint64: Numba would make uint64 ⊕ int64 a float)."""
+    mask, shift = np.uint64(0xFFFFFFFF), np.uint64(32)
+    m0, m1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    w0, w1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+    c0, c1, c2, c3 = n & mask, n >> shift, np.uint64(0), np.uint64(0)
+    k0, k1 = key0, key1
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + w0) & mask, (k1 + w1) & mask
+        p0, p1 = c0 * m0, c2 * m1
+        c0, c1, c2, c3 = (p1 >> shift) ^ c1 ^ k0, p1 & mask, (p0 >> shift) ^ c3 ^ k1, p0 & mask
+    return c0
+
+
 @njit(nogil=True, cache=True)
 def gemm(blas: Any, args: Any, ta: int, tb: int, m: int, n: int, k: int, alpha: Any,
          a: int, lda: int, b: int, ldb: int, beta: Any, c: int, ldc: int) -> None:
@@ -190,6 +208,10 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
     left, right = iparams[1], iparams[2]
     has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
     block_k, sub = iparams[6], iparams[7]
+    # dropout (DESIGN §4.1, the counters of ``_dropout``): kept iff Philox's x0 >= cut
+    has_dropout = iparams[8]
+    cut, key0, key1 = np.uint64(iparams[9]), np.uint64(iparams[10]), np.uint64(iparams[11])
+    keep_scale = fparams[5]
     length = lengths[b]
     offset = offsets[b]
     qb, kb, vb = qmap[b], kmap[b], vmap[b]
@@ -293,6 +315,12 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                     acc[r, f] *= alpha
                 m[r] = m_new
             l[r] += total
+            if has_dropout:
+                # the weights' flat indices in (B…, H, Tq, Tk): n = row · Tk + key
+                n0 = np.uint64(((b * q.shape[1] + h) * q.shape[2] + i) * k.shape[2] + k0 + j0)
+                for j in range(width):
+                    x0 = philox_x0(n0 + np.uint64(j), key0, key1)
+                    seg[j] = seg[j] * keep_scale if x0 >= cut else zero
         # acc += p · v  (column-major accᵀ += Vᵀ · Pᵀ)
         for r0 in range(0, rows, sub):
             r1 = min(r0 + sub, rows)
@@ -336,3 +364,265 @@ def signature(dt: Any) -> Any:
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
                   arr(dt, 2), arr(t.int64, 2), arr(dt, 1), i1, i1, arr(dt, 4, False),
                   arr(dt, 3, False))
+
+
+# --- the backward pass (FlashAttention-2: scores recomputed from q, k and the saved lse) ---
+
+@njit(nogil=True, cache=True)
+def mm(blas: Any, args: Any, limit: int, m: int, n: int, k: int, alpha: Any, a: int,
+       lda: int, ta: int, b: int, ldb: int, tb: int, beta: Any, c: int, ldc: int) -> None:
+    """Row-major ``C[m×n] = alpha·op(A)·op(B) + beta·C`` (``op(X)`` is ``X``, or ``Xᵀ`` when
+    ``t`` is 1; addresses and row strides in elements). Above ``limit`` multiply-adds
+    (0: no limit) the product is cut along ``m``, so that OpenBLAS runs each piece on the
+    calling thread."""
+    size = args[2].itemsize
+    step = m if limit == 0 else max(1, limit // max(1, n * k))
+    for m0 in range(0, m, step):
+        rows = min(step, m - m0)
+        a0 = a + (m0 * lda if ta == 0 else m0) * size
+        # row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
+        gemm(blas, args, tb, ta, n, rows, k, alpha, b, ldb, a0, lda, beta,
+             c + m0 * ldc * size, ldc)
+
+
+@njit(nogil=True, fastmath=fastmath, cache=True)
+def gradient_row(srow: Any, dprow: Any, pdrow: Any, trow: Any, n: int, k0: int, pos: int,
+                 b: int, h: int, i: int, lse_i: Any, d_i: Any, mask: Any, mb: int,
+                 slopes: Any, fparams: Any, iparams: Any, tq: int, tk: int) -> bool:
+    """One query row against keys ``[k0, k0 + n)``: ``srow`` holds its scaled scores and
+    leaves with ``dS``, ``pdrow`` gets the (dropped) weights, ``dprow`` holds ``dO·vⱼ``.
+    Returns whether the row sees any of these keys."""
+    softcap, zero, ninf, keep_scale = fparams[1], fparams[2], fparams[4], fparams[5]
+    left, right = iparams[1], iparams[2]
+    has_mask, has_alibi, has_cap, has_dropout = iparams[3], iparams[4], iparams[5], \
+        iparams[8]
+    j0, j1 = 0, n
+    if left >= 0:
+        j0 = min(n, max(0, pos - left - k0))
+    if right >= 0:
+        j1 = max(j0, min(n, pos + right + 1 - k0))
+    if j0 >= j1 or lse_i == ninf:
+        srow[:n] = zero
+        pdrow[:n] = zero
+        return False
+    srow[:j0] = zero
+    srow[j1:n] = zero
+    pdrow[:j0] = zero
+    pdrow[j1:n] = zero
+    seg, dseg, pseg, tseg = srow[j0:j1], dprow[j0:j1], pdrow[j0:j1], trow[j0:j1]
+    width = j1 - j0
+    if has_cap:
+        for j in range(width):
+            t = np.tanh(seg[j] / softcap)
+            tseg[j] = t
+            seg[j] = softcap * t
+    if has_alibi:
+        slope = slopes[b, h]
+        first = pos - (k0 + j0)
+        for j in range(width):
+            seg[j] -= slope * abs(first - j)
+    if has_mask:
+        mrow = mask[mb, h if mask.shape[1] > 1 else 0, i if mask.shape[2] > 1 else 0]
+        if mask.shape[3] > 1:
+            mseg = mrow[k0 + j0:k0 + j1]
+            for j in range(width):
+                seg[j] += mseg[j]
+        else:
+            mval = mrow[0]
+            for j in range(width):
+                seg[j] += mval
+    exp_shifted(seg, lse_i)                     # the weights P, before dropout
+    if has_dropout:
+        cut, key0, key1 = np.uint64(iparams[9]), np.uint64(iparams[10]), \
+            np.uint64(iparams[11])
+        # the weights' flat indices in (B…, H, Tq, Tk), H = iparams[12]
+        n0 = np.uint64(((b * iparams[12] + h) * tq + i) * tk + k0 + j0)
+        for j in range(width):
+            f = keep_scale if philox_x0(n0 + np.uint64(j), key0, key1) >= cut else zero
+            pseg[j] = seg[j] * f
+            dseg[j] *= f
+    else:
+        for j in range(width):
+            pseg[j] = seg[j]
+    for j in range(width):
+        seg[j] = seg[j] * (dseg[j] - d_i)
+    if has_cap:
+        one = fparams[3]
+        for j in range(width):
+            seg[j] *= one - tseg[j] * tseg[j]
+    return True
+
+
+@njit(nogil=True, fastmath=fastmath, cache=True)
+def _gather_rows(src: Any, sb: int, hk: int, g_heads: int, q0: int, q1: int,
+                 dst: Any) -> None:
+    """Rows ``[q0, q1)`` of the G query heads of group ``hk`` of ``src[sb]`` into ``dst``
+    (head-major: row ``g·(q1 - q0) + i``)."""
+    bq = q1 - q0
+    for g in range(g_heads):
+        for i in range(bq):
+            for f in range(src.shape[3]):
+                dst[g * bq + i, f] = src[sb, hk * g_heads + g, q0 + i, f]
+
+
+@njit(nogil=True, fastmath=fastmath, cache=True)
+def _gather_keys(src: Any, sb: int, hk: int, k0: int, k1: int, dst: Any) -> None:
+    for j in range(k1 - k0):
+        for f in range(src.shape[3]):
+            dst[j, f] = src[sb, hk, k0 + j, f]
+
+
+@njit(nogil=True, fastmath=fastmath, cache=True)
+def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
+                    mmap: Any, lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any,
+                    dd: Any, item: Any, fparams: Any, iparams: Any, blas: Any,
+                    dq: Any) -> None:
+    """dQ of one work item (as in the forward pass): ``dQ = scale · dS · K`` over the
+    item's key blocks."""
+    b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
+    e, ev = q.shape[3], v.shape[3]
+    g_heads = q.shape[1] // k.shape[1]
+    bq = q1 - q0
+    rows = g_heads * bq
+    dt = q.dtype
+    scale, zero, one = fparams[0], fparams[2], fparams[3]
+    block_k, limit = iparams[6], iparams[7]
+    tq, tk = q.shape[2], k.shape[2]
+    offset = offsets[b]
+    args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
+            np.empty(2, dtype=dt))
+    qs = np.empty((rows, e), dtype=dt)
+    dos = np.empty((rows, ev), dtype=dt)
+    _gather_rows(q, qmap[b], hk, g_heads, q0, q1, qs)
+    _gather_rows(go, b, hk, g_heads, q0, q1, dos)
+    acc = np.zeros((rows, e), dtype=dt)
+    s = np.empty((rows, block_k), dtype=dt)
+    dp = np.empty((rows, block_k), dtype=dt)
+    pd = np.empty((rows, block_k), dtype=dt)
+    tc = np.empty((rows, block_k), dtype=dt)
+    kblk = np.empty((block_k, e), dtype=dt)
+    vblk = np.empty((block_k, ev), dtype=dt)
+    hi_key = min(k_hi, lengths[b])
+    for k0 in range(k_lo, hi_key, block_k):
+        k1 = min(k0 + block_k, hi_key)
+        n = k1 - k0
+        _gather_keys(k, kmap[b], hk, k0, k1, kblk)
+        _gather_keys(v, vmap[b], hk, k0, k1, vblk)
+        mm(blas, args, limit, rows, n, e, scale, qs.ctypes.data, e, 0, kblk.ctypes.data, e,
+           1, zero, s.ctypes.data, block_k)
+        mm(blas, args, limit, rows, n, ev, one, dos.ctypes.data, ev, 0, vblk.ctypes.data, ev,
+           1, zero, dp.ctypes.data, block_k)
+        for r in range(rows):
+            g = r // bq
+            i = q0 + r - g * bq
+            h = hk * g_heads + g
+            gradient_row(s[r], dp[r], pd[r], tc[r], n, k0, i + offset, b, h, i,
+                         lse[b, h, i], dd[b, h, i], mask, mmap[b], slopes, fparams, iparams,
+                         tq, tk)
+        mm(blas, args, limit, rows, e, n, scale, s.ctypes.data, block_k, 0,
+           kblk.ctypes.data, e, 0, one, acc.ctypes.data, e)
+    for r in range(rows):
+        g = r // bq
+        for f in range(e):
+            dq[b, hk * g_heads + g, q0 + r - g * bq, f] = acc[r, f]
+
+
+@njit(nogil=True, fastmath=fastmath, cache=True)
+def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
+                  mmap: Any, lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any,
+                  dd: Any, item: Any, fparams: Any, iparams: Any, blas: Any, dk: Any,
+                  dv: Any) -> None:
+    """dK and dV of keys ``[k0, k1)`` of head ``hk``, batch row ``b``: ``dV = Pdᵀ·dO`` and
+    ``dK = scale · dSᵀ·Q`` summed over the query blocks (and the G heads of the group)."""
+    b, hk, k0, k1, q_lo, q_hi = item[0], item[1], item[2], item[3], item[4], item[5]
+    e, ev = q.shape[3], v.shape[3]
+    g_heads = q.shape[1] // k.shape[1]
+    dt = q.dtype
+    scale, zero, one = fparams[0], fparams[2], fparams[3]
+    left, right = iparams[1], iparams[2]
+    block_k, limit, block_q = iparams[6], iparams[7], iparams[13]
+    tq, tk = q.shape[2], k.shape[2]
+    offset = offsets[b]
+    k1 = min(k1, lengths[b])
+    n = k1 - k0
+    dka = np.zeros((max(n, 0), e), dtype=dt)
+    dva = np.zeros((max(n, 0), ev), dtype=dt)
+    if n > 0:
+        args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
+                np.empty(2, dtype=dt))
+        rows_max = g_heads * block_q
+        kblk = np.empty((n, e), dtype=dt)
+        vblk = np.empty((n, ev), dtype=dt)
+        _gather_keys(k, kmap[b], hk, k0, k1, kblk)
+        _gather_keys(v, vmap[b], hk, k0, k1, vblk)
+        qs = np.empty((rows_max, e), dtype=dt)
+        dos = np.empty((rows_max, ev), dtype=dt)
+        s = np.empty((rows_max, block_k), dtype=dt)
+        dp = np.empty((rows_max, block_k), dtype=dt)
+        pd = np.empty((rows_max, block_k), dtype=dt)
+        tc = np.empty((rows_max, block_k), dtype=dt)
+        for q0 in range(q_lo, q_hi, block_q):
+            q1 = min(q0 + block_q, q_hi)
+            bq = q1 - q0
+            # skip blocks whose rows see none of these keys (causal, window)
+            seen = False
+            for i in range(q0, q1):
+                pos = i + offset
+                lo = 0 if left < 0 else pos - left
+                hi = k1 if right < 0 else pos + right + 1
+                if max(lo, k0) < min(hi, k1):
+                    seen = True
+                    break
+            if not seen:
+                continue
+            rows = g_heads * bq
+            _gather_rows(q, qmap[b], hk, g_heads, q0, q1, qs)
+            _gather_rows(go, b, hk, g_heads, q0, q1, dos)
+            mm(blas, args, limit, rows, n, e, scale, qs.ctypes.data, e, 0, kblk.ctypes.data,
+               e, 1, zero, s.ctypes.data, block_k)
+            mm(blas, args, limit, rows, n, ev, one, dos.ctypes.data, ev, 0, vblk.ctypes.data,
+               ev, 1, zero, dp.ctypes.data, block_k)
+            for r in range(rows):
+                g = r // bq
+                i = q0 + r - g * bq
+                h = hk * g_heads + g
+                gradient_row(s[r], dp[r], pd[r], tc[r], n, k0, i + offset, b, h, i,
+                             lse[b, h, i], dd[b, h, i], mask, mmap[b], slopes, fparams,
+                             iparams, tq, tk)
+            mm(blas, args, limit, n, ev, rows, one, pd.ctypes.data, block_k, 1,
+               dos.ctypes.data, ev, 0, one, dva.ctypes.data, ev)
+            mm(blas, args, limit, n, e, rows, scale, s.ctypes.data, block_k, 1,
+               qs.ctypes.data, e, 0, one, dka.ctypes.data, e)
+    for j in range(max(n, 0)):
+        for f in range(e):
+            dk[b, hk, k0 + j, f] = dka[j, f]
+        for f in range(ev):
+            dv[b, hk, k0 + j, f] = dva[j, f]
+
+
+@njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
+def backward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any, mmap: Any,
+             lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any, dd: Any,
+             q_items: Any, k_items: Any, fparams: Any, iparams: Any, blas: Any, dq: Any,
+             dk: Any, dv: Any) -> None:
+    """dQ over the query items, then dK and dV over the key items (each its own rows)."""
+    for t in prange(q_items.shape[0]):
+        grad_query_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, go,
+                        lse, dd, q_items[t], fparams, iparams, blas, dq)
+    for t in prange(k_items.shape[0]):
+        grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, go,
+                      lse, dd, k_items[t], fparams, iparams, blas, dk, dv)
+
+
+def backward_signature(dt: Any) -> Any:
+    """The backward kernel's signature per dtype (any layout, read-only inputs)."""
+    t = numba.types
+    dt = numba.from_dtype(np.dtype(dt))
+
+    def arr(dtype: Any, ndim: int, readonly: bool = True) -> Any:
+        return t.Array(dtype, ndim, "A", readonly=readonly)
+
+    i1, i2 = arr(t.int64, 1), arr(t.int64, 2)
+    return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
+                  arr(dt, 2), arr(dt, 4), arr(dt, 3), arr(dt, 3), i2, i2, arr(dt, 1), i1,
+                  i1, arr(dt, 4, False), arr(dt, 4, False), arr(dt, 4, False))

@@ -34,12 +34,13 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
 
+from ._dropout import key_words, threshold
 from ._rules import Rules
 
 Array = Any
@@ -137,6 +138,26 @@ def kernels() -> dict[str, Any]:
             loaded = sum(forward.stats.cache_hits.values()) - hits
             _compiled.append("loaded" if loaded == len(signatures()) else "compiled")
         return found
+
+
+def backward_kernel() -> Any:
+    """The compiled backward kernel (compiled, or loaded from the cache, on first use)."""
+    kernels()
+    from . import _numba_cpu_kernels as compiled
+
+    with _lock:
+        if not _backward:
+            try:
+                for dt in (np.float32, np.float64):
+                    compiled.backward.compile(compiled.backward_signature(dt))
+            except Exception as exc:  # a compiler error of any kind: report it
+                raise KernelUnavailable(f"the numba_cpu backward kernel failed to compile: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+            _backward.append(compiled.backward)
+    return _backward[0]
+
+
+_backward: list[Any] = []
 
 
 def cache_state() -> str:
@@ -313,89 +334,180 @@ def _per_batch(x: np.ndarray | None, batch: tuple[int, ...], fill: int, dtype: A
     return np.broadcast_to(np.asarray(x), batch).reshape(-1).astype(dtype)
 
 
-def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
-              scale: float, xp: Any, rules: Rules | None = None) -> tuple[Any, Any]:
-    """The fused kernel on NumPy arrays; see :mod:`polyattn.implementations`.
+class _Call:
+    """What the kernels take for one call: the arrays without their broadcast batch axes,
+    the per-batch maps, lengths, offsets, slopes, the work items and the parameters."""
 
-    Dropout is not done here (``ValueError``); every other rule of :class:`Rules` is.
-    """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    tq, tk = q.shape[-2], k.shape[-2]
-    rules = rules or Rules.from_causal_offset(causal_offset, tq, tk)
-    if rules.dropout:
-        raise ValueError("implementation='numba_cpu' does not do dropout")
-    nb = q.ndim - 3
-    batch = tuple(q.shape[:nb])
-    n_batch = math.prod(batch)
-    dtype = q.dtype
-    q4, qmap = _own(q, batch)
-    k4, kmap = _own(k, batch)
-    v4, vmap = _own(v, batch)
-    if mask is None:
-        mask4, mmap, has_mask = np.zeros((1, 1, 1, 1), dtype=dtype), np.zeros(n_batch,
-                                                                              np.int64), 0
-    else:
-        mask = np.asarray(mask)
-        if mask.dtype == np.bool_:
-            mask = np.where(mask, dtype.type(0.0), dtype.type(-np.inf))
-        mask4, mmap = _own(mask.astype(dtype, copy=False), batch)
-        has_mask = 1
-    lengths = _per_batch(rules.key_lengths, batch, tk, np.int64)
-    lengths = np.clip(lengths, 0, tk)
-    if rules.lengths_shift:
-        offsets = lengths - tq
-    else:
-        offsets = np.full(n_batch, rules.offset, dtype=np.int64)
-    h = q.shape[-3]
-    if rules.alibi is not None:
-        slopes = np.broadcast_to(np.asarray(rules.alibi, dtype=dtype),
-                                 (*batch, h)).reshape(n_batch, h)
-        slopes = np.ascontiguousarray(slopes)
-    else:
-        slopes = np.zeros((1, 1), dtype=dtype)
-    left, right = rules.left_reach(), rules.right_reach()
-    reach = tq + tk + max(abs(o) for o in rules.offset_range())
-    left = -1 if left is None else min(left, reach)
-    right = -1 if right is None else min(right, reach)
-    hkv = k.shape[-3]
-    g = h // hkv
-    rows = max(1, (BLOCK_ROWS * 4 // dtype.itemsize) // g)
-    items = []
-    for b in range(n_batch):
-        lo_off = hi_off = int(offsets[b])
-        for q0 in range(0, tq, rows):
-            q1 = min(q0 + rows, tq)
-            lo, hi = rules.key_range(q0, q1, (lo_off, hi_off))
-            hi = min(hi, int(lengths[b]))
-            for hk in range(hkv):
-                items.append((b, hk, q0, q1, lo, max(lo, hi)))
-    e, ev = q.shape[-1], v.shape[-1]
-    out_shape = (n_batch, h, tq, ev)
-    out = np.empty(out_shape, dtype=dtype)
-    lse = np.empty((n_batch, h, tq), dtype=dtype)
-    if items:
-        items_arr = np.asarray(items, dtype=np.int64)
-        items_arr = items_arr[np.argsort(-(items_arr[:, 5] - items_arr[:, 4]), kind="stable")]
-        fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf], dtype=dtype)
-        forward = kernels()["forward"]
-        library = blas(dtype)
+    def __init__(self, q: Any, k: Any, v: Any, mask: Any, causal_offset: int | None,
+                 scale: float, rules: Rules | None) -> None:
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        tq, tk = q.shape[-2], k.shape[-2]
+        rules = rules or Rules.from_causal_offset(causal_offset, tq, tk)
+        self.rules = rules
+        nb = q.ndim - 3
+        self.batch = batch = tuple(q.shape[:nb])
+        self.n_batch = n_batch = math.prod(batch)
+        self.dtype = dtype = q.dtype
+        self.tq, self.tk, self.h, self.hkv = tq, tk, q.shape[-3], k.shape[-3]
+        self.e, self.ev = q.shape[-1], v.shape[-1]
+        self.q4, self.qmap = _own(q, batch)
+        self.k4, self.kmap = _own(k, batch)
+        self.v4, self.vmap = _own(v, batch)
+        if mask is None:
+            self.mask4, self.mmap = np.zeros((1, 1, 1, 1), dtype=dtype), np.zeros(n_batch,
+                                                                                  np.int64)
+        else:
+            mask = np.asarray(mask)
+            if mask.dtype == np.bool_:
+                mask = np.where(mask, dtype.type(0.0), dtype.type(-np.inf))
+            self.mask4, self.mmap = _own(mask.astype(dtype, copy=False), batch)
+        self.lengths = np.clip(_per_batch(rules.key_lengths, batch, tk, np.int64), 0, tk)
+        if rules.lengths_shift:
+            self.offsets = self.lengths - tq
+        else:
+            self.offsets = np.full(n_batch, rules.offset, dtype=np.int64)
+        h = self.h
+        if rules.alibi is not None:
+            slopes = np.broadcast_to(np.asarray(rules.alibi, dtype=dtype),
+                                     (*batch, h)).reshape(n_batch, h)
+            self.slopes = np.ascontiguousarray(slopes)
+        else:
+            self.slopes = np.zeros((1, 1), dtype=dtype)
+        left, right = rules.left_reach(), rules.right_reach()
+        reach = tq + tk + max(abs(o) for o in rules.offset_range())
+        left = -1 if left is None else min(left, reach)
+        right = -1 if right is None else min(right, reach)
+        g = h // self.hkv
+        #: query rows per head in a work item
+        self.rows = rows = max(1, (BLOCK_ROWS * 4 // dtype.itemsize) // g)
+        self.library = blas(dtype)
         whole = blas_threads() == 1
         block_k = BLOCK_K_WHOLE if whole else BLOCK_K
-        sub = rows * g if whole else _slab_rows(block_k, max(e, ev))
-        iparams = np.array([int(rules.causal), left, right, has_mask,
-                            int(rules.alibi is not None), int(rules.softcap is not None),
-                            block_k, sub], dtype=np.int64)
+        self.fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf,
+                                 rules.dropout_scale if rules.dropout else 1.0], dtype=dtype)
+        key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
+        sub = rows * g if whole else _slab_rows(block_k, max(self.e, self.ev))
+        self.iparams = np.array([
+            int(rules.causal), left, right, int(mask is not None), int(rules.alibi is not None),
+            int(rules.softcap is not None), block_k, sub, int(rules.dropout),
+            threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, h, rows,
+        ], dtype=np.int64)
+
+    def query_items(self) -> np.ndarray:
+        """(b, hk, q0, q1, k_lo, k_hi) per item, the largest first."""
+        items = []
+        for b in range(self.n_batch):
+            off = int(self.offsets[b])
+            for q0 in range(0, self.tq, self.rows):
+                q1 = min(q0 + self.rows, self.tq)
+                lo, hi = self.rules.key_range(q0, q1, (off, off))
+                hi = min(hi, int(self.lengths[b]))
+                for hk in range(self.hkv):
+                    items.append((b, hk, q0, q1, lo, max(lo, hi)))
+        return _largest_first(items)
+
+    def key_items(self) -> np.ndarray:
+        """(b, hk, k0, k1, 0, Tq) per block of keys below each batch row's length."""
+        block = int(self.iparams[6])
+        items = [(b, hk, k0, min(k0 + block, self.tk), 0, self.tq)
+                 for b in range(self.n_batch) for hk in range(self.hkv)
+                 for k0 in range(0, int(self.lengths[b]), block)]
+        return _largest_first(items)
+
+    def run(self, kernel: Any, *args: Any) -> None:
+        """``kernel(*args)`` with items handed out one at a time to whichever thread is
+        free (static chunks of items sorted largest first would leave one thread with the
+        large ones), serialised where the threading layer needs it."""
         import numba
 
         with _serialised():
-            # items one at a time to whichever thread is free (they are sorted largest
-            # first: static chunks would leave one thread with the large ones)
             before = numba.set_parallel_chunksize(1)
             try:
-                forward(q4, k4, v4, qmap, kmap, vmap, mask4, mmap, lengths, offsets, slopes,
-                        items_arr, fparams, iparams, library, out, lse)
+                kernel(*args)
             finally:
                 numba.set_parallel_chunksize(before)
             if not _layer:
                 _layer.append(str(numba.threading_layer()))
-    return out.reshape((*batch, *out_shape[1:])), lse.reshape((*batch, h, tq))
+
+    def common(self) -> tuple[Any, ...]:
+        return (self.q4, self.k4, self.v4, self.qmap, self.kmap, self.vmap, self.mask4,
+                self.mmap, self.lengths, self.offsets, self.slopes)
+
+
+def _largest_first(items: Sequence[tuple[int, ...]]) -> np.ndarray:
+    arr = np.asarray(items, dtype=np.int64).reshape(-1, 6)
+    return arr[np.argsort(-(arr[:, 3] - arr[:, 2]) * (arr[:, 5] - arr[:, 4]), kind="stable")]
+
+
+def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
+              scale: float, xp: Any, rules: Rules | None = None) -> tuple[Any, Any]:
+    """The fused kernel on NumPy arrays; see :mod:`polyattn.implementations`.
+
+    Every rule of :class:`Rules` is done here, dropout included.
+    """
+    call = _Call(q, k, v, mask, causal_offset, scale, rules)
+    n_batch, h, tq = call.n_batch, call.h, call.tq
+    out = np.empty((n_batch, h, tq, call.ev), dtype=call.dtype)
+    lse = np.empty((n_batch, h, tq), dtype=call.dtype)
+    items = call.query_items()
+    if items.size:
+        call.run(kernels()["forward"], *call.common(), items, call.fparams, call.iparams,
+                 call.library, out, lse)
+    return out.reshape((*call.batch, h, tq, call.ev)), lse.reshape((*call.batch, h, tq))
+
+
+def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,
+             causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
+             grad_lse: Any = None) -> tuple[Any, Any, Any]:
+    """Gradients (dq, dk, dv) of :func:`attention`, shaped like ``q``, ``k``, ``v``.
+
+    FlashAttention-2's backward pass in two parallel loops: dQ per query item,
+    dK and dV per block of keys (summed over the G query heads of a group), the
+    weights recomputed from the scores and the saved ``lse``, ``D = rowsum(dO∘O)``
+    (less ``grad_lse``), the products through BLAS as in the forward pass.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn.implementations import numba_cpu, reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    >>> kw = dict(mask=None, causal_offset=0, scale=0.5, xp=np)
+    >>> out, lse = numba_cpu.attention(q, k, v, **kw)
+    >>> grads = numba_cpu.backward(q, k, v, out, lse, np.ones_like(out), **kw)
+    >>> want = reference.backward(q, k, v, out, lse, np.ones_like(out), **kw)
+    >>> all(np.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, want))
+    True
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    call = _Call(q, k, v, mask, causal_offset, scale, rules)
+    n_batch, h, hkv, tq, tk = call.n_batch, call.h, call.hkv, call.tq, call.tk
+    dt = call.dtype
+    go = np.ascontiguousarray(np.broadcast_to(np.asarray(grad_out, dtype=dt),
+                                              (*call.batch, h, tq, call.ev))
+                              ).reshape(n_batch, h, tq, call.ev)
+    o = np.broadcast_to(np.asarray(out, dtype=dt), (*call.batch, h, tq, call.ev)
+                        ).reshape(n_batch, h, tq, call.ev)
+    lse3 = np.ascontiguousarray(np.broadcast_to(np.asarray(lse, dtype=dt),
+                                                (*call.batch, h, tq))).reshape(n_batch, h, tq)
+    dd = np.einsum("bhie,bhie->bhi", go, o)                # D = rowsum(dO ∘ O)
+    if grad_lse is not None:
+        dd -= np.broadcast_to(np.asarray(grad_lse, dtype=dt),
+                              (*call.batch, h, tq)).reshape(n_batch, h, tq)
+    dq = np.zeros((n_batch, h, tq, call.e), dtype=dt)
+    dk = np.zeros((n_batch, hkv, tk, call.e), dtype=dt)
+    dv = np.zeros((n_batch, hkv, tk, call.ev), dtype=dt)
+    q_items, k_items = call.query_items(), call.key_items()
+    if q_items.size or k_items.size:
+        call.run(backward_kernel(), *call.common(), go, lse3, dd, q_items, k_items,
+                 call.fparams, call.iparams, call.library, dq, dk, dv)
+    return (_unbroadcast(dq.reshape((*call.batch, h, tq, call.e)), q.shape),
+            _unbroadcast(dk.reshape((*call.batch, hkv, tk, call.e)), k.shape),
+            _unbroadcast(dv.reshape((*call.batch, hkv, tk, call.ev)), v.shape))
+
+
+def _unbroadcast(full: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``full`` summed over the batch axes where the input had size 1."""
+    axes = tuple(i for i, (n, m) in enumerate(zip(shape, full.shape, strict=True))
+                 if n == 1 and m != 1)
+    return full.sum(axis=axes, keepdims=True) if axes else full
