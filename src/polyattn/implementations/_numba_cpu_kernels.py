@@ -373,19 +373,28 @@ def mm(blas: Any, args: Any, limit: int, m: int, n: int, k: int, alpha: Any, a: 
        lda: int, ta: int, b: int, ldb: int, tb: int, beta: Any, c: int, ldc: int) -> None:
     """Row-major ``C[m×n] = alpha·op(A)·op(B) + beta·C`` (``op(X)`` is ``X``, or ``Xᵀ`` when
     ``t`` is 1; addresses and row strides in elements). Above ``limit`` multiply-adds
-    (0: no limit) the product is cut along ``m``, so that OpenBLAS runs each piece on the
-    calling thread."""
+    (0: no limit) the product is cut, so that OpenBLAS runs each piece on the calling
+    thread: along ``m``, or along ``k`` when that leaves larger pieces and the call
+    accumulates (``beta == 1``)."""
     size = args[2].itemsize
-    step = m if limit == 0 else max(1, limit // max(1, n * k))
-    for m0 in range(0, m, step):
-        rows = min(step, m - m0)
+    along_m = m if limit == 0 else max(1, limit // max(1, n * k))
+    along_k = k if limit == 0 else max(1, limit // max(1, m * n))
+    if along_k > along_m and along_k < k and beta == 1:
+        for k0 in range(0, k, along_k):
+            depth = min(along_k, k - k0)
+            a0 = a + (k0 if ta == 0 else k0 * lda) * size
+            b0 = b + (k0 * ldb if tb == 0 else k0) * size
+            gemm(blas, args, tb, ta, n, m, depth, alpha, b0, ldb, a0, lda, beta, c, ldc)
+        return
+    for m0 in range(0, m, along_m):
+        rows = min(along_m, m - m0)
         a0 = a + (m0 * lda if ta == 0 else m0) * size
         # row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
         gemm(blas, args, tb, ta, n, rows, k, alpha, b, ldb, a0, lda, beta,
              c + m0 * ldc * size, ldc)
 
 
-@njit(nogil=True, fastmath=fastmath, cache=True)
+@njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
 def gradient_row(srow: Any, dprow: Any, pdrow: Any, trow: Any, n: int, k0: int, pos: int,
                  b: int, h: int, i: int, lse_i: Any, d_i: Any, mask: Any, mb: int,
                  slopes: Any, fparams: Any, iparams: Any, tq: int, tk: int) -> bool:
@@ -486,7 +495,7 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
     rows = g_heads * bq
     dt = q.dtype
     scale, zero, one = fparams[0], fparams[2], fparams[3]
-    block_k, limit = iparams[6], iparams[7]
+    block_k, limit = iparams[6], iparams[14]
     tq, tk = q.shape[2], k.shape[2]
     offset = offsets[b]
     args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
@@ -540,7 +549,7 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
     dt = q.dtype
     scale, zero, one = fparams[0], fparams[2], fparams[3]
     left, right = iparams[1], iparams[2]
-    block_k, limit, block_q = iparams[6], iparams[7], iparams[13]
+    block_k, limit, block_q = iparams[6], iparams[14], iparams[13]
     tq, tk = q.shape[2], k.shape[2]
     offset = offsets[b]
     k1 = min(k1, lengths[b])

@@ -391,6 +391,7 @@ class _Call:
             int(rules.causal), left, right, int(mask is not None), int(rules.alibi is not None),
             int(rules.softcap is not None), block_k, sub, int(rules.dropout),
             threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, h, rows,
+            0 if whole else SINGLE_THREAD_GEMM,   # largest product (m·n·k) of one BLAS call
         ], dtype=np.int64)
 
     def query_items(self) -> np.ndarray:
