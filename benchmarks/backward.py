@@ -156,16 +156,16 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
     def theirs_forward() -> Any:
         return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
-    def numpy_path() -> tuple[np.ndarray, ...]:
+    def numba_cpu() -> tuple[np.ndarray, ...]:
         with blas_mode(threading):
             out, pullback = polyattn.attention_vjp(q, k, v, is_causal=causal,
-                                                   implementation="chunked")
+                                                   implementation="numba_cpu")
             return (out, *pullback(go))
 
     fns: dict[str, Any] = {"polyattn": ours, "polyattn forward": ours_forward,
                            "torch": theirs, "torch forward": theirs_forward}
-    if polyattn.explain(q, k, v, is_causal=causal).implementation != "chunked":
-        fns["numpy path"] = numpy_path        # the NumPy fast path, side by side
+    if numba_cpu_usable():
+        fns["numba_cpu"] = numba_cpu          # the fused Numba kernel, side by side
     if run_naive:
         def naive_fb() -> tuple[np.ndarray, ...]:
             with blas_mode(threading):
@@ -213,8 +213,8 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
         "score_matrix_mib": score_mib,
         "rel_diff_vs_torch": {name: rel_diff(kept[name], want) for name in kept},
     }
-    if "numpy path" in med:
-        row["ratio_to_torch"]["numpy path"] = med["numpy path"] / med["torch"]
+    if "numba_cpu" in med:
+        row["ratio_to_torch"]["numba_cpu"] = med["numba_cpu"] / med["torch"]
     if run_naive:
         row["ratio_to_torch"]["naive"] = med["naive"] / med["torch"]
     else:
@@ -235,6 +235,12 @@ def _case(row: dict[str, Any]) -> str:
     return f"{tuple(row['case'])} {'causal ' if row['causal'] else ''}{row['dtype']}"
 
 
+def numba_cpu_usable() -> bool:
+    from polyattn.implementations import numba_cpu
+
+    return numba_cpu.availability()[0]
+
+
 def targets(rows: list[dict[str, Any]]) -> list[str]:
     """Each target of the backward pass on NumPy, with whether it holds in these results."""
     out = []
@@ -250,6 +256,10 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                    f"{worst['ratio_to_torch']['polyattn']:.2f} at {_case(worst)}")
         bwd = [r["ratio_to_torch"]["polyattn backward"] for r in main]
         fwd = [r["ratio_to_torch"]["polyattn forward"] for r in main]
+        nb = [r["ratio_to_torch"]["numba_cpu"] for r in main if "numba_cpu" in r["ratio_to_torch"]]
+        if nb:
+            out.append(f"numba_cpu forward+backward / torch: median {statistics.median(nb):.2f}× "
+                       f"(range {min(nb):.2f}–{max(nb):.2f})")
         out.append(f"by pass (medians over the cases): forward {statistics.median(fwd):.2f}× "
                    f"torch's forward, backward ≈ {statistics.median(bwd):.2f}× torch's "
                    "backward (total minus forward)")
@@ -311,7 +321,7 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         "(B, H, T, T) matrix in the case's dtype.",
         "",
         "| case (B, H, T, E) | causal | dtype | polyattn ms | fwd ms | torch ms | fwd ms "
-        "| naive ms | ratio | fwd ratio | bwd ratio | NumPy path ratio | polyattn MiB "
+        "| naive ms | ratio | fwd ratio | bwd ratio | numba_cpu ratio | polyattn MiB "
         "| work MiB | naive MiB | scores MiB | diff vs torch |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
         "|---:|",
@@ -320,7 +330,7 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         med, rat, mem = r["median_s"], r["ratio_to_torch"], r["peak_extra_mib"]
         naive_ms = f"{med['naive'] * 1e3:.0f}" if "naive" in med else "—"
         naive_mib = f"{mem['naive']:.0f}" if "naive" in mem else "—"
-        numpy_path = f"{rat['numpy path']:.2f}" if "numpy path" in rat else "—"
+        numpy_path = f"{rat['numba_cpu']:.2f}" if "numba_cpu" in rat else "—"
         lines.append(
             f"| {tuple(r['case'])} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
             f"| {med['polyattn'] * 1e3:.0f} | {med['polyattn forward'] * 1e3:.0f} "

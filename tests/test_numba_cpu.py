@@ -206,9 +206,12 @@ def test_gradients_match_the_reference(case, dtype):
         assert np.abs(a - b).max() <= tol * scale, (name, np.abs(a - b).max())
 
 
-def test_gradients_with_lse_dropout_broadcasts_and_many_blocks():
+@pytest.mark.parametrize("blas_limit", [None, 1])
+def test_gradients_with_lse_dropout_broadcasts_and_many_blocks(blas_limit):
     """grad_lse, dropout, a key/value batch broadcast, BTHE, more queries than a work item
-    and keys than a block, a fully masked row and padding past key lengths."""
+    and keys than a block, a fully masked row and padding past key lengths; products cut
+    into slabs, and whole where BLAS runs one thread."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
     rng = np.random.default_rng(37)
     q = rng.standard_normal((2, 700, 4, 16))                 # (B, T, H, E)
     k = rng.standard_normal((1, 600, 2, 16))
@@ -219,7 +222,10 @@ def test_gradients_with_lse_dropout_broadcasts_and_many_blocks():
           "key_lengths": np.array([600, 333]), "dropout_p": 0.2, "dropout_seed": 11}
     g = rng.standard_normal((2, 700, 4, 8))
     g_lse = rng.standard_normal((2, 4, 700))
-    (out, lse), got = _grads("numba_cpu", q, k, v, g, g_lse, **kw)
+    limit = (threadpoolctl.threadpool_limits(blas_limit, user_api="blas") if blas_limit
+             else threadpoolctl.threadpool_limits(None))
+    with limit:
+        (out, lse), got = _grads("numba_cpu", q, k, v, g, g_lse, **kw)
     (want_out, want_lse), want = _grads("chunked", q, k, v, g, g_lse, **kw)
     np.testing.assert_allclose(out, want_out, rtol=1e-11, atol=1e-12)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-11, atol=1e-12)
@@ -276,6 +282,24 @@ def test_auto_takes_it_above_the_score_budget_only(monkeypatch):
     # by name it still runs
     assert polyattn.explain(big, big, big, implementation="numba_cpu").implementation == \
         "numba_cpu"
+
+
+def test_auto_gradients_stay_on_the_numpy_path(monkeypatch):
+    """attention_vjp's "auto" keeps the NumPy fast path (measured faster at long sequences)."""
+    from polyattn import _dispatch
+    from polyattn._problem import prepare
+
+    monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
+    big = np.zeros((1, 4, 128, 16), dtype=np.float32)
+    kw = {"attn_mask": None, "is_causal": False, "causal_alignment": "top_left",
+          "scale": None, "enable_gqa": False}
+    chosen = _dispatch.choose(prepare(big, big, big, **kw), "auto", return_lse=True,
+                              for_vjp=True)
+    assert chosen.implementation == "chunked"
+    assert "backward pass was measured slower" in chosen.candidates["numba_cpu"]
+    by_name = _dispatch.choose(prepare(big, big, big, **kw), "numba_cpu", return_lse=True,
+                               for_vjp=True)
+    assert by_name.implementation == "numba_cpu"
 
 
 def test_auto_falls_back_when_the_kernel_cannot_compile(monkeypatch):

@@ -439,6 +439,11 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
     """
     if not by_name and os.environ.get("POLYATTN_NUMBA_CPU", "").strip() == "0":
         return "turned off for implementation='auto' by POLYATTN_NUMBA_CPU=0"
+    if not by_name and for_vjp and is_numpy(problem.xp):
+        return ("its backward pass was measured slower than the NumPy fast path's at long "
+                "sequences (forward+backward 1.64x against 1.30x torch's time at "
+                "(1, 8, 4096, 64) float32), so attention_vjp runs the NumPy fast path unless "
+                "implementation='numba_cpu' is asked for")
     if not is_numpy(problem.xp):
         return (f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays")
     from .implementations import numba_cpu

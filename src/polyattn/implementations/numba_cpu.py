@@ -47,8 +47,10 @@ Array = Any
 
 #: Query rows per work item, summed over the G heads of a group (float32; half in float64).
 BLOCK_ROWS = 512
-#: Keys per block of scores (products cut into slabs; measured best of 64, 128, 256).
+#: Keys per block of scores when products are cut into slabs, by feature width: the
+#: measured best of 64, 128 and 256 for E = 64 and E = 128.
 BLOCK_K = 128
+BLOCK_K_WIDE = 64
 #: Keys per block when the BLAS runs on one thread anyway and products run whole.
 BLOCK_K_WHOLE = 256
 #: OpenBLAS runs a product ``(m, k) @ (k, n)`` on the calling thread alone when
@@ -382,7 +384,8 @@ class _Call:
         self.rows = rows = max(1, (BLOCK_ROWS * 4 // dtype.itemsize) // g)
         self.library = blas(dtype)
         whole = blas_threads() == 1
-        block_k = BLOCK_K_WHOLE if whole else BLOCK_K
+        block_k = BLOCK_K_WHOLE if whole else (BLOCK_K if max(self.e, self.ev) <= 64
+                                               else BLOCK_K_WIDE)
         self.fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf,
                                  rules.dropout_scale if rules.dropout else 1.0], dtype=dtype)
         key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
