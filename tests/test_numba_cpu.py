@@ -110,6 +110,8 @@ def test_layouts_broadcasts_and_long_queries():
     got = sdpa(q, k, v, layout="BTHE", implementation="numba_cpu", **kw)
     want = sdpa(q, k, v, layout="BTHE", implementation="reference", **kw)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    # every layout runs the two compiled signatures (no compilation per memory layout)
+    assert len(numba_cpu.kernels()["forward"].signatures) == 2
 
 
 def test_fully_masked_rows_nan_and_inf():
@@ -129,6 +131,28 @@ def test_fully_masked_rows_nan_and_inf():
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(want_lse))
     ok = ~np.isnan(want)
     np.testing.assert_allclose(got[ok], want[ok], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_keys_a_boolean_mask_hides_cannot_poison_the_result(dtype):
+    """NaN or inf in keys that a boolean mask hides stays out, forward and backward, as in
+    the other paths (a float -inf mask adds to the score, so NaN propagates there)."""
+    rng = np.random.default_rng(39)
+    q, k, v = (x.astype(dtype) for x in _inputs(rng, b=1, tq=30, tk=200))
+    k[..., 190:, :] = np.nan
+    k[..., 180, 0] = np.inf
+    mask = np.ones(200, dtype=bool)
+    mask[180:] = False
+    kw = {"attn_mask": mask, "enable_gqa": True}
+    got = sdpa(q, k, v, implementation="numba_cpu", **kw)
+    want = sdpa(q, k, v, implementation="chunked", **kw)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    g = np.ones_like(got)
+    _, grads = _grads("numba_cpu", q, k, v, g, **kw)
+    _, want_grads = _grads("chunked", q, k, v, g, **kw)
+    for a, b in zip(grads, want_grads, strict=True):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
 
 
 def test_padding_past_key_lengths_is_never_read():
@@ -275,10 +299,15 @@ def test_auto_takes_it_above_the_score_budget_only(monkeypatch):
     assert "fits" in below.candidates["numba_cpu"]
     assert polyattn.explain(big, big, big, dropout_p=0.1, dropout_seed=3).implementation \
         == "numba_cpu"
+    for value in ("0", "off", "False"):
+        monkeypatch.setenv("POLYATTN_NUMBA_CPU", value)
+        off = polyattn.explain(big, big, big)
+        assert off.implementation == "chunked"
+        assert f"POLYATTN_NUMBA_CPU={value}" in off.candidates["numba_cpu"]
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "maybe")
+    with pytest.raises(ValueError, match="POLYATTN_NUMBA_CPU"):
+        polyattn.explain(big, big, big)
     monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
-    off = polyattn.explain(big, big, big)
-    assert off.implementation == "chunked"
-    assert "POLYATTN_NUMBA_CPU=0" in off.candidates["numba_cpu"]
     # by name it still runs
     assert polyattn.explain(big, big, big, implementation="numba_cpu").implementation == \
         "numba_cpu"
@@ -370,6 +399,7 @@ def test_warmup_caches_the_kernel_where_the_package_is_read_only(tmp_path):
     for run in runs:
         assert run.returncode == 0, run.stderr
     assert "compiled in" in runs[0].stdout
+    assert "forward and backward" in runs[0].stdout
     assert "loaded from Numba's cache" in runs[1].stdout
     assert str(tmp_path) in runs[1].stdout                    # the user-wide cache
     assert not list(copy.rglob("*.nbi"))                      # nothing written to the package

@@ -437,8 +437,12 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
 
     ``by_name=False`` (for ``"auto"``) also honours ``POLYATTN_NUMBA_CPU=0``.
     """
-    if not by_name and os.environ.get("POLYATTN_NUMBA_CPU", "").strip() == "0":
-        return "turned off for implementation='auto' by POLYATTN_NUMBA_CPU=0"
+    setting = os.environ.get("POLYATTN_NUMBA_CPU", "").strip()
+    if setting.lower() not in ("", "1", "true", "on", "yes", "0", "false", "off", "no"):
+        raise ValueError(f"POLYATTN_NUMBA_CPU must be 0/false/off/no (leave numba_cpu out of "
+                         f"implementation='auto') or 1/true/on/yes; got {setting!r}")
+    if not by_name and setting.lower() in ("0", "false", "off", "no"):
+        return f"turned off for implementation='auto' by POLYATTN_NUMBA_CPU={setting}"
     if not by_name and for_vjp and is_numpy(problem.xp):
         return ("its backward pass was measured slower than the NumPy fast path's at long "
                 "sequences (forward+backward 1.64x against 1.30x torch's time at "

@@ -69,7 +69,8 @@ def scaled_dot_product_attention(
         Also return the log-sum-exp of each row's scores, which lets partial
         results over disjoint key sets be merged exactly.
 
-    implementation : {"auto", "native", "reference", "chunked", "numba_cuda", "distributed"}
+    implementation : {"auto", "native", "reference", "chunked", "numba_cuda", "distributed", \
+"numba_cpu"}
         Which implementation runs; :func:`explain` tells what ``"auto"`` picks
         and why the others were not. ``"native"`` is the input library's own
         fused attention (torch's ``scaled_dot_product_attention``, JAX's
@@ -80,6 +81,11 @@ def scaled_dot_product_attention(
         task graph with one task per (query chunk, key chunk), merged through
         the log-sum-exp, which runs on any Dask scheduler, a cluster included;
         the chunks are those of ``query`` and ``key`` along the sequence axis.
+        ``"numba_cpu"`` (NumPy arrays, ``pip install 'polyattn[numba]'``) is
+        the fused Numba CPU kernel, which ``"auto"`` picks for NumPy arrays
+        above the score budget when Numba is installed (unless the environment
+        variable ``POLYATTN_NUMBA_CPU`` is ``0``/``false``/``off``/``no``); its
+        first call compiles it unless ``python -m polyattn warmup`` has.
     layout : {"BHTE", "BTHE"}
         ``"BHTE"``: query, key, value and out are (B…, H, T, E), as torch.
         ``"BTHE"``: they are (B…, T, H, E), as JAX, Flax, Keras and
@@ -255,7 +261,9 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     Explanation
         ``.implementation`` and ``.reason``, plus the details behind them
         (library, device, dtypes, shapes, score-matrix size and budget,
-        whether the CUDA kernel is usable) and, for ``"auto"``,
+        whether the CUDA kernel is usable; for ``"numba_cpu"``, ``.compiled``:
+        whether its kernel is compiled, cached on disk or still to compile)
+        and, for ``"auto"``,
         ``.candidates``: every implementation in order of preference with the
         reason it was not chosen; ``str()`` gives a readable report.
 

@@ -136,6 +136,30 @@ def exp_f64(v: Any) -> Any:
 
 # (loops below run over views from index 0: with an index that might be negative,
 # Numba's wraparound check on every access keeps LLVM from vectorising)
+@njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
+def apply_mask(seg: Any, mrow: Any, key0: int, hide: bool, ninf: Any) -> None:
+    """The mask's row ``mrow`` (one entry, or one per key) on the scores ``seg`` of keys
+    ``key0, key0 + 1, …``: added (a float mask), or, for a boolean mask (``hide``; its
+    False entries arrive as -inf), the hidden scores replaced by -inf, so that a NaN or
+    inf score of a key the mask hides cannot reach the result (as in the other paths)."""
+    width = seg.shape[0]
+    per_key = mrow.shape[0] > 1
+    mseg = mrow[key0:key0 + width] if per_key else mrow[:1]
+    if hide:
+        if per_key:
+            for j in range(width):
+                seg[j] = ninf if mseg[j] == ninf else seg[j]
+        elif mseg[0] == ninf:
+            seg[:] = ninf
+    elif per_key:
+        for j in range(width):
+            seg[j] += mseg[j]
+    else:
+        mval = mseg[0]
+        for j in range(width):
+            seg[j] += mval
+
+
 @njit(nogil=True, fastmath=exact, cache=True)
 def exp32(x: Any, shift: Any) -> None:
     """``x[j] = e^(x[j] - shift)``, float32, in place."""
@@ -216,7 +240,7 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
     offset = offsets[b]
     qb, kb, vb = qmap[b], kmap[b], vmap[b]
     mb = mmap[b]
-    mh_full, mi_full, mj_full = mask.shape[1] > 1, mask.shape[2] > 1, mask.shape[3] > 1
+    mh_full, mi_full = mask.shape[1] > 1, mask.shape[2] > 1
     size = q.itemsize
     # start threads of its own inside the parallel loop
     args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
@@ -285,15 +309,8 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                 for j in range(width):
                     seg[j] -= slope * abs(first - j)
             if has_mask:
-                mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
-                if mj_full:
-                    mseg = mrow[k0 + j0:k0 + j1]
-                    for j in range(width):
-                        seg[j] += mseg[j]
-                else:
-                    mval = mrow[0]
-                    for j in range(width):
-                        seg[j] += mval
+                apply_mask(seg, mask[mb, h if mh_full else 0, i if mi_full else 0], k0 + j0,
+                           has_mask == 2, ninf)
             # the largest score that is not NaN: a NaN score needs no help to propagate
             # (its weight e^(NaN - m) is NaN, and so are the row's sum and output)
             bmax = ninf
@@ -431,15 +448,8 @@ def gradient_row(srow: Any, dprow: Any, pdrow: Any, trow: Any, n: int, k0: int, 
         for j in range(width):
             seg[j] -= slope * abs(first - j)
     if has_mask:
-        mrow = mask[mb, h if mask.shape[1] > 1 else 0, i if mask.shape[2] > 1 else 0]
-        if mask.shape[3] > 1:
-            mseg = mrow[k0 + j0:k0 + j1]
-            for j in range(width):
-                seg[j] += mseg[j]
-        else:
-            mval = mrow[0]
-            for j in range(width):
-                seg[j] += mval
+        apply_mask(seg, mask[mb, h if mask.shape[1] > 1 else 0, i if mask.shape[2] > 1 else 0],
+                   k0 + j0, has_mask == 2, ninf)
     exp_shifted(seg, lse_i)                     # the weights P, before dropout
     if has_dropout:
         cut, key0, key1 = np.uint64(iparams[9]), np.uint64(iparams[10]), \

@@ -133,6 +133,9 @@ def kernels() -> dict[str, Any]:
             try:
                 for sig in signatures():
                     forward.compile(sig)
+                # every call converts to these signatures ("A" layout, read-only inputs)
+                # instead of compiling one more specialisation per memory layout
+                forward.disable_compile()
             except Exception as exc:  # a compiler error of any kind: report, fall back
                 _compiled.append(f"failed to compile: {type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0] if str(exc) else ''}")
@@ -152,6 +155,7 @@ def backward_kernel() -> Any:
             try:
                 for dt in (np.float32, np.float64):
                     compiled.backward.compile(compiled.backward_signature(dt))
+                compiled.backward.disable_compile()
             except Exception as exc:  # a compiler error of any kind: report it
                 raise KernelUnavailable(f"the numba_cpu backward kernel failed to compile: "
                                         f"{type(exc).__name__}: {exc}") from exc
@@ -176,26 +180,36 @@ def cache_state() -> str:
 def cache_state_on_disk() -> str:
     """Whether Numba's cache on disk holds the compiled kernel for this machine."""
     try:
-        forward = _dispatchers()["forward"]
-        cache = forward._cache
-        index = cache._cache_file._load_index()
-        codegen = forward.targetctx.codegen()
-        found = [sig for sig in signatures() if cache._index_key(sig, codegen) in index]
-        where = cache.cache_path
+        from . import _numba_cpu_kernels as compiled
+
+        wanted = [(_dispatchers()["forward"], sig) for sig in signatures()]
+        wanted += [(compiled.backward, compiled.backward_signature(dt))
+                   for dt in (np.float32, np.float64)]
+        found = []
+        for function, sig in wanted:
+            cache = function._cache
+            index = cache._cache_file._load_index()
+            found.append(cache._index_key(sig, function.targetctx.codegen()) in index)
+            where = cache.cache_path
     except Exception as exc:  # Numba's cache internals differ: say so rather than guess
         return f"cache state unknown ({type(exc).__name__})"
-    if len(found) == len(signatures()):
-        return f"compiled kernel cached in {where}"
+    if all(found[:2]) and all(found[2:]):
+        return f"compiled kernels (forward and backward) cached in {where}"
+    if all(found[:2]):
+        return (f"forward kernel cached in {where}; the backward kernel compiles on the first "
+                "attention_vjp (about 30 s) unless `python -m polyattn warmup` ran")
     return (f"not cached yet (cache: {where}): the first call compiles it, about 10-30 s; "
             "`python -m polyattn warmup` compiles it ahead")
 
 
 def warmup() -> tuple[str, float]:
-    """Compile the kernel now, or load it from Numba's cache: (what happened, seconds)."""
+    """Compile the forward and backward kernels now, or load them from Numba's cache:
+    (what happened to the forward kernel, seconds)."""
     import time
 
     start = time.perf_counter()
     kernels()
+    backward_kernel()
     for dtype in (np.float32, np.float64):
         exp(np.zeros(4, dtype=dtype))
     return _compiled[0], time.perf_counter() - start
@@ -355,11 +369,14 @@ class _Call:
         self.q4, self.qmap = _own(q, batch)
         self.k4, self.kmap = _own(k, batch)
         self.v4, self.vmap = _own(v, batch)
+        #: 0: no mask; 1: a float mask (added); 2: a boolean one (hides keys)
+        mask_kind = 0
         if mask is None:
             self.mask4, self.mmap = np.zeros((1, 1, 1, 1), dtype=dtype), np.zeros(n_batch,
                                                                                   np.int64)
         else:
             mask = np.asarray(mask)
+            mask_kind = 2 if mask.dtype == np.bool_ else 1
             if mask.dtype == np.bool_:
                 mask = np.where(mask, dtype.type(0.0), dtype.type(-np.inf))
             self.mask4, self.mmap = _own(mask.astype(dtype, copy=False), batch)
@@ -391,7 +408,7 @@ class _Call:
         key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
         sub = rows * g if whole else _slab_rows(block_k, max(self.e, self.ev))
         self.iparams = np.array([
-            int(rules.causal), left, right, int(mask is not None), int(rules.alibi is not None),
+            int(rules.causal), left, right, mask_kind, int(rules.alibi is not None),
             int(rules.softcap is not None), block_k, sub, int(rules.dropout),
             threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, h, rows,
             0 if whole else SINGLE_THREAD_GEMM,   # largest product (m·n·k) of one BLAS call
