@@ -284,33 +284,43 @@ def test_other_arrays_are_refused_with_the_reason():
 
 # --- what "auto" does with it -----------------------------------------------------------------
 
-def test_auto_takes_it_above_the_score_budget_only(monkeypatch):
+def test_auto_takes_it_above_the_score_budget_where_blas_runs_one_thread(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
     monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
     big = np.zeros((1, 4, 128, 16), dtype=np.float32)        # 256 KiB of scores
     small = np.zeros((1, 1, 16, 16), dtype=np.float32)       # 1 KiB
-    chosen = polyattn.explain(big, big, big)
-    assert chosen.implementation == "numba_cpu"
-    assert "measured faster" in chosen.reason
-    assert chosen.candidates["numba_cpu"] == ""
-    assert chosen.candidates["chunked"] == "numba_cpu comes first"
-    assert "numba_cpu kernel:" in str(chosen)
-    below = polyattn.explain(small, small, small)
-    assert below.implementation == "reference"
-    assert "fits" in below.candidates["numba_cpu"]
-    assert polyattn.explain(big, big, big, dropout_p=0.1, dropout_seed=3).implementation \
-        == "numba_cpu"
-    for value in ("0", "off", "False"):
-        monkeypatch.setenv("POLYATTN_NUMBA_CPU", value)
-        off = polyattn.explain(big, big, big)
-        assert off.implementation == "chunked"
-        assert f"POLYATTN_NUMBA_CPU={value}" in off.candidates["numba_cpu"]
-    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "maybe")
-    with pytest.raises(ValueError, match="POLYATTN_NUMBA_CPU"):
-        polyattn.explain(big, big, big)
-    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
-    # by name it still runs
-    assert polyattn.explain(big, big, big, implementation="numba_cpu").implementation == \
-        "numba_cpu"
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        chosen = polyattn.explain(big, big, big)
+        assert chosen.implementation == "numba_cpu"
+        assert "measured faster" in chosen.reason
+        assert chosen.candidates["numba_cpu"] == ""
+        assert chosen.candidates["chunked"] == "numba_cpu comes first"
+        assert "numba_cpu kernel:" in str(chosen)
+        below = polyattn.explain(small, small, small)
+        assert below.implementation == "reference"
+        assert "fits" in below.candidates["numba_cpu"]
+        assert polyattn.explain(big, big, big, dropout_p=0.1,
+                                dropout_seed=3).implementation == "numba_cpu"
+        got = sdpa(big + 1, big, big)                          # runs, and right
+        np.testing.assert_allclose(got, sdpa(big + 1, big, big, implementation="reference"))
+        for value in ("0", "off", "False"):
+            monkeypatch.setenv("POLYATTN_NUMBA_CPU", value)
+            off = polyattn.explain(big, big, big)
+            assert off.implementation == "chunked"
+            assert f"POLYATTN_NUMBA_CPU={value}" in off.candidates["numba_cpu"]
+        monkeypatch.setenv("POLYATTN_NUMBA_CPU", "maybe")
+        with pytest.raises(ValueError, match="POLYATTN_NUMBA_CPU"):
+            polyattn.explain(big, big, big)
+        monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
+        # by name it still runs
+        assert polyattn.explain(big, big, big,
+                                implementation="numba_cpu").implementation == "numba_cpu"
+    monkeypatch.delenv("POLYATTN_NUMBA_CPU")
+    if numba_cpu.blas_threads() != 1:
+        # with BLAS threads, products would be cut into slabs: measured on par, not chosen
+        cut = polyattn.explain(big, big, big)
+        assert cut.implementation == "chunked"
+        assert "slabs" in cut.candidates["numba_cpu"]
 
 
 def test_auto_gradients_stay_on_the_numpy_path(monkeypatch):
@@ -339,9 +349,11 @@ def test_auto_falls_back_when_the_kernel_cannot_compile(monkeypatch):
         raise numba_cpu.KernelUnavailable("the numba_cpu kernel failed to compile: test")
 
     monkeypatch.setattr(numba_cpu, "kernels", broken)
+    monkeypatch.setattr(numba_cpu, "blas_threads", lambda: 1)       # where auto picks it
     got = sdpa(q, k, v)
     want = sdpa(q, k, v, implementation="chunked")
     np.testing.assert_array_equal(got, want)
+    assert polyattn.explain(q, k, v).implementation == "numba_cpu"
     monkeypatch.setattr(numba_cpu, "_compiled", ["failed to compile: test"])
     chosen = polyattn.explain(q, k, v)
     assert chosen.implementation == "chunked"

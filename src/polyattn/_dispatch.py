@@ -8,11 +8,12 @@ gradients, through a ``torch.autograd.Function`` whose backward pass is the
 kernel's, unless ``attn_mask`` or ``alibi_slopes`` require one too);
 otherwise ``"reference"`` while the score matrix fits the score budget, else
 ``"chunked"`` — on NumPy arrays ``"numba_cpu"`` (the fused Numba kernel) in
-its place where Numba is installed and the kernel can run the call (measured
-faster than the NumPy fast path above the budget; ``POLYATTN_NUMBA_CPU=0``
-turns that off). On torch CPU tensors ``"chunked"`` runs the NumPy fast path
-over NumPy views of them (differentiable the same way), except while
-``torch.compile`` traces.
+its place where Numba is installed, BLAS runs one thread (so that the
+kernel's products run whole; measured faster than the NumPy fast path there,
+and on par with it otherwise) and the kernel can run the call
+(``POLYATTN_NUMBA_CPU=0`` turns that off). On torch CPU tensors
+``"chunked"`` runs the NumPy fast path over NumPy views of them
+(differentiable the same way), except while ``torch.compile`` traces.
 
 The budget is :data:`SCORE_BUDGET_BYTES` (64 MiB, a memory bound) for every
 namespace but NumPy. On NumPy arrays ``"chunked"`` runs
@@ -284,8 +285,8 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
 
     ``"auto"`` walks the preference list native → numba_cuda → distributed →
     reference / numba_cpu / chunked (by the score budget; numba_cpu in place of
-    chunked on NumPy arrays where it can run) and takes the first that can run
-    the call;
+    chunked on NumPy arrays where it can run and BLAS runs one thread) and
+    takes the first that can run the call;
     every candidate's verdict is kept in :attr:`Explanation.candidates`.
     ``for_vjp``: the choice for :func:`polyattn.attention_vjp`, which runs the
     implementations' own backward passes (native has none).
@@ -361,8 +362,9 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
     elif budget_name == "chunked" and numpy and cpu_why is None:
         name, reason = "numba_cpu", (
             f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget for "
-            "NumPy arrays, and above it the fused Numba kernel was measured faster than the "
-            "NumPy fast path (numpy_chunked): 0.5-0.8x its time on the benchmark shapes")
+            "NumPy arrays, and BLAS runs one thread, so the fused Numba kernel's products run "
+            "whole: measured faster than the NumPy fast path (numpy_chunked), 1.3x against "
+            "1.7-2.1x torch's time (medians)")
     else:
         name, reason = budget_name, budget_why
     if requested == "auto":
@@ -443,6 +445,16 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
                          f"implementation='auto') or 1/true/on/yes; got {setting!r}")
     if not by_name and setting.lower() in ("0", "false", "off", "no"):
         return f"turned off for implementation='auto' by POLYATTN_NUMBA_CPU={setting}"
+    if not by_name and is_numpy(problem.xp) and not for_vjp:
+        from .implementations import numba_cpu
+
+        if numba_cpu.availability()[0] and numba_cpu.blas_threads() != 1:
+            return ("BLAS may start threads here, so the fused kernel would cut its products "
+                    "into single-thread slabs, and so cut it was measured on par with the NumPy "
+                    "fast path (2.00x against 2.08x torch's time, median, float32; slower at "
+                    "E = 128); with BLAS on one thread (OPENBLAS_NUM_THREADS=1, or inside "
+                    "threadpoolctl.threadpool_limits(1, 'blas')) 'auto' picks it: 1.3x "
+                    "torch's time, median; implementation='numba_cpu' runs it anyway")
     if not by_name and for_vjp and is_numpy(problem.xp):
         return ("its backward pass was measured slower than the NumPy fast path's at long "
                 "sequences (forward+backward 1.64x against 1.30x torch's time at "

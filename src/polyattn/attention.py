@@ -83,9 +83,10 @@ def scaled_dot_product_attention(
         the chunks are those of ``query`` and ``key`` along the sequence axis.
         ``"numba_cpu"`` (NumPy arrays, ``pip install 'polyattn[numba]'``) is
         the fused Numba CPU kernel, which ``"auto"`` picks for NumPy arrays
-        above the score budget when Numba is installed (unless the environment
-        variable ``POLYATTN_NUMBA_CPU`` is ``0``/``false``/``off``/``no``); its
-        first call compiles it unless ``python -m polyattn warmup`` has.
+        above the score budget when Numba is installed and BLAS runs one
+        thread (unless the environment variable ``POLYATTN_NUMBA_CPU`` is
+        ``0``/``false``/``off``/``no``); its first call compiles it unless
+        ``python -m polyattn warmup`` has.
     layout : {"BHTE", "BTHE"}
         ``"BHTE"``: query, key, value and out are (B…, H, T, E), as torch.
         ``"BTHE"``: they are (B…, T, H, E), as JAX, Flax, Keras and
