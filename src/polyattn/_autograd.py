@@ -77,8 +77,18 @@ def direct(module: Any, problem: Problem) -> tuple[Forward, Backward]:
     common = {"mask": problem.mask, "causal_offset": problem.causal_offset,
               "scale": problem.scale, "xp": problem.xp, **extra}
 
+    forward_only = {}
+    if module.__name__.endswith(".numba_cuda"):
+        from .implementations import numba_cuda_tc
+
+        tq, e = problem.q.shape[-2:]
+        ev = e if problem.v is None else problem.v.shape[-1]
+        forward_only["arithmetic"] = numba_cuda_tc.choose(str(problem.result_dtype), tq, e,
+                                                          ev)[0]
+
     def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-        return module.attention(q, k, v, **common)  # type: ignore[no-any-return]
+        return module.attention(q, k, v, **common,  # type: ignore[no-any-return]
+                                **forward_only)
 
     def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array,
                  grad_lse: Array | None) -> tuple[Array, Array, Array]:

@@ -101,6 +101,8 @@ class Explanation:
     plan: str = ""
     #: For ``"numba_cpu"``: whether its compiled kernel is ready (in memory, cached, or not).
     compiled: str = ""
+    #: For ``"numba_cuda"``: the arithmetic of its products (exact, or which tensor-core mode).
+    arithmetic: str = ""
 
     def __str__(self) -> str:
         shapes = ", ".join(f"{k} {v}" for k, v in self.shape.items())
@@ -122,6 +124,8 @@ class Explanation:
             lines.append(f"plan: {self.plan}")
         if self.compiled:
             lines.append(f"numba_cpu kernel: {self.compiled}")
+        if self.arithmetic:
+            lines.append(f"arithmetic: {self.arithmetic}")
         if self.features:
             lines.append("features: " + ", ".join(f"{k} {v}" for k, v in self.features.items()))
         if self.candidates:
@@ -430,7 +434,17 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         features=_features(problem),
         plan=distributed_plan(problem) if name == "distributed" else "",
         compiled=numba_cpu_compiled() if name == "numba_cpu" else "",
+        arithmetic=cuda_arithmetic(problem) if name == "numba_cuda" else "",
     )
+
+
+def cuda_arithmetic(problem: Problem) -> str:
+    """How the CUDA kernel computes this call (tensor cores or exact), for people."""
+    from .implementations import numba_cuda_tc
+
+    tq, e = problem.q.shape[-2:]
+    ev = e if problem.v is None else problem.v.shape[-1]
+    return numba_cuda_tc.choose(str(problem.result_dtype), tq, e, ev)[1]
 
 
 def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,

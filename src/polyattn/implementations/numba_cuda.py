@@ -874,7 +874,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
               block_q: int | None = None, block_k: int | None = None,
               decode: bool | None = None, num_splits: int | None = None,
-              ) -> tuple[Array, Array]:
+              arithmetic: str | None = None) -> tuple[Array, Array]:
     """Fused attention on a CUDA GPU: ``(out, lse)`` in one kernel launch (two with
     split keys).
 
@@ -883,7 +883,10 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     ALiBi, per-row positions) are applied inside the kernel. ``block_q`` and
     ``block_k`` override the tile sizes (threads per block, key rows per tile),
     ``decode`` and ``num_splits`` the launch plan (:func:`launch_plan`); they
-    exist for tests and tuning.
+    exist for tests and tuning. ``arithmetic`` (``"f16"``, ``"bf16"``,
+    ``"3xtf32"``) runs the tensor-core kernel of :mod:`.numba_cuda_tc` on float32
+    inputs where it can take the call (:func:`.numba_cuda_tc.unsupported`), else
+    this exact kernel.
 
     Raises
     ------
@@ -896,6 +899,13 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     """
     *batch, n_heads, tq, e = q.shape
     tk, ev = v.shape[-2:]
+    if arithmetic is not None:
+        from . import numba_cuda_tc
+
+        if numba_cuda_tc.unsupported(arithmetic, tq, e, ev) is None:
+            return numba_cuda_tc.attention(q, k, v, mask=mask, causal_offset=causal_offset,
+                                           scale=scale, xp=xp, arithmetic=arithmetic,
+                                           rules=rules)
     batch = tuple(batch)
     bucket = head_bucket(e, ev)
     dtype = common_dtype(query=q, key=k, value=v)
