@@ -608,8 +608,8 @@ def choose(result_dtype: str, tq: int, e: int, ev: int) -> tuple[str | None, str
     --------
     >>> choose("float16", 4096, 64, 64)[0]
     'f16'
-    >>> choose("float16", 1, 64, 64)[1]  # doctest: +ELLIPSIS
-    'exact float32 arithmetic (the tensor-core kernel cannot take this call: 1 query rows...'
+    >>> print(choose("float16", 1, 64, 64)[1])  # doctest: +ELLIPSIS
+    exact float32 arithmetic (the tensor-core kernel cannot take this call: 1 query rows...
     >>> choose("float64", 4096, 64, 64)
     (None, 'exact float64 arithmetic (FFMA, no tensor cores)')
     """
