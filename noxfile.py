@@ -74,17 +74,21 @@ def kernel_sim(session: nox.Session) -> None:
         session.run("python", "-m", "pytest", *session.posargs)
         return
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL,
-                "tests/test_kernel_sim.py", "tests/test_kernel_sim_backward.py")
+                "tests/test_kernel_sim.py", "tests/test_kernel_sim_backward.py",
+                "tests/test_kernel_tc.py")
     # the public API's tests, with implementation="numba_cuda" on the simulator
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL, "tests",
                 "-k", "numba_cuda", "--ignore=tests/test_kernel_sim.py",
-                "--ignore=tests/test_kernel_sim_backward.py", "--ignore=tests/test_kernel_ptx.py")
+                "--ignore=tests/test_kernel_sim_backward.py", "--ignore=tests/test_kernel_ptx.py",
+                "--ignore=tests/test_kernel_tc.py")
 
 
 @nox.session(tags=["kernel"])
 def kernel_ptx(session: nox.Session) -> None:
-    """Compile every kernel specialisation to PTX for sm_80 and sm_90 (no GPU needed)."""
-    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist")
+    """Compile every kernel specialisation to PTX for sm_80 and sm_90 (no GPU needed);
+    ptxas and cuobjdump (NVIDIA's wheels) check the tensor-core kernels' SASS."""
+    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist", "nvidia-cuda-nvcc",
+            "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm")
     args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
                                "tests/test_kernel_ptx.py"]
     session.run("python", "-m", "pytest", *args)

@@ -35,6 +35,7 @@ import argparse
 import datetime as _dt
 import json
 import math
+import os
 import platform
 import re
 import shutil
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 
 # (B, H, T, E) with Tq = Tk = T, Hkv = H, Ev = E.
-SHAPES = [(4, 16, 4096, 64), (2, 16, 8192, 128), (16, 16, 1024, 64), (1, 16, 16384, 64)]
+SHAPES = [(4, 16, 4096, 64), (2, 16, 8192, 128), (16, 16, 1024, 64), (1, 16, 16384, 128)]
 FLOAT64_SHAPE = (16, 16, 1024, 64)
 LONG_SHAPE = (1, 16, 65536, 64)  # float32; its T×T scores (256 GiB) fit nowhere
 # Forward + backward: (shape, dtype) pairs, each causal and not.
@@ -198,18 +199,41 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
     cupy, torch, polyattn = ctx["cupy"], ctx["torch"], ctx["polyattn"]
     b, h, t, e = shape
     rng = cupy.random.default_rng(0)
-    q, k, v = (rng.standard_normal((b, h, t, e), dtype=cupy.float32).astype(dtype)
-               for _ in range(3))
+    if dtype == "bfloat16":  # CuPy has no bfloat16: torch tensors, the reference on their values
+        inputs = [torch.from_dlpack(rng.standard_normal((b, h, t, e), dtype=cupy.float32)).to(
+            torch.bfloat16) for _ in range(3)]
+        q, k, v = (cupy.from_dlpack(x.float()) for x in inputs)
+    else:
+        q, k, v = (rng.standard_normal((b, h, t, e), dtype=cupy.float32).astype(dtype)
+                   for _ in range(3))
+        inputs = [q, k, v]
     rows = cupy.asarray(np.unique(np.linspace(0, t - 1, SAMPLE_ROWS).astype(np.int64)))
     ref = reference_rows(cupy, q, k, v, rows, causal)
     n_flops = flops(b, h, t, t, e, causal)
     record: dict[str, Any] = {"shape": list(shape), "dtype": dtype, "causal": causal,
                               "gflop": n_flops / 1e9, "methods": {}}
 
-    methods: dict[str, Any] = {
-        "numba_cuda": lambda: polyattn.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, implementation="numba_cuda"),
-    }
+    def run_kernel(*arrays: Any, float32: str = "exact") -> Any:
+        os.environ["POLYATTN_CUDA_FLOAT32"] = float32
+        try:
+            return polyattn.scaled_dot_product_attention(*arrays, is_causal=causal,
+                                                         implementation="numba_cuda")
+        finally:
+            os.environ.pop("POLYATTN_CUDA_FLOAT32", None)
+
+    methods: dict[str, Any] = {"numba_cuda": lambda: run_kernel(*inputs)}
+    record["arithmetic"] = {"numba_cuda": polyattn.explain(
+        *inputs, is_causal=causal, implementation="numba_cuda").arithmetic}
+    if dtype == "float32":  # the opt-in tensor-core arithmetic beside the exact kernel
+        methods["numba_cuda_3xtf32"] = lambda: run_kernel(*inputs, float32="3xtf32")
+        os.environ["POLYATTN_CUDA_FLOAT32"] = "3xtf32"
+        record["arithmetic"]["numba_cuda_3xtf32"] = polyattn.explain(
+            *inputs, is_causal=causal, implementation="numba_cuda").arithmetic
+        os.environ.pop("POLYATTN_CUDA_FLOAT32", None)
+    elif dtype in ("float16", "bfloat16"):  # the exact kernel on float32 copies
+        wide = [cupy.from_dlpack(x.float()) if dtype == "bfloat16" else x.astype(cupy.float32)
+                for x in inputs]
+        methods["numba_cuda_exact_f32"] = lambda: run_kernel(*wide)
     score_bytes = b * h * t * t * 4
     free_bytes = cupy.cuda.runtime.memGetInfo()[0]
     if score_bytes <= REFERENCE_BUDGET * free_bytes:
@@ -219,16 +243,20 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
         record["methods"]["reference"] = {
             "skipped": f"its {score_bytes / 2**30:.0f} GiB score matrix does not fit"}
     if torch is not None:
-        tq, tk, tv = (torch.from_dlpack(a) for a in (q, k, v))
+        tq, tk, tv = (x if dtype == "bfloat16" else torch.from_dlpack(x) for x in inputs)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         methods["torch"] = lambda: sdpa(tq, tk, tv, is_causal=causal)
+        record["arithmetic"]["torch"] = (
+            "torch SDPA's own choice of backend: FlashAttention (tensor cores) for "
+            "float16/bfloat16; for float32 with TF32 off, memory-efficient or math "
+            "attention in FFMA" if dtype != "float64" else "torch SDPA, float64")
 
     for name, fn in methods.items():
         try:
             out = fn()
-            if name == "torch":
+            if name == "torch" or dtype == "bfloat16":
                 torch.cuda.synchronize()
-                out = cupy.from_dlpack(out)
+                out = cupy.from_dlpack(out.float() if dtype == "bfloat16" else out)
             err = rel_error(cupy, out, ref, rows)
             del out
             ms, times = median_ms(cupy, fn, ctx["repeats"], ctx["warmup"])
@@ -244,7 +272,7 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
             "rel_error": err, "peak_extra_mib": peak / 2**20,
         }
     kernel = record["methods"].get("numba_cuda", {})
-    for other in ("reference", "torch"):
+    for other in ("reference", "torch", "numba_cuda_exact_f32", "numba_cuda_3xtf32"):
         if "ms" in kernel and "ms" in record["methods"].get(other, {}):
             # > 1: the kernel is faster than ``other``.
             record[f"speedup_vs_{other}"] = record["methods"][other]["ms"] / kernel["ms"]
@@ -349,6 +377,11 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     forward = [r for r in results if r.get("pass") != "fwd+bwd"]
     both = [r for r in results if r.get("pass") == "fwd+bwd"]
     lines += _table_rows(forward)
+    arithmetic = {(r["dtype"], name): how for r in forward
+                  for name, how in r.get("arithmetic", {}).items()}
+    if arithmetic:
+        lines += ["", "Arithmetic of each method:", ""]
+        lines += [f"- {dtype}, {name}: {how}" for (dtype, name), how in arithmetic.items()]
     if both:
         lines += [
             "",
@@ -456,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
            "memory": Memory(cupy, torch)}
     plan: list[tuple[tuple[int, int, int, int], str, bool]] = []
     shapes = SHAPES[2:3] if args.quick else SHAPES
-    for dtype in ("float32", "float16"):
+    for dtype in ("float32", "float16", *(("bfloat16",) if torch is not None else ())):
         for shape in shapes:
             for causal in (False, True):
                 plan.append((shape, dtype, causal))

@@ -228,3 +228,111 @@ def test_backward_cases_cover_every_axis():
     for part in ("dq_", "dkdv_", *numba_cuda.DTYPES, *(f"_{m}" for m in numba_cuda.MASK_KINDS),
                  "_mods", *(f"head{b}_" for b in numba_cuda.HEAD_DIM_BUCKETS)):
         assert any(part in name for name in names), part
+
+
+# --------------------------------------------------------------------------- #
+# The tensor-core kernels: PTX, ptxas's report and the SASS
+# --------------------------------------------------------------------------- #
+
+from polyattn.implementations import numba_cuda_tc  # noqa: E402
+
+TC_SPECS = numba_cuda_tc.specializations()
+# Every specialisation for sm_90; the plain ones (no mask, no modifiers) for sm_80 too.
+TC_CASES = [(i, cc) for i, (fn, _) in enumerate(TC_SPECS)
+            for cc in ARCHS if cc == (9, 0) or fn.__name__.endswith("_none")]
+MMA_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+           "bf16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+           "3xtf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"}
+HMMA_SASS = {"f16": re.compile(r"\bHMMA\.16816\.F32\b"),
+             "bf16": re.compile(r"\bHMMA\.16816\.F32\.BF16\b"),
+             "3xtf32": re.compile(r"\bHMMA\.1688\.F32\.TF32\b")}
+# Double-precision SASS instructions (arithmetic, conversions, compares).
+F64_SASS = re.compile(r"\b(DADD|DMUL|DFMA|DSETP|DMNMX|DMMA)\b|\bF2F\.F64|\.F64\b")
+LOCAL_SASS = re.compile(r"\b(LDL|STL)\b")
+
+
+def _nvidia_tool(name: str) -> str | None:
+    """``name`` from the NVIDIA wheels of this environment (nvidia-cuda-nvcc,
+    nvidia-cuda-cuobjdump: the same CUDA release as Numba's NVVM), else on PATH."""
+    import glob
+    import sysconfig
+
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia",
+                                              "*", "bin", name))):
+        return path
+    return shutil.which(name)
+
+
+def _arith(name: str) -> str:
+    return name.split("_")[1]
+
+
+@functools.cache
+def tc_ptx_for(index: int, cc: tuple[int, int]) -> str:
+    fn, sig = TC_SPECS[index]
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
+    return ptx
+
+
+@functools.cache
+def tc_sass_for(index: int, cc: tuple[int, int]) -> tuple[str, str]:
+    """(ptxas -v report, cuobjdump -sass text) of one tensor-core kernel."""
+    import tempfile
+
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    assert ptxas and cuobjdump
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        run = subprocess.run([ptxas, "-v", f"-arch=sm_{cc[0]}{cc[1]}", "-", "-o", cubin],
+                             input=tc_ptx_for(index, cc), capture_output=True, text=True,
+                             check=True)
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return run.stderr, sass
+
+
+@pytest.mark.parametrize(("index", "cc"), TC_CASES,
+                         ids=[f"{TC_SPECS[i][0].__name__}-sm_{cc[0]}{cc[1]}"
+                              for i, cc in TC_CASES])
+def test_tensor_core_kernel_ptx(index, cc):
+    name = TC_SPECS[index][0].__name__
+    body = _instructions(tc_ptx_for(index, cc))
+    assert any(f".target sm_{cc[0]}{cc[1]}" in line for line in body)
+    f64 = [line for line in body if F64.search(line)]
+    assert not f64, f"{name} uses float64:\n" + "\n".join(f64[:20])
+    mma = [line for line in body if line.startswith("mma.sync")]
+    assert mma and all(MMA_PTX[_arith(name)] in line for line in mma), mma[:3]
+    assert has_philox(body), name
+    assert any(INT_TO_FLOAT.search(line) for line in body) == ("_mods" in name), name
+
+
+needs_sass_tools = pytest.mark.skipif(
+    _nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None,
+    reason="ptxas and cuobjdump are not installed (nvidia-cuda-nvcc, nvidia-cuda-cuobjdump)")
+
+
+@needs_sass_tools
+@pytest.mark.parametrize(("index", "cc"), TC_CASES,
+                         ids=[f"{TC_SPECS[i][0].__name__}-sm_{cc[0]}{cc[1]}"
+                              for i, cc in TC_CASES])
+def test_tensor_core_kernel_sass(index, cc):
+    """The tile loop issues exactly the expected HMMA instructions (three per product
+    for 3xTF32), and no double-precision instruction."""
+    fn, _ = TC_SPECS[index]
+    name = fn.__name__
+    report, sass = tc_sass_for(index, cc)
+    arith = _arith(name)
+    bucket = int(name.split("_head")[1].split("_")[0])
+    hmma = [line for line in sass.splitlines() if "HMMA" in line]
+    assert all(HMMA_SASS[arith].search(line) for line in hmma), hmma[:3]
+    assert len(hmma) == numba_cuda_tc.hmma_per_tile(arith, bucket), (name, len(hmma))
+    f64 = [line for line in sass.splitlines() if F64_SASS.search(line)]
+    assert not f64, f"{name} runs float64 instructions:\n" + "\n".join(f64[:10])
+    used = re.search(r"Used (\d+) registers", report)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                      r"(\d+) bytes spill loads", report)
+    local = len([line for line in sass.splitlines() if LOCAL_SASS.search(line)])
+    print(f"{name} sm_{cc[0]}{cc[1]}: registers {used.group(1) if used else '?'}, "
+          f"stack {frame.group(1) if frame else '?'} B, spills "
+          f"{frame.group(2) if frame else '?'}/{frame.group(3) if frame else '?'} B, "
+          f"local loads/stores {local}, HMMA {len(hmma)}")
