@@ -3,7 +3,13 @@
 For each shape (B, H, T, E), dtype and causal setting, this script times, side
 by side in one run,
 
-* ``numba_cuda``: ``scaled_dot_product_attention(..., implementation="numba_cuda")``,
+* ``numba_cuda``: ``scaled_dot_product_attention(..., implementation="numba_cuda")``
+  (float16/bfloat16: the tensor-core kernel; float32/float64: the 0.1 kernel, one
+  thread per query row), beside ``numba_cuda_tiled`` (``POLYATTN_CUDA_KERNEL=tiled``,
+  the register-tiled exact kernel), ``numba_cuda_3xtf32``
+  (``POLYATTN_CUDA_FLOAT32=3xtf32``) for float32 and ``numba_cuda_exact_f32`` (the
+  exact kernel on float32 copies) for float16/bfloat16; the report names each
+  method's arithmetic,
 * ``reference``: the same call with ``implementation="reference"`` on CuPy
   arrays (materialises the T×T scores; left out where they would not fit),
 * ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` on the same
@@ -213,35 +219,47 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
     record: dict[str, Any] = {"shape": list(shape), "dtype": dtype, "causal": causal,
                               "gflop": n_flops / 1e9, "methods": {}}
 
-    def run_kernel(*arrays: Any, float32: str = "exact") -> Any:
-        os.environ["POLYATTN_CUDA_FLOAT32"] = float32
+    def run_kernel(*arrays: Any, **env: str) -> Any:
+        """The kernel with POLYATTN_CUDA_* variables set for this call only."""
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         try:
             return polyattn.scaled_dot_product_attention(*arrays, is_causal=causal,
                                                          implementation="numba_cuda")
         finally:
-            os.environ.pop("POLYATTN_CUDA_FLOAT32", None)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    def arithmetic(**env: str) -> str:
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            return polyattn.explain(*inputs, is_causal=causal,
+                                    implementation="numba_cuda").arithmetic
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     methods: dict[str, Any] = {"numba_cuda": lambda: run_kernel(*inputs)}
-    record["arithmetic"] = {"numba_cuda": polyattn.explain(
-        *inputs, is_causal=causal, implementation="numba_cuda").arithmetic}
-    if dtype == "float32":  # the opt-in tensor-core arithmetic beside the exact kernel
-        methods["numba_cuda_3xtf32"] = lambda: run_kernel(*inputs, float32="3xtf32")
-        os.environ["POLYATTN_CUDA_FLOAT32"] = "3xtf32"
-        record["arithmetic"]["numba_cuda_3xtf32"] = polyattn.explain(
-            *inputs, is_causal=causal, implementation="numba_cuda").arithmetic
-        os.environ.pop("POLYATTN_CUDA_FLOAT32", None)
+    record["arithmetic"] = {"numba_cuda": arithmetic()}
+    if dtype in ("float32", "float64"):  # the register-tiled exact kernel beside the 0.1 one
+        tiled = {"POLYATTN_CUDA_KERNEL": "tiled"}
+        methods["numba_cuda_tiled"] = lambda: run_kernel(*inputs, **tiled)
+        record["arithmetic"]["numba_cuda_tiled"] = arithmetic(**tiled)
+    if dtype == "float32":  # the opt-in tensor-core arithmetic
+        tf32 = {"POLYATTN_CUDA_FLOAT32": "3xtf32"}
+        methods["numba_cuda_3xtf32"] = lambda: run_kernel(*inputs, **tf32)
+        record["arithmetic"]["numba_cuda_3xtf32"] = arithmetic(**tf32)
     elif dtype in ("float16", "bfloat16"):  # the exact kernel on float32 copies
         wide = [cupy.from_dlpack(x.float()) if dtype == "bfloat16" else x.astype(cupy.float32)
                 for x in inputs]
         methods["numba_cuda_exact_f32"] = lambda: run_kernel(*wide)
-    score_bytes = b * h * t * t * 4
-    free_bytes = cupy.cuda.runtime.memGetInfo()[0]
-    if score_bytes <= REFERENCE_BUDGET * free_bytes:
-        methods["reference"] = lambda: polyattn.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, implementation="reference")
-    else:
-        record["methods"]["reference"] = {
-            "skipped": f"its {score_bytes / 2**30:.0f} GiB score matrix does not fit"}
     if torch is not None:
         tq, tk, tv = (x if dtype == "bfloat16" else torch.from_dlpack(x) for x in inputs)
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -272,7 +290,8 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
             "rel_error": err, "peak_extra_mib": peak / 2**20,
         }
     kernel = record["methods"].get("numba_cuda", {})
-    for other in ("reference", "torch", "numba_cuda_exact_f32", "numba_cuda_3xtf32"):
+    for other in ("reference", "torch", "numba_cuda_tiled", "numba_cuda_exact_f32",
+                  "numba_cuda_3xtf32"):
         if "ms" in kernel and "ms" in record["methods"].get(other, {}):
             # > 1: the kernel is faster than ``other``.
             record[f"speedup_vs_{other}"] = record["methods"][other]["ms"] / kernel["ms"]

@@ -316,8 +316,9 @@ needs_sass_tools = pytest.mark.skipif(
                          ids=[f"{TC_SPECS[i][0].__name__}-sm_{cc[0]}{cc[1]}"
                               for i, cc in TC_CASES])
 def test_tensor_core_kernel_sass(index, cc):
-    """The tile loop issues exactly the expected HMMA instructions (three per product
-    for 3xTF32), and no double-precision instruction."""
+    """The 16-key step issues exactly the expected HMMA instructions (three per
+    product for 3xTF32); no double-precision instruction; no spills and no local
+    memory at all (the warp's scores, Q fragments and accumulators stay in registers)."""
     fn, _ = TC_SPECS[index]
     name = fn.__name__
     report, sass = tc_sass_for(index, cc)
@@ -325,14 +326,115 @@ def test_tensor_core_kernel_sass(index, cc):
     bucket = int(name.split("_head")[1].split("_")[0])
     hmma = [line for line in sass.splitlines() if "HMMA" in line]
     assert all(HMMA_SASS[arith].search(line) for line in hmma), hmma[:3]
-    assert len(hmma) == numba_cuda_tc.hmma_per_tile(arith, bucket), (name, len(hmma))
+    assert len(hmma) == numba_cuda_tc.hmma_per_step(arith, bucket), (name, len(hmma))
     f64 = [line for line in sass.splitlines() if F64_SASS.search(line)]
     assert not f64, f"{name} runs float64 instructions:\n" + "\n".join(f64[:10])
     used = re.search(r"Used (\d+) registers", report)
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
                       r"(\d+) bytes spill loads", report)
     local = len([line for line in sass.splitlines() if LOCAL_SASS.search(line)])
+    assert frame and frame.groups() == ("0", "0", "0"), report
+    assert local == 0, name
     print(f"{name} sm_{cc[0]}{cc[1]}: registers {used.group(1) if used else '?'}, "
           f"stack {frame.group(1) if frame else '?'} B, spills "
           f"{frame.group(2) if frame else '?'}/{frame.group(3) if frame else '?'} B, "
           f"local loads/stores {local}, HMMA {len(hmma)}")
+
+
+# --------------------------------------------------------------------------- #
+# The register-tiled exact kernel (opt-in): a sample of its specialisations
+# --------------------------------------------------------------------------- #
+
+from polyattn.implementations import numba_cuda_tiled  # noqa: E402
+
+# Each takes 15-30 s to compile: one per dtype, mask kind and modifier setting.
+TILED_SAMPLE = [("float32", 64, "none", False), ("float32", 128, "bool", True),
+                ("float64", 32, "float", False)]
+FFMA = re.compile(r"\b(FFMA|DFMA)(\.\w+)*\s+(R\d+),\s*(-?\|?R\d+\|?)(\.reuse)?,\s*"
+                  r"(-?R\d+|[-\w.+]+)(\.reuse)?,\s*(-?R\d+)")
+
+
+DEST = re.compile(r"^\s*(?:/\*[0-9a-f]+\*/)?\s*(?:@!?U?P\w+\s+)?([A-Z][\w.]*)\s+(R\d+)")
+
+
+def longest_dependent_run(sass: str) -> int:
+    """The longest run of FFMA/DFMA instructions, in program order, each adding to
+    the result of the one just before it (``d' = a'·b' + d``): a serial
+    accumulation, each waiting for the previous one (the 0.1 kernel's dot product
+    was one such run per key, whatever registers hold it). An instruction that
+    overwrites that result ends the run."""
+    best = run = 0
+    previous = None
+    for line in sass.splitlines():
+        match = FFMA.search(line)
+        if not match:
+            written = DEST.search(line)
+            if written and written.group(2) == previous:
+                previous, run = None, 0
+            continue
+        run = run + 1 if match.group(8).strip("-") == previous else 1
+        best = max(best, run)
+        previous = match.group(3)
+    return best
+
+
+def test_dependent_run_counts_back_to_back_chains():
+    chain = ["FFMA R1, R2, R3, R1 ;", "FFMA R6, R1, R3, R1 ;", "LDS R9, [R8] ;",
+             "FFMA R7, R4, R9, R6 ;"]
+    assert longest_dependent_run("\n".join(chain)) == 3
+    interleaved = ["FFMA R1, R2, R3, R1 ;", "FFMA R5, R2, R3, R5 ;", "FFMA R1, R4, R3, R1 ;"]
+    assert longest_dependent_run("\n".join(interleaved)) == 1
+    assert longest_dependent_run("FFMA R1, R2, R3, R4 ;\nFFMA R5, R1, R3, R6 ;") == 1
+    rewritten = ["FFMA R1, R2, R3, R1 ;", "FADD R1, R2, R3 ;", "FFMA R1, R4, R3, R1 ;"]
+    assert longest_dependent_run("\n".join(rewritten)) == 1
+
+
+@pytest.mark.parametrize("spec", TILED_SAMPLE, ids=lambda s: "_".join(map(str, s)))
+def test_tiled_kernel_ptx_and_sass(spec):
+    dtype, bucket, mask_kind, mods = spec
+    fn = numba_cuda_tiled.make_kernel_function(dtype, bucket, mask_kind, mods)
+    ptx, _ = cuda.compile_ptx(fn, numba_cuda_tiled._signature(dtype, mask_kind), cc=(9, 0))
+    body = _instructions(ptx)
+    assert any(".target sm_90" in line for line in body)
+    assert_float64_only_where_asked(f"{fn.__name__}", body, (9, 0))
+    assert has_philox(body)
+    assert any(INT_TO_FLOAT.search(line) for line in body) == mods
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    if ptxas is None or cuobjdump is None:
+        pytest.skip("ptxas and cuobjdump are not installed")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        run = subprocess.run([ptxas, "-v", "-arch=sm_90", "-", "-o", cubin], input=ptx,
+                             capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    used = re.search(r"Used (\d+) registers", run.stderr)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", run.stderr)
+    print(f"{fn.__name__} sm_90: registers {used.group(1) if used else '?'}, stack "
+          f"{frame.group(1) if frame else '?'} B, spill stores "
+          f"{frame.group(2) if frame else '?'} B, longest dependent FMA run "
+          f"{longest_dependent_run(sass)}")
+    assert F64_SASS.search(sass) is None or dtype == "float64"
+    assert longest_dependent_run(sass) <= 8
+
+
+@pytest.mark.skipif(_nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None,
+                    reason="ptxas and cuobjdump are not installed")
+def test_dependent_run_finds_the_row_kernels_serial_dot_product():
+    """The metric against the one-thread-per-row kernel, whose dot product is one
+    serial chain per key: what the tiled kernel removes."""
+    import tempfile
+
+    fn = numba_cuda.make_kernel_function("float32", 64, "none", False)
+    ptx, _ = cuda.compile_ptx(fn, numba_cuda._signature("float32", "none"), cc=(9, 0))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        subprocess.run([_nvidia_tool("ptxas"), "-arch=sm_90", "-", "-o", cubin], input=ptx,
+                       capture_output=True, text=True, check=True)
+        sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    run = longest_dependent_run(sass)
+    print(f"{fn.__name__} sm_90: longest dependent FMA run {run}")
+    assert run >= 32

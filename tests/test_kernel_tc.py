@@ -295,13 +295,13 @@ def test_float32_choice(monkeypatch):
         tc.choose("float32", 128, 64, 64)
 
 
-def test_hmma_counts_per_tile():
+def test_hmma_counts_per_step():
     from polyattn.implementations import numba_cuda_tc as tc
 
-    # Q Kᵀ: (block_k / 8) n-tiles × (E / 16) k-steps; P V: (block_k / 16) × (Ev / 8).
-    assert tc.hmma_per_tile("f16", 64) == 8 * 4 + 4 * 8
-    assert tc.hmma_per_tile("bf16", 128) == 8 * 8 + 4 * 16
-    assert tc.hmma_per_tile("3xtf32", 64) == 3 * (8 * 8 + 8 * 8)
+    # Q Kᵀ: two 8-key tiles × (E / 16) k-steps; P V: one 16-key step × (Ev / 8) tiles.
+    assert tc.hmma_per_step("f16", 64) == 2 * 4 + 8
+    assert tc.hmma_per_step("bf16", 128) == 2 * 8 + 16
+    assert tc.hmma_per_step("3xtf32", 64) == 3 * (2 * 8 + 2 * 8)
     assert len(tc.specializations()) == (4 + 4 + 3) * 3 * 2
 
 

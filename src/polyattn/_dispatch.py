@@ -440,11 +440,16 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
 
 def cuda_arithmetic(problem: Problem) -> str:
     """How the CUDA kernel computes this call (tensor cores or exact), for people."""
-    from .implementations import numba_cuda_tc
+    from .implementations import numba_cuda, numba_cuda_tc, numba_cuda_tiled
 
     tq, e = problem.q.shape[-2:]
     ev = e if problem.v is None else problem.v.shape[-1]
-    return numba_cuda_tc.choose(str(problem.result_dtype), tq, e, ev)[1]
+    arithmetic, how = numba_cuda_tc.choose(str(problem.result_dtype), tq, e, ev)
+    if arithmetic is not None:
+        return how
+    if numba_cuda.kernel_choice() == "tiled" and numba_cuda_tiled.unsupported(tq) is None:
+        return how + "; the register-tiled kernel (POLYATTN_CUDA_KERNEL=tiled)"
+    return how + "; one thread per query row (the 0.1 kernel)"
 
 
 def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,

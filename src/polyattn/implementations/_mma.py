@@ -193,7 +193,7 @@ def unpack(word: Any) -> tuple[int, int]:
 # --------------------------------------------------------------------------- #
 
 OPS = ("mma_f16", "mma_bf16", "mma_tf32", "pack_f16x2", "pack_bf16x2", "tf32_bits",
-       "bits_to_f32", "quad_max", "quad_sum", "opaque_zero")
+       "bits_to_f32", "quad_max", "quad_sum", "octet_max", "octet_sum", "opaque_zero")
 
 
 class _Warp:
@@ -283,16 +283,20 @@ def _simulated_mma(shape: str, decode: Any) -> Any:
     return op
 
 
-def _quad(combine: Any) -> Any:
-    """A reduction over the four lanes of a group, as two ``shfl.bfly`` steps
-    (xor 1, then xor 2)."""
+def _butterfly(combine: Any, lanes: int, cast: Any = np.float32) -> Any:
+    """A reduction over aligned groups of ``lanes`` lanes, as ``shfl.bfly`` steps
+    (xor 1, then xor 2, …), in the hardware's order."""
 
     def compute(slots: list[Any]) -> list[Any]:
-        first = [combine(slots[n], slots[n ^ 1]) for n in range(WARP)]
-        return [combine(first[n], first[n ^ 2]) for n in range(WARP)]
+        values = list(slots)
+        step = 1
+        while step < lanes:
+            values = [combine(values[n], values[n ^ step]) for n in range(WARP)]
+            step *= 2
+        return values
 
     def op(x: Any) -> Any:
-        return _collective(np.float32(x), compute)
+        return _collective(cast(x), compute)
 
     return op
 
@@ -312,8 +316,10 @@ def simulated_ops() -> pytypes.SimpleNamespace:
         pack_bf16x2=lambda lo, hi: pack(bf16_bits(lo), bf16_bits(hi)),
         tf32_bits=lambda x: np.uint32(tf32_round(x).view(np.uint32)),
         bits_to_f32=lambda u: np.uint32(u).view(np.float32),
-        quad_max=_quad(nan_max),
-        quad_sum=_quad(lambda x, y: np.float32(x) + np.float32(y)),
+        quad_max=_butterfly(nan_max, 4),
+        quad_sum=_butterfly(lambda x, y: np.float32(x) + np.float32(y), 4),
+        octet_max=_butterfly(nan_max, 8, cast=lambda x: x),
+        octet_sum=_butterfly(lambda x, y: x + y, 8, cast=lambda x: x),
         opaque_zero=lambda: 0,
     )
 
@@ -351,12 +357,15 @@ def _intrinsic(name: str, result: str, operands: str, text: str, constraints: st
 
 
 def _quad_intrinsic(name: str, reduce: Any) -> Any:
-    """An intrinsic compiling ``reduce`` (float32 -> float32) into the calling kernel."""
+    """An intrinsic compiling ``reduce`` (a float -> the same float) into the calling
+    kernel, for float32 or float64 arguments."""
     from numba import types
     from numba.cuda.extending import intrinsic
 
     def typer(typingctx: Any, x: Any) -> Any:
-        sig = types.float32(types.float32)
+        if x not in (types.float32, types.float64):
+            return None
+        sig = x(x)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return context.compile_internal(builder, reduce, signature, args)
@@ -367,13 +376,13 @@ def _quad_intrinsic(name: str, reduce: Any) -> Any:
     return intrinsic(typer)
 
 
-def _quad_reductions() -> tuple[Any, Any]:
-    """Maximum (NaN wins) and sum over the four lanes of a group: two ``shfl.bfly``
-    steps each, xor 1 then xor 2."""
+def _quad_reductions() -> tuple[Any, Any, Any, Any]:
+    """Maximum (NaN wins) and sum over aligned groups of four lanes (``shfl.bfly``
+    xor 1, then xor 2) and of eight lanes (then xor 4)."""
     from numba import cuda
 
     full = np.uint32(0xFFFFFFFF)
-    one, two = np.int32(1), np.int32(2)
+    one, two, four = np.int32(1), np.int32(2), np.int32(4)
 
     def quad_max(x: Any) -> Any:
         y = cuda.shfl_xor_sync(full, x, one)
@@ -388,7 +397,25 @@ def _quad_reductions() -> tuple[Any, Any]:
         x += cuda.shfl_xor_sync(full, x, one)
         return x + cuda.shfl_xor_sync(full, x, two)
 
-    return _quad_intrinsic("quad_max", quad_max), _quad_intrinsic("quad_sum", quad_sum)
+    def octet_max(x: Any) -> Any:
+        y = cuda.shfl_xor_sync(full, x, one)
+        if y > x or y != y:
+            x = y
+        y = cuda.shfl_xor_sync(full, x, two)
+        if y > x or y != y:
+            x = y
+        y = cuda.shfl_xor_sync(full, x, four)
+        if y > x or y != y:
+            x = y
+        return x
+
+    def octet_sum(x: Any) -> Any:
+        x += cuda.shfl_xor_sync(full, x, one)
+        x += cuda.shfl_xor_sync(full, x, two)
+        return x + cuda.shfl_xor_sync(full, x, four)
+
+    return (_quad_intrinsic("quad_max", quad_max), _quad_intrinsic("quad_sum", quad_sum),
+            _quad_intrinsic("octet_max", octet_max), _quad_intrinsic("octet_sum", octet_sum))
 
 
 def gpu_ops() -> pytypes.SimpleNamespace:
@@ -397,7 +424,7 @@ def gpu_ops() -> pytypes.SimpleNamespace:
     Intrinsics, not ``cuda.jit(device=True)`` functions, so that kernels calling
     them compile to PTX without a GPU to ask for its architecture.
     """
-    quad_max, quad_sum = _quad_reductions()
+    quad_max, quad_sum, octet_max, octet_sum = _quad_reductions()
     mma16 = ("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0,$1,$2,$3}}, "
              "{{$4,$5,$6,$7}}, {{$8,$9}}, {{$10,$11,$12,$13}};")
     mma_constraints = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
@@ -423,6 +450,8 @@ def gpu_ops() -> pytypes.SimpleNamespace:
                                "=f,r"),
         quad_max=quad_max,
         quad_sum=quad_sum,
+        octet_max=octet_max,
+        octet_sum=octet_sum,
         # A zero the compiler cannot see through: shared-memory indices that add it
         # in a loop are computed there, not hoisted as 64-bit addresses.
         opaque_zero=_intrinsic("opaque_zero", "int32", "", "mov.u32 $0, 0;", "=r",

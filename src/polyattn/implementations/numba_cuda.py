@@ -245,6 +245,27 @@ def availability(xp: Any = None, arrays: Sequence[Array] = ()) -> tuple[bool, st
     return True, "CUDA arrays, a CUDA GPU and numba-cuda"
 
 
+#: ``POLYATTN_CUDA_KERNEL``: which exact kernel runs float32/float64 calls.
+KERNEL_VARIABLE = "POLYATTN_CUDA_KERNEL"
+KERNEL_CHOICES = ("rows", "tiled")
+
+
+def kernel_choice() -> str:
+    """``POLYATTN_CUDA_KERNEL``: ``"rows"`` (one thread per query row; the default) or
+    ``"tiled"`` (:mod:`.numba_cuda_tiled`); ValueError naming the variable otherwise.
+
+    Examples
+    --------
+    >>> kernel_choice() in KERNEL_CHOICES
+    True
+    """
+    value = os.environ.get(KERNEL_VARIABLE, "rows").strip().lower() or "rows"
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_VARIABLE}={os.environ[KERNEL_VARIABLE]!r}: expected one "
+                         f"of {', '.join(KERNEL_CHOICES)}")
+    return value
+
+
 # --------------------------------------------------------------------------- #
 # Kernel factory
 # --------------------------------------------------------------------------- #
@@ -883,10 +904,12 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     ALiBi, per-row positions) are applied inside the kernel. ``block_q`` and
     ``block_k`` override the tile sizes (threads per block, key rows per tile),
     ``decode`` and ``num_splits`` the launch plan (:func:`launch_plan`); they
-    exist for tests and tuning. ``arithmetic`` (``"f16"``, ``"bf16"``,
-    ``"3xtf32"``) runs the tensor-core kernel of :mod:`.numba_cuda_tc` on float32
-    inputs where it can take the call (:func:`.numba_cuda_tc.unsupported`), else
-    this exact kernel.
+    exist for tests and tuning (and keep this kernel). With
+    ``POLYATTN_CUDA_KERNEL=tiled``, exact calls other than decoding shapes run
+    the register-tiled kernel of :mod:`.numba_cuda_tiled` instead.
+    ``arithmetic`` (``"f16"``, ``"bf16"``, ``"3xtf32"``) runs the tensor-core
+    kernel of :mod:`.numba_cuda_tc` on float32 inputs where it can take the
+    call (:func:`.numba_cuda_tc.unsupported`), else the exact kernels.
 
     Raises
     ------
@@ -906,6 +929,13 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
             return numba_cuda_tc.attention(q, k, v, mask=mask, causal_offset=causal_offset,
                                            scale=scale, xp=xp, arithmetic=arithmetic,
                                            rules=rules)
+    if (kernel_choice() == "tiled" and block_q is None and block_k is None and decode is None
+            and num_splits is None):
+        from . import numba_cuda_tiled
+
+        if numba_cuda_tiled.unsupported(tq) is None:
+            return numba_cuda_tiled.attention(q, k, v, mask=mask, causal_offset=causal_offset,
+                                              scale=scale, xp=xp, rules=rules)
     batch = tuple(batch)
     bucket = head_bucket(e, ev)
     dtype = common_dtype(query=q, key=k, value=v)

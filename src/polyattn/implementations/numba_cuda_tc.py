@@ -25,12 +25,14 @@ maximum ``m`` and sum ``l`` and their 16 × Ev output accumulator in registers
 for the whole key loop. The block loads a tile of ``block_k`` keys of K and
 of V into shared memory (K row-major, V transposed, as packed pairs of 16-bit
 values in 32-bit words, rows padded so that a warp's fragment loads hit 32
-different banks); each warp then multiplies its Q fragments with the K tile,
-applies every score rule to its fragment of S (a lane holds two rows and two
-columns per 8 keys: ``c_position``), updates the online softmax with
-maxima over the four lanes of a group (two warp shuffles), and multiplies its
-probabilities, repacked in registers as the A operand (the C layout of two
-8-key tiles is the A layout of one 16-key step), with the V tile.
+different banks). Each warp then walks the tile 16 keys at a time: two
+``mma.sync`` chains give its 16 × 16 block of S (a lane holds two rows and
+two columns of each 8 keys: ``c_position``), every score rule is applied to
+those eight values, the online softmax is updated with maxima over the four
+lanes of a group (two warp shuffles), and the probabilities, repacked in
+registers as the A operand (the C layout of two 8-key tiles is the A layout
+of one 16-key step), are multiplied with the V tile. Steps of 16 keys keep a
+lane's scores in eight registers (a whole tile's 32 went to local memory).
 
 The rules are those of :mod:`.numba_cuda` (DESIGN §4.1), applied to each
 element of S: scale, soft-capping, ALiBi, the mask (read through its strides),
@@ -140,7 +142,7 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     from numba import types
 
     ops = _mma.device_ops(numba_cuda.simulator_enabled())
-    half = arithmetic != "3xtf32"
+    HALF_OPERANDS = arithmetic != "3xtf32"
     mma16 = ops.mma_bf16 if arithmetic == "bf16" else ops.mma_f16
     pack = ops.pack_bf16x2 if arithmetic == "bf16" else ops.pack_f16x2
     mma8, tf32, as_f32 = ops.mma_tf32, ops.tf32_bits, ops.bits_to_f32
@@ -152,20 +154,18 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     U_ZERO = np.uint64(0)
     HEAD, BK = bucket, block_k(arithmetic, bucket)
     BQ, NTHREADS = BLOCK_Q, THREADS
-    NT = BK // 8  # 8-key tiles of S per warp
+    STEPS = BK // 16  # 16-key steps per tile: S, softmax and P V, one after another
     NF = HEAD // 8  # 8-feature tiles of the output per warp
-    S_LEN, O_LEN = NT * 4, NF * 4  # per-lane scores and output accumulators
+    O_LEN = NF * 4  # per-lane output accumulators
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
-    if half:
+    if HALF_OPERANDS:
         KS = HEAD // 16  # 16-feature steps of Q Kᵀ
-        KK = BK // 16  # 16-key steps of P V
         HP, BP = HEAD // 2, BK // 2  # words per K row / per transposed V row
         K_SHAPE, V_SHAPE = (BK, HP + 4), (HEAD, BP + 4)  # +4 words: conflict-free
         TILE_T: Any = u32
         Q_WORDS = KS * 4
     else:
         KS = HEAD // 8  # 8-feature TF32 steps of Q Kᵀ
-        KK = NT
         HP, BP = HEAD, BK
         K_SHAPE, V_SHAPE = (BK, HEAD + 4), (BK, HEAD + 4)
         TILE_T = f32
@@ -243,13 +243,13 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         v_tile = cuda.shared.array(V_SHAPE, TILE_T)
         q_big = cuda.local.array(Q_WORDS, u32)  # Q fragments (TF32: large parts)
         q_small = cuda.local.array(Q_WORDS, u32)  # TF32: small parts
-        s = cuda.local.array(S_LEN, f32)  # this lane's scores, then weights
+        s = cuda.local.array(8, f32)  # this lane's scores of 16 keys, then weights
         o = cuda.local.array(O_LEN, f32)  # this lane's output accumulators
 
         # Q fragments (A operands), zero past Tq and past E.
         for ks in range(KS):
             for r in range(4):
-                if half:
+                if HALF_OPERANDS:
                     row = row0 if r % 2 == 0 else row1
                     col = ks * 16 + 2 * t + (8 if r >= 2 else 0)
                     x0 = ZERO
@@ -279,7 +279,7 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
             # Tiles: K (BK, HEAD) and V, zero past hi and past the head sizes.
-            if half:
+            if HALF_OPERANDS:
                 for idx in range(tid, BK * HP, NTHREADS):
                     jj = idx // HP
                     d = 2 * (idx % HP)
@@ -323,50 +323,51 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
             # addresses are formed here rather than held in registers across tiles.
             z = opaque_zero()
 
-            # S = Q Kᵀ for this warp's 16 rows and the tile's keys.
-            for nt in range(NT):
-                c0 = ZERO
-                c1 = ZERO
-                c2 = ZERO
-                c3 = ZERO
-                key = nt * 8 + g + z
-                for ks in range(KS):
-                    if half:
-                        c0, c1, c2, c3 = mma16(
-                            q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
-                            q_big[ks * 4 + 3], k_tile[key, ks * 8 + t],
-                            k_tile[key, ks * 8 + 4 + t], c0, c1, c2, c3)
-                    else:
-                        y0 = k_tile[key, ks * 8 + t]
-                        y1 = k_tile[key, ks * 8 + 4 + t]
-                        big0 = tf32(y0)
-                        big1 = tf32(y1)
-                        small0 = tf32(y0 - as_f32(big0))
-                        small1 = tf32(y1 - as_f32(big1))
-                        c0, c1, c2, c3 = mma8(
-                            q_small[ks * 4], q_small[ks * 4 + 1], q_small[ks * 4 + 2],
-                            q_small[ks * 4 + 3], big0, big1, c0, c1, c2, c3)
-                        c0, c1, c2, c3 = mma8(
-                            q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
-                            q_big[ks * 4 + 3], small0, small1, c0, c1, c2, c3)
-                        c0, c1, c2, c3 = mma8(
-                            q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
-                            q_big[ks * 4 + 3], big0, big1, c0, c1, c2, c3)
-                s[nt * 4] = c0
-                s[nt * 4 + 1] = c1
-                s[nt * 4 + 2] = c2
-                s[nt * 4 + 3] = c3
+            for kk in range(STEPS):  # 16 keys at a time: two 8-key tiles of S
+                # S = Q Kᵀ for this warp's 16 rows and keys 16kk … 16kk + 15.
+                for half in range(2):
+                    c0 = ZERO
+                    c1 = ZERO
+                    c2 = ZERO
+                    c3 = ZERO
+                    key = kk * 16 + half * 8 + g + z
+                    for ks in range(KS):
+                        if HALF_OPERANDS:
+                            c0, c1, c2, c3 = mma16(
+                                q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
+                                q_big[ks * 4 + 3], k_tile[key, ks * 8 + t],
+                                k_tile[key, ks * 8 + 4 + t], c0, c1, c2, c3)
+                        else:
+                            y0 = k_tile[key, ks * 8 + t]
+                            y1 = k_tile[key, ks * 8 + 4 + t]
+                            big0 = tf32(y0)
+                            big1 = tf32(y1)
+                            small0 = tf32(y0 - as_f32(big0))
+                            small1 = tf32(y1 - as_f32(big1))
+                            c0, c1, c2, c3 = mma8(
+                                q_small[ks * 4], q_small[ks * 4 + 1], q_small[ks * 4 + 2],
+                                q_small[ks * 4 + 3], big0, big1, c0, c1, c2, c3)
+                            c0, c1, c2, c3 = mma8(
+                                q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
+                                q_big[ks * 4 + 3], small0, small1, c0, c1, c2, c3)
+                            c0, c1, c2, c3 = mma8(
+                                q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
+                                q_big[ks * 4 + 3], big0, big1, c0, c1, c2, c3)
+                    s[half * 4] = c0
+                    s[half * 4 + 1] = c1
+                    s[half * 4 + 2] = c2
+                    s[half * 4 + 3] = c3
 
-            # The score rules, element by element, and each row's tile maximum.
-            mt0 = NEG_INF
-            mt1 = NEG_INF
-            for nt in range(NT):
-                for r in range(4):
-                    upper = r < 2
+                # The score rules, element by element, and each row's maximum.
+                # s[4·half + r]: row g (r < 2) or g + 8, key 16kk + 8·half + 2t + r % 2.
+                mt0 = NEG_INF
+                mt1 = NEG_INF
+                for n in range(8):
+                    upper = n % 4 < 2
                     row = row0 if upper else row1
                     p = p0 if upper else p1
-                    j = j0 + nt * 8 + 2 * t + r % 2
-                    x = s[nt * 4 + r] * scale
+                    j = j0 + kk * 16 + (n // 4) * 8 + 2 * t + n % 2
+                    x = s[n] * scale
                     if MODS:
                         if cap > ZERO:
                             x = cap * math.tanh(x * inv_cap)
@@ -378,102 +379,103 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                             x = NEG_INF
                     elif FLOAT_MASK:
                         x += mask[mb, mh, mi0 if upper else mi1, j * mj_step]
-                    s[nt * 4 + r] = x
+                    s[n] = x
                     if upper:
                         if x > mt0 or x != x:
                             mt0 = x
                     elif x > mt1 or x != x:
                         mt1 = x
-            mt0 = quad_max(mt0)
-            mt1 = quad_max(mt1)
+                mt0 = quad_max(mt0)
+                mt1 = quad_max(mt1)
 
-            # Online softmax: new maxima, rescaled state, weights of the tile.
-            mn0 = m0
-            if mt0 > m0 or mt0 != mt0:
-                mn0 = mt0
-            mn1 = m1
-            if mt1 > m1 or mt1 != mt1:
-                mn1 = mt1
-            alpha0 = ONE
-            if mn0 != NEG_INF and mn0 != m0:
-                alpha0 = math.exp(m0 - mn0)
-            alpha1 = ONE
-            if mn1 != NEG_INF and mn1 != m1:
-                alpha1 = math.exp(m1 - mn1)
-            l0 *= alpha0
-            l1 *= alpha1
-            for nf in range(NF):
-                o[nf * 4] *= alpha0
-                o[nf * 4 + 1] *= alpha0
-                o[nf * 4 + 2] *= alpha1
-                o[nf * 4 + 3] *= alpha1
-            m0 = mn0
-            m1 = mn1
-            for nt in range(NT):
-                for r in range(4):
-                    upper = r < 2
+                # Online softmax: new maxima, rescaled state, weights of the 16 keys.
+                mn0 = m0
+                if mt0 > m0 or mt0 != mt0:
+                    mn0 = mt0
+                mn1 = m1
+                if mt1 > m1 or mt1 != mt1:
+                    mn1 = mt1
+                if mn0 != m0 or mn1 != m1:
+                    alpha0 = ONE
+                    if mn0 != NEG_INF and mn0 != m0:
+                        alpha0 = math.exp(m0 - mn0)
+                    alpha1 = ONE
+                    if mn1 != NEG_INF and mn1 != m1:
+                        alpha1 = math.exp(m1 - mn1)
+                    l0 *= alpha0
+                    l1 *= alpha1
+                    for nf in range(NF):
+                        o[nf * 4] *= alpha0
+                        o[nf * 4 + 1] *= alpha0
+                        o[nf * 4 + 2] *= alpha1
+                        o[nf * 4 + 3] *= alpha1
+                    m0 = mn0
+                    m1 = mn1
+                for n in range(8):
+                    upper = n % 4 < 2
                     m_row = m0 if upper else m1
                     w = ZERO
                     if m_row != NEG_INF:
-                        w = math.exp(s[nt * 4 + r] - m_row)
+                        w = math.exp(s[n] - m_row)
                     if upper:  # l (and lse) before dropout, O after it
                         l0 += w
                     else:
                         l1 += w
                     if dropping and w != ZERO:
-                        j = j0 + nt * 8 + 2 * t + r % 2
-                        n = (row_n0 if upper else row_n1) + j
-                        if keep_word(n, key0, key1) >= threshold:
+                        j = j0 + kk * 16 + (n // 4) * 8 + 2 * t + n % 2
+                        if keep_word((row_n0 if upper else row_n1) + j, key0,
+                                     key1) >= threshold:
                             w *= drop_scale
                         else:
                             w = ZERO
-                    s[nt * 4 + r] = w
+                    s[n] = w
 
-            # O += P V.
-            for kk in range(KK):
-                if half:
-                    # The C fragments of key tiles 2kk and 2kk+1 are one A fragment.
-                    a0 = pack(s[8 * kk], s[8 * kk + 1])
-                    a1 = pack(s[8 * kk + 2], s[8 * kk + 3])
-                    a2 = pack(s[8 * kk + 4], s[8 * kk + 5])
-                    a3 = pack(s[8 * kk + 6], s[8 * kk + 7])
+                # O += P V over the 16 keys.
+                if HALF_OPERANDS:
+                    # The C fragments of the two 8-key tiles are one A fragment.
+                    a0 = pack(s[0], s[1])
+                    a1 = pack(s[2], s[3])
+                    a2 = pack(s[4], s[5])
+                    a3 = pack(s[6], s[7])
                     for nf in range(NF):
                         o[nf * 4], o[nf * 4 + 1], o[nf * 4 + 2], o[nf * 4 + 3] = mma16(
                             a0, a1, a2, a3, v_tile[nf * 8 + g + z, kk * 8 + t],
                             v_tile[nf * 8 + g + z, kk * 8 + 4 + t], o[nf * 4], o[nf * 4 + 1],
                             o[nf * 4 + 2], o[nf * 4 + 3])
                 else:
-                    # One 8-key tile is one k8 step, its keys taken in the order
+                    # One k8 step per 8-key tile, its keys taken in the order
                     # 2t ↦ column t, 2t + 1 ↦ column t + 4 (in A and in B alike).
-                    w0 = s[4 * kk]
-                    w1 = s[4 * kk + 2]
-                    w2 = s[4 * kk + 1]
-                    w3 = s[4 * kk + 3]
-                    ab0 = tf32(w0)
-                    ab1 = tf32(w1)
-                    ab2 = tf32(w2)
-                    ab3 = tf32(w3)
-                    as0 = tf32(w0 - as_f32(ab0))
-                    as1 = tf32(w1 - as_f32(ab1))
-                    as2 = tf32(w2 - as_f32(ab2))
-                    as3 = tf32(w3 - as_f32(ab3))
-                    for nf in range(NF):
-                        y0 = v_tile[kk * 8 + 2 * t + z, nf * 8 + g]
-                        y1 = v_tile[kk * 8 + 2 * t + 1 + z, nf * 8 + g]
-                        big0 = tf32(y0)
-                        big1 = tf32(y1)
-                        small0 = tf32(y0 - as_f32(big0))
-                        small1 = tf32(y1 - as_f32(big1))
-                        c0, c1, c2, c3 = mma8(as0, as1, as2, as3, big0, big1, o[nf * 4],
-                                              o[nf * 4 + 1], o[nf * 4 + 2], o[nf * 4 + 3])
-                        c0, c1, c2, c3 = mma8(ab0, ab1, ab2, ab3, small0, small1,
-                                              c0, c1, c2, c3)
-                        c0, c1, c2, c3 = mma8(ab0, ab1, ab2, ab3, big0, big1,
-                                              c0, c1, c2, c3)
-                        o[nf * 4] = c0
-                        o[nf * 4 + 1] = c1
-                        o[nf * 4 + 2] = c2
-                        o[nf * 4 + 3] = c3
+                    for half in range(2):
+                        w0 = s[half * 4]
+                        w1 = s[half * 4 + 2]
+                        w2 = s[half * 4 + 1]
+                        w3 = s[half * 4 + 3]
+                        ab0 = tf32(w0)
+                        ab1 = tf32(w1)
+                        ab2 = tf32(w2)
+                        ab3 = tf32(w3)
+                        as0 = tf32(w0 - as_f32(ab0))
+                        as1 = tf32(w1 - as_f32(ab1))
+                        as2 = tf32(w2 - as_f32(ab2))
+                        as3 = tf32(w3 - as_f32(ab3))
+                        key = kk * 16 + half * 8 + 2 * t + z
+                        for nf in range(NF):
+                            y0 = v_tile[key, nf * 8 + g]
+                            y1 = v_tile[key + 1, nf * 8 + g]
+                            big0 = tf32(y0)
+                            big1 = tf32(y1)
+                            small0 = tf32(y0 - as_f32(big0))
+                            small1 = tf32(y1 - as_f32(big1))
+                            c0, c1, c2, c3 = mma8(as0, as1, as2, as3, big0, big1, o[nf * 4],
+                                                  o[nf * 4 + 1], o[nf * 4 + 2], o[nf * 4 + 3])
+                            c0, c1, c2, c3 = mma8(ab0, ab1, ab2, ab3, small0, small1,
+                                                  c0, c1, c2, c3)
+                            c0, c1, c2, c3 = mma8(ab0, ab1, ab2, ab3, big0, big1,
+                                                  c0, c1, c2, c3)
+                            o[nf * 4] = c0
+                            o[nf * 4 + 1] = c1
+                            o[nf * 4 + 2] = c2
+                            o[nf * 4 + 3] = c3
             cuda.syncthreads()
 
         # Each row's sum over its group of four lanes; normalise and write.
@@ -519,12 +521,12 @@ def specializations() -> list[tuple[Any, Any]]:
             for mods in (False, True)]
 
 
-def hmma_per_tile(arithmetic: str, bucket: int) -> int:
-    """``mma.sync`` instructions one warp issues per key tile (both products)."""
-    bk = block_k(arithmetic, bucket)
+def hmma_per_step(arithmetic: str, bucket: int) -> int:
+    """``mma.sync`` instructions one warp issues per 16-key step (both products): the
+    loop body, so also the count in the kernel's SASS."""
     if arithmetic == "3xtf32":
-        return 3 * ((bk // 8) * (bucket // 8) + (bk // 8) * (bucket // 8))
-    return (bk // 8) * (bucket // 16) + (bk // 16) * (bucket // 8)
+        return 3 * (2 * (bucket // 8) + 2 * (bucket // 8))
+    return 2 * (bucket // 16) + bucket // 8
 
 
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,

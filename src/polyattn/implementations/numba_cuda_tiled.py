@@ -1,0 +1,422 @@
+"""Exact attention on CUDA GPUs, register-tiled: the FlashAttention-2 work split in FFMA.
+
+The same online softmax as :mod:`.numba_cuda`, in the arithmetic of the inputs
+(float32 or float64, no tensor cores), laid out for throughput rather than
+one thread per query row:
+
+* a block of 128 threads owns 64 query rows of one (batch, head) pair and
+  walks its visible keys in tiles of ``BK`` keys (64 for float32, 32 for
+  float64);
+* the 64 × BK scores of a tile are spread over the threads in patches of 4
+  rows × BK/8 keys: thread ``tid`` holds rows ``4·(tid // 8) + i`` and keys
+  ``4·(tid % 8) + 32·c + u``. Q and K pass through shared memory feature-major
+  (``DC`` features at a time, Qᵀ and Kᵀ), so each step of the dot products
+  loads 4 query values and BK/8 key values and does 4·BK/8 independent
+  multiply-adds: the accumulators form no long dependent chain;
+* loops over a thread's patch are unrolled before compilation
+  (:mod:`._unroll`), so the patch stays in registers;
+* a row's maximum and sum are combined over the eight threads that share it
+  (neighbouring lanes: three warp shuffles);
+* the scores go through shared memory (Pᵀ, key-major), where the rules and
+  the softmax turn them into probabilities in place, and ``O = P V``
+  is spread the same way: thread ``tid`` keeps rows ``4·(tid // 8) + i`` and
+  features ``32·c + 4·(tid % 8) + u`` of the output in registers, fed by one
+  probability and one V value per multiply-add, V streamed ``VK`` keys at a
+  time.
+
+Every rule of :mod:`.numba_cuda` is applied in the kernel, per score: scale,
+soft-capping, ALiBi, the mask (read through its strides), causality, windows
+and key lengths as visibility, dropout by Philox counters on the weight's
+flat index; key tiles no row of the block can see are never loaded; rows with
+no visible key give 0 and ``lse = -inf``; NaN propagates.
+
+Limits: query tiles of fewer than ``DECODE_MAX_TQ`` + 1 rows (decoding) go to
+the one-thread-per-row kernel of :mod:`.numba_cuda`, whose key lanes and
+split-K suit them; so do calls that ask for its tile sizes. The backward pass
+is :mod:`.numba_cuda_backward`'s. On Numba's CUDA simulator the shuffles are
+emulated (:func:`._mma.simulated_ops`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _mma, numba_cuda
+from ._rules import Rules
+from ._unroll import unroll, unrolled
+
+Array = Any
+
+THREADS = 128
+BLOCK_Q = 64  # query rows per block: 16 row groups of 4
+DC = 16  # features of Qᵀ and Kᵀ per shared-memory chunk
+HEAD_DIM_BUCKETS = numba_cuda.HEAD_DIM_BUCKETS
+MASK_KINDS = numba_cuda.MASK_KINDS
+DTYPES = numba_cuda.DTYPES
+
+# ``numba.cuda``, bound by the kernel factory (the simulator swaps it for its own).
+cuda: Any = None
+
+
+def block_k(dtype: str) -> int:
+    """Keys per tile: 64 for float32, 32 for float64 (shared memory holds Pᵀ)."""
+    return 64 if dtype == "float32" else 32
+
+
+def v_keys(dtype: str, bucket: int) -> int:
+    """Keys of V per shared-memory chunk: 16, or 8 for float64 heads above 128."""
+    return 8 if dtype == "float64" and bucket > 128 else 16
+
+
+def shared_bytes(dtype: str, bucket: int) -> int:
+    """Static shared memory of one block: Qᵀ and Kᵀ chunks, a V chunk and Pᵀ."""
+    item = np.dtype(dtype).itemsize
+    bk = block_k(dtype)
+    dc = min(DC, bucket)
+    return item * (dc * (BLOCK_Q + 4) + dc * (bk + 4) + v_keys(dtype, bucket) * (bucket + 4)
+                   + bk * (BLOCK_Q + 4))
+
+
+def unsupported(tq: int) -> str | None:
+    """Why this kernel leaves a call to the one-thread-per-row kernel (None: it takes it)."""
+    if tq <= numba_cuda.DECODE_MAX_TQ:
+        return (f"{tq} query rows: decoding shapes use the key lanes and split-K of the "
+                "one-thread-per-row kernel")
+    return None
+
+
+def _signature(dtype: str, mask_kind: str) -> Any:
+    from numba import types
+
+    t = getattr(types, dtype)
+    strided = types.Array(t, 4, "A")
+    mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
+    table = types.Array(types.int64, 1, "A")
+    i64, u64 = types.int64, types.uint64
+    return types.void(
+        strided, strided, strided,  # q, k, v
+        mask_t, table,  # mask, mask_batch
+        table, types.Array(t, 2, "A"),  # key lengths, ALiBi slopes
+        strided, types.Array(t, 3, "A"),  # out, lse
+        t, t,  # scale, softcap (0: none)
+        t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
+        i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
+    )
+
+
+@functools.cache
+def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+    """The Python kernel function for one specialisation (not yet compiled)."""
+    global cuda
+    cuda = numba_cuda._cuda()
+    from numba import types
+
+    ops = _mma.device_ops(numba_cuda.simulator_enabled())
+    row_max, row_sum, opaque_zero = ops.octet_max, ops.octet_sum, ops.opaque_zero
+    keep_word = numba_cuda.philox_function()
+
+    acc_t = getattr(types, dtype)
+    np_t = np.dtype(dtype).type
+    ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
+    U_ZERO = np.uint64(0)
+    HEAD = bucket
+    BQ, BK, NTHREADS = BLOCK_Q, block_k(dtype), THREADS
+    D_CHUNK = min(DC, HEAD)
+    VK = v_keys(dtype, bucket)
+    KC = BK // 32  # groups of 4 keys per thread in a tile
+    OC = (HEAD + 31) // 32  # groups of 4 features per thread in the output
+    S_LEN = 4 * 4 * KC  # scores per thread
+    O_LEN = 4 * 4 * OC  # output accumulators per thread
+    BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    # Shared tiles, rows padded by 4 values (16-byte aligned rows, fewer bank conflicts).
+    Q_SHAPE, K_SHAPE = (D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
+    V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
+
+    def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, softcap,
+                     drop_scale, threshold, key0, key1, offset, shift, left, right):
+        """Out and lse of 64 query rows of one (batch, head) pair."""
+        n_batch, n_heads, tq, e = q.shape
+        tk = k.shape[2]
+        ev = v.shape[3]
+        group = n_heads // k.shape[1]
+        n_pairs = n_batch * n_heads
+        n_qtiles = (tq + BQ - 1) // BQ
+        pair = cuda.blockIdx.x % n_pairs
+        qt = n_qtiles - 1 - cuda.blockIdx.x // n_pairs  # largest causal work first
+        b = pair // n_heads
+        h = pair % n_heads
+        hk = h // group
+        tid = cuda.threadIdx.x
+        rg = tid // 8  # this thread's rows: 4·rg … 4·rg + 3 of the block
+        kg = tid % 8  # its keys 4·kg + 32·c + u, and output features alike
+        q0 = qt * BQ
+        row_base = q0 + 4 * rg
+
+        len_b = lengths[0]
+        if lengths.shape[0] > 1:
+            len_b = lengths[b]
+        pos_offset = offset + shift * len_b
+        last_row = min(q0 + BQ, tq) - 1
+        lo = max(0, q0 + pos_offset - left)
+        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        n_ktiles = max(0, (hi - lo + BK - 1) // BK)
+
+        mb = 0
+        mh = 0
+        mi_step = 0
+        mj_step = 0
+        if BOOL_MASK or FLOAT_MASK:
+            mb = mask_batch[b]
+            if mask.shape[1] > 1:
+                mh = h
+            if mask.shape[2] > 1:
+                mi_step = 1
+            if mask.shape[3] > 1:
+                mj_step = 1
+
+        dropping = threshold != U_ZERO
+        pair_n = (b * n_heads + h) * tq  # weight (b, h, i, j) has the flat index
+
+        cap = ZERO
+        inv_cap = ZERO
+        slope = ZERO
+        if MODS:
+            cap = softcap
+            if cap > ZERO:
+                inv_cap = ONE / cap
+            sb = 0
+            sh = 0
+            if slopes.shape[0] > 1:
+                sb = b
+            if slopes.shape[1] > 1:
+                sh = h
+            slope = slopes[sb, sh]
+
+        q_chunk = cuda.shared.array(Q_SHAPE, acc_t)  # Qᵀ: feature-major
+        k_chunk = cuda.shared.array(K_SHAPE, acc_t)  # Kᵀ
+        v_chunk = cuda.shared.array(V_SHAPE, acc_t)
+        p_tile = cuda.shared.array(P_SHAPE, acc_t)  # Pᵀ: key-major
+        s = cuda.local.array(S_LEN, acc_t)  # s[16c + 4i + u]: row i, key 4kg + 32c + u
+        o = cuda.local.array(O_LEN, acc_t)  # o[16c + 4i + u]: row i, feature 32c + 4kg + u
+        m = cuda.local.array(4, acc_t)
+        l = cuda.local.array(4, acc_t)
+        a = cuda.local.array(4, acc_t)
+        for n in unroll(O_LEN):
+            o[n] = ZERO
+        for i in unroll(4):
+            m[i] = NEG_INF
+            l[i] = ZERO
+
+        for kt in range(n_ktiles):
+            j0 = lo + kt * BK
+
+            # S = (scale·Q) Kᵀ, through shared memory D_CHUNK features at a time.
+            for n in unroll(S_LEN):
+                s[n] = ZERO
+            for dc in range(0, HEAD, D_CHUNK):
+                cuda.syncthreads()  # the previous chunk (or P·V) is read
+                for idx in range(tid, BQ * D_CHUNK, NTHREADS):
+                    r = idx // D_CHUNK
+                    d = idx % D_CHUNK
+                    x = ZERO
+                    if q0 + r < tq and dc + d < e:
+                        x = q[b, h, q0 + r, dc + d] * scale
+                    q_chunk[d, r] = x
+                for idx in range(tid, BK * D_CHUNK, NTHREADS):
+                    r = idx // D_CHUNK
+                    d = idx % D_CHUNK
+                    x = ZERO
+                    if j0 + r < hi and dc + d < e:
+                        x = k[b, hk, j0 + r, dc + d]
+                    k_chunk[d, r] = x
+                cuda.syncthreads()
+                # Shared-memory indices start from a zero the compiler cannot see
+                # through, so that their addresses are formed here, not held in
+                # registers across chunks and tiles.
+                z = opaque_zero()
+                for d in range(D_CHUNK):
+                    for i in unroll(4):
+                        a[i] = q_chunk[d + z, 4 * rg + i]
+                    for c in unroll(KC):
+                        for u in unroll(4):
+                            y = k_chunk[d + z, 32 * c + 4 * kg + u]
+                            for i in unroll(4):
+                                s[16 * c + 4 * i + u] += a[i] * y
+
+            # The scores go to Pᵀ in shared memory; the rules and the softmax read
+            # them there in loops left rolled (unrolled, they would multiply the
+            # kernel's code, and its compile time, by the patch size).
+            z = opaque_zero()
+            for c in unroll(KC):
+                for u in unroll(4):
+                    for i in unroll(4):
+                        p_tile[32 * c + 4 * kg + u + z, 4 * rg + i] = s[16 * c + 4 * i + u]
+
+            for i in unroll(4):
+                row = row_base + i
+                p = row + pos_offset
+                # Keys of the tile row i sees: [vis_lo, vis_hi) relative to j0.
+                vis_lo = max(p - left, j0) - j0
+                vis_hi = min(p + right + 1, hi) - j0
+                if row >= tq:
+                    vis_hi = vis_lo
+                mi = row * mi_step
+                mt = NEG_INF
+                for n in range(4 * KC):
+                    jj = 32 * (n // 4) + 4 * kg + n % 4
+                    x = p_tile[jj, 4 * rg + i]
+                    if MODS:
+                        if cap > ZERO:
+                            x = cap * math.tanh(x * inv_cap)
+                        x -= slope * np_t(abs(p - j0 - jj))
+                    if jj < vis_lo or jj >= vis_hi:
+                        x = NEG_INF
+                    elif BOOL_MASK:
+                        if not mask[mb, mh, mi, (j0 + jj) * mj_step]:
+                            x = NEG_INF
+                    elif FLOAT_MASK:
+                        x += mask[mb, mh, mi, (j0 + jj) * mj_step]
+                    p_tile[jj, 4 * rg + i] = x
+                    if x > mt or x != x:
+                        mt = x
+                mt = row_max(mt)
+
+                # Online softmax for row i: new maximum, rescaled state, weights.
+                m_new = m[i]
+                if mt > m_new or mt != mt:
+                    m_new = mt
+                if m_new != m[i]:
+                    alpha = ZERO
+                    if m_new != NEG_INF:
+                        alpha = math.exp(m[i] - m_new)
+                    l[i] *= alpha
+                    for c in unroll(OC):
+                        for u in unroll(4):
+                            o[16 * c + 4 * i + u] *= alpha
+                    m[i] = m_new
+                total = ZERO
+                for n in range(4 * KC):
+                    jj = 32 * (n // 4) + 4 * kg + n % 4
+                    w = ZERO
+                    if m_new != NEG_INF:
+                        w = math.exp(p_tile[jj, 4 * rg + i] - m_new)
+                    total += w
+                    p_tile[jj, 4 * rg + i] = w
+                l[i] += total  # l (and lse) before dropout, P·V after it
+
+            # Dropout on this thread's weights in Pᵀ, in a loop left rolled: the
+            # cipher is long, one copy of it is enough.
+            if dropping:
+                for n in range(S_LEN):
+                    jj = 32 * (n // 16) + 4 * kg + n % 4
+                    ii = 4 * rg + (n // 4) % 4
+                    w = p_tile[jj, ii]
+                    if w != ZERO:
+                        if keep_word((pair_n + q0 + ii) * tk + j0 + jj, key0,
+                                     key1) >= threshold:
+                            p_tile[jj, ii] = w * drop_scale
+                        else:
+                            p_tile[jj, ii] = ZERO
+
+            # O += P V, V through shared memory VK keys at a time.
+            for vc in range(0, BK, VK):
+                cuda.syncthreads()  # Pᵀ written; the previous V chunk read
+                for idx in range(tid, VK * HEAD, NTHREADS):
+                    r = idx // HEAD
+                    d = idx % HEAD
+                    x = ZERO
+                    if j0 + vc + r < hi and d < ev:
+                        x = v[b, hk, j0 + vc + r, d]
+                    v_chunk[r, d] = x
+                cuda.syncthreads()
+                z = opaque_zero()
+                for jj in range(VK):
+                    for i in unroll(4):
+                        a[i] = p_tile[vc + jj + z, 4 * rg + i]
+                    for c in unroll(OC):
+                        for u in unroll(4):
+                            f = 32 * c + 4 * kg + u
+                            if f < HEAD:
+                                y = v_chunk[jj + z, f]
+                                for i in unroll(4):
+                                    o[16 * c + 4 * i + u] += a[i] * y
+
+        # Each row's sum over its eight threads; normalise and write.
+        for i in unroll(4):
+            l_row = row_sum(l[i])
+            row = row_base + i
+            if row < tq:
+                inv_l = ZERO
+                lse_i = NEG_INF
+                if l_row != ZERO:
+                    inv_l = ONE / l_row
+                    lse_i = m[i] + math.log(l_row)
+                for c in unroll(OC):
+                    for u in unroll(4):
+                        f = 32 * c + 4 * kg + u
+                        if f < ev:
+                            out[b, h, row, f] = o[16 * c + 4 * i + u] * inv_l
+                if kg == 0:
+                    lse[b, h, row] = lse_i
+
+    kernel = unrolled(tiled_kernel, {**globals(), **locals()})
+    suffix = "_mods" if mods else ""
+    kernel.__name__ = kernel.__qualname__ = f"tiled_{dtype}_head{bucket}_{mask_kind}{suffix}"
+    return kernel
+
+
+@functools.cache
+def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+    """The kernel for one specialisation, compiled on first use and cached."""
+    fn = make_kernel_function(dtype, bucket, mask_kind, mods)
+    return numba_cuda._cuda().jit(_signature(dtype, mask_kind))(fn)
+
+
+def specializations() -> list[tuple[Any, Any]]:
+    """Every (Python kernel function, Numba signature) pair the launcher may compile."""
+    return [(make_kernel_function(dtype, bucket, mask_kind, mods), _signature(dtype, mask_kind))
+            for dtype in DTYPES for bucket in HEAD_DIM_BUCKETS for mask_kind in MASK_KINDS
+            for mods in (False, True)]
+
+
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
+              causal_offset: int | None, scale: float, xp: Any,
+              rules: Rules | None = None) -> tuple[Array, Array]:
+    """``(out, lse)`` in the inputs' dtype (float32 or float64), one kernel launch.
+
+    Arguments as :func:`.numba_cuda.attention`, which calls this for every call
+    it does not keep (:func:`unsupported`).
+
+    Raises
+    ------
+    ValueError
+        A decoding shape (:func:`unsupported`), or a head size above 256.
+    """
+    *batch, n_heads, tq, e = q.shape
+    ev = v.shape[-1]
+    why = unsupported(tq)
+    if why is not None:
+        raise ValueError(f"the register-tiled kernel cannot take this call: {why}")
+    bucket = numba_cuda.head_bucket(e, ev)
+    dtype = numba_cuda.common_dtype(query=q, key=k, value=v)
+    dev = numba_cuda._Device(q)
+    n_batch = math.prod(batch)
+    out = numba_cuda.empty_like_layout(dev, q, (n_batch, n_heads, tq, ev), xp)
+    lse = dev.empty((n_batch, n_heads, tq), q.dtype)
+    if n_batch * n_heads * tq > 0:
+        inputs = numba_cuda.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
+        kernel = compiled_kernel(dtype, bucket, inputs.mask_kind, inputs.mods)
+        n_blocks = n_batch * n_heads * -(-tq // BLOCK_Q)
+        numba_cuda.check_grid(n_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
+        out_d, lse_d = dev.view(out), dev.view(lse)
+        with numba_cuda.launching(dev) as stream:
+            kernel[n_blocks, THREADS, stream](*inputs.arrays, out_d, lse_d, *inputs.scalars)
+        if dev.simulated:
+            out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
+    out = xp.reshape(out, (*batch, n_heads, tq, ev))
+    lse = xp.reshape(lse, (*batch, n_heads, tq))
+    return out, lse

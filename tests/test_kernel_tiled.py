@@ -1,0 +1,145 @@
+"""Tests of the register-tiled exact kernel (``implementations/numba_cuda_tiled.py``).
+
+On Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``; warp shuffles emulated)
+or on a GPU with CuPy: every rule against polyattn's float64 reference on the
+problem the public API builds, in float32 and float64, on shapes that span
+several query blocks and key tiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("numba_cuda") is None:
+    pytest.skip("numba-cuda is not installed", allow_module_level=True)
+
+from test_kernel_tc import SIMULATOR, _gpu_reason
+
+if not SIMULATOR and _gpu_reason() is not None:
+    pytest.skip(f"needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU with CuPy ({_gpu_reason()})",
+                allow_module_level=True)
+
+from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixture)
+    feature_options,
+    make_inputs,
+    make_mask,
+    namespace,
+    prepared,
+    rel_error,
+    rules_on_device,
+    simulator_threads,
+    to_library,
+    to_numpy,
+)
+
+import polyattn
+from polyattn.implementations import numba_cuda, numba_cuda_tiled
+from polyattn.implementations import reference as reference_implementation
+
+TOL = {"float32": 1e-5, "float64": 1e-12}
+
+
+def run_tiled(dtype, q, k, v, *, dropout=None, **options):
+    q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
+    ref = prepared(*(a.astype(np.float64) for a in (q, k, v)), "float64", dropout=dropout,
+                   **options)
+    ref_out, ref_lse = reference_implementation.attention(
+        ref.q, ref.k, ref.v, mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale,
+        xp=ref.xp, rules=ref.rules)
+    got = prepared(q, k, v, dtype, dropout=dropout, **options)
+    out, lse = numba_cuda_tiled.attention(
+        *(to_library(np.asarray(a)) for a in (got.q, got.k, got.v)),
+        mask=None if got.mask is None else to_library(np.asarray(got.mask)),
+        causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
+        rules=rules_on_device(got.rules))
+    return (to_numpy(out), to_numpy(lse)), (np.asarray(ref_out), np.asarray(ref_lse))
+
+
+def assert_close(got, ref, dtype):
+    (out, lse), (ref_out, ref_lse) = got, ref
+    assert out.shape == ref_out.shape and str(out.dtype) == dtype
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert rel_error(out, ref_out) <= TOL[dtype], rel_error(out, ref_out)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), ~finite)
+    assert rel_error(lse[finite], ref_lse[finite]) <= TOL[dtype]
+
+
+SHAPES = {  # (batch, H, Hkv, Tq, Tk, E, Ev)
+    "gqa": ((1,), 2, 1, 70, 100, 16, 16),
+    "odd_sizes": ((1,), 1, 1, 67, 45, 13, 9),
+    "head40": ((), 1, 1, 20, 70, 40, 33),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_shapes(name, dtype):
+    batch, h, hkv, tq, tk, e, ev = SHAPES[name]
+    q, k, v = make_inputs(np.random.default_rng(11), batch, h, hkv, tq, tk, e, ev)
+    assert_close(*run_tiled(dtype, q, k, v), dtype)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_causal_masks_and_fully_masked_rows(alignment, kind):
+    rng = np.random.default_rng(12)
+    q, k, v = make_inputs(rng, (2,), 2, 1, 66, 90, 8, 8)
+    mask = make_mask(rng, kind, (2, 1, 66, 90))
+    mask[1, :, 5, :] = False if kind == "bool" else -np.inf
+    (out, lse), ref = run_tiled("float32", q, k, v, mask=mask, is_causal=True,
+                                alignment=alignment)
+    assert_close((out, lse), ref, "float32")
+    assert np.all(out[1, :, 5] == 0) and np.all(np.isneginf(lse[1, :, 5]))
+
+
+@pytest.mark.parametrize("combo", [("window", "key_lengths"), ("softcap", "alibi")],
+                         ids="+".join)
+def test_rules(combo):
+    rng = np.random.default_rng(13)
+    q, k, v = make_inputs(rng, (2,), 2, 2, 40, 75, 8, 8)
+    options = feature_options(combo, rng, batch=(2,), h=2, tk=75)
+    assert_close(*run_tiled("float64", q, k, v, is_causal=True, **options), "float64")
+
+
+def test_dropout_is_the_reference_mask():
+    q, k, v = make_inputs(np.random.default_rng(14), (1,), 2, 1, 30, 70, 8, 8)
+    assert_close(*run_tiled("float32", q, k, v, dropout=(0.3, 2**40 + 11)), "float32")
+
+
+def test_nan_rows():
+    rng = np.random.default_rng(15)
+    q, k, v = (a.astype(np.float32) for a in make_inputs(rng, (1,), 1, 1, 20, 40, 8, 8))
+    q[0, 0, 3, 2] = np.nan
+    out, lse = numba_cuda_tiled.attention(*(to_library(a) for a in (q, k, v)), mask=None,
+                                          causal_offset=None, scale=0.25, xp=namespace())
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert np.isnan(out[0, 0, 3]).all() and np.isnan(lse[0, 0, 3])
+    assert not np.isnan(np.delete(out, 3, axis=2)).any()
+
+
+def test_chosen_by_name_and_explained(monkeypatch):
+    rng = np.random.default_rng(16)
+    q, k, v = (to_library(a.astype(np.float32)) for a in
+               make_inputs(rng, (1,), 2, 2, 33, 40, 8, 8))
+    monkeypatch.setenv(numba_cuda.KERNEL_VARIABLE, "tiled")
+    why = polyattn.explain(q, k, v, is_causal=True, implementation="numba_cuda")
+    assert "register-tiled" in str(why)
+    out = polyattn.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                implementation="numba_cuda")
+    monkeypatch.setenv(numba_cuda.KERNEL_VARIABLE, "rows")
+    rows = polyattn.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 implementation="numba_cuda")
+    assert rel_error(to_numpy(out), to_numpy(rows).astype(np.float64)) <= 1e-6
+    monkeypatch.setenv(numba_cuda.KERNEL_VARIABLE, "fast")
+    with pytest.raises(ValueError, match="POLYATTN_CUDA_KERNEL"):
+        polyattn.scaled_dot_product_attention(q, k, v, implementation="numba_cuda")
+
+
+def test_shared_memory_fits_every_specialisation():
+    for dtype in numba_cuda_tiled.DTYPES:
+        for bucket in numba_cuda_tiled.HEAD_DIM_BUCKETS:
+            assert numba_cuda_tiled.shared_bytes(dtype, bucket) <= 48 * 1024
