@@ -70,6 +70,15 @@ scratch arrays in the compute dtype, and a second small kernel merges the
 splits by log-sum-exp (``exp(lse_s - max)`` weights). The plan is chosen
 from shapes alone in :func:`launch_plan`.
 
+Other kernels behind this module
+--------------------------------
+float16 and bfloat16 calls (and float32 with ``POLYATTN_CUDA_FLOAT32=3xtf32``)
+run the tensor-core kernel of :mod:`.numba_cuda_tc` (``mma.sync``, FlashAttention-2
+work split) wherever it takes them; ``POLYATTN_CUDA_KERNEL=tiled`` sends exact
+calls to the register-tiled kernel of :mod:`.numba_cuda_tiled`. Decoding shapes
+stay here. :func:`attention` picks (its ``arithmetic`` argument and
+:func:`kernel_choice`); ``explain()`` names the arithmetic and the kernel.
+
 Backward
 --------
 :func:`backward` gives ``(dq, dk, dv)`` from the forward's ``out`` and
