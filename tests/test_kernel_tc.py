@@ -272,6 +272,7 @@ def test_public_api_sends_float16_to_tensor_cores():
                make_inputs(rng, (1,), 2, 2, 33, 40, 16, 16))
     why = polyattn.explain(q, k, v, is_causal=True, implementation="numba_cuda")
     assert "tensor cores: float16 operands" in str(why)
+    assert why.compute_dtype == "float32" and "computed in float32" in str(why)
     out = polyattn.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                 implementation="numba_cuda")
     assert str(out.dtype) == "float16"
@@ -291,8 +292,13 @@ def test_float32_choice(monkeypatch):
     assert tc.choose("float32", 128, 128, 128)[0] is None  # 3xTF32 stops at head size 64
     assert tc.choose("float64", 128, 64, 64)[0] is None
     monkeypatch.setenv(tc.FLOAT32_VARIABLE, "tf32")
-    with pytest.raises(ValueError, match="POLYATTN_CUDA_FLOAT32"):
-        tc.choose("float32", 128, 64, 64)
+    for dtype in ("float16", "float32", "float64"):  # checked whatever the call's dtype
+        with pytest.raises(ValueError, match="POLYATTN_CUDA_FLOAT32='tf32'"):
+            tc.choose(dtype, 128, 64, 64)
+    monkeypatch.delenv(tc.FLOAT32_VARIABLE)
+    monkeypatch.setenv("POLYATTN_CUDA_KERNEL", "fast")
+    with pytest.raises(ValueError, match="POLYATTN_CUDA_KERNEL='fast'"):
+        tc.choose("float16", 128, 64, 64)
 
 
 def test_hmma_counts_per_step():

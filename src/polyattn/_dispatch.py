@@ -422,7 +422,7 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         library=library_name(problem.xp),
         device=str(device_of(problem.q)),
         dtype=str(problem.result_dtype),
-        compute_dtype=str(problem.compute_dtype),
+        compute_dtype=_dtype_name(problem.compute_dtype),
         shape=shape,
         score_bytes=score_bytes,
         score_budget=budget,
@@ -438,6 +438,11 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
     )
 
 
+def _dtype_name(dtype: Any) -> str:
+    """``float32`` for a dtype object or a NumPy scalar type alike."""
+    return str(getattr(dtype, "__name__", dtype)).rsplit(".", 1)[-1]
+
+
 def cuda_arithmetic(problem: Problem) -> str:
     """How the CUDA kernel computes this call (tensor cores or exact), for people."""
     from .implementations import numba_cuda, numba_cuda_tc, numba_cuda_tiled
@@ -449,7 +454,7 @@ def cuda_arithmetic(problem: Problem) -> str:
         return how
     if numba_cuda.kernel_choice() == "tiled" and numba_cuda_tiled.unsupported(tq) is None:
         return how + "; the register-tiled kernel (POLYATTN_CUDA_KERNEL=tiled)"
-    return how + "; one thread per query row (the 0.1 kernel)"
+    return how + "; the one-thread-per-row kernel"
 
 
 def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,

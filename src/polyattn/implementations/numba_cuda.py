@@ -232,7 +232,11 @@ def availability(xp: Any = None, arrays: Sequence[Array] = ()) -> tuple[bool, st
     if not _numba_cuda_installed():
         return False, "numba-cuda is not installed (pip install 'numba-cuda[cu13]')"
     libraries = sorted({_library(a) for a in arrays})
+    too_large = [a.shape[-1] for a in arrays if a.ndim >= 1 and a.shape[-1] > MAX_HEAD_DIM]
     if simulator_enabled():
+        if too_large:
+            return False, (f"head size {too_large[0]} exceeds the kernel's maximum "
+                           f"{MAX_HEAD_DIM}")
         if all(lib == "numpy" for lib in libraries):
             return True, ("the Numba CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1): "
                           "the kernel runs on the CPU, slowly; for testing")

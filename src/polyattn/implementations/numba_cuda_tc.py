@@ -13,9 +13,9 @@ accumulators in float32 registers:
     float32 inputs through ``m16n8k8`` TF32 products, each operand split into a
     large and a small TF32 part (``cvt.rna.tf32.f32``) and three products summed,
     small terms first: near float32 accuracy on the tensor cores. Opt-in only
-    (``implementation="numba_cuda"`` with ``POLYATTN_CUDA_FLOAT32=3xtf32``)
-    until a GPU run shows it meets the float32 contract and beats the exact
-    kernel.
+    (``POLYATTN_CUDA_FLOAT32=3xtf32``, for every float32 call that runs the CUDA
+    kernel, ``"auto"`` included) until a GPU run shows it meets the float32
+    contract and beats the exact kernel.
 
 Work split (FlashAttention-2)
 -----------------------------
@@ -617,7 +617,10 @@ def choose(result_dtype: str, tq: int, e: int, ev: int) -> tuple[str | None, str
     """
     name = result_dtype.rsplit(".", 1)[-1]
     wanted = {"float16": "f16", "bfloat16": "bf16"}.get(name)
-    if name == "float32" and float32_choice() == "3xtf32":
+    # Both variables are checked on every call, whichever dtype it has.
+    float32 = float32_choice()
+    numba_cuda.kernel_choice()
+    if name == "float32" and float32 == "3xtf32":
         wanted = "3xtf32"
     compute = "float64" if name == "float64" else "float32"
     if wanted is None:
