@@ -213,27 +213,26 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
-            # This thread's indices plus a zero the compiler cannot see through:
-            # index arithmetic is then done per tile, not hoisted out of the tile
-            # loop into registers held across it (64-bit, two registers each).
-            zt = opaque_zero()
-            tid_z = tid + zt
-            rg_z = rg + zt
-            kg_z = kg + zt
 
             # S = (scale·Q) Kᵀ, through shared memory D_CHUNK features at a time.
             for n in unroll(S_LEN):
                 s[n] = ZERO
             for dc in range(0, HEAD, D_CHUNK):
+                # Each phase indexes from this thread's indices plus a zero the
+                # compiler cannot see through: the index arithmetic (64-bit, two
+                # registers a value) is then redone in the phase, not hoisted out
+                # of the loops and held in registers across all of them.
+                z = opaque_zero()
+                tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
                 cuda.syncthreads()  # the previous chunk (or P·V) is read
-                for idx in range(tid_z, BQ * D_CHUNK, NTHREADS):
+                for idx in range(tid_c, BQ * D_CHUNK, NTHREADS):
                     r = idx // D_CHUNK
                     d = idx % D_CHUNK
                     x = ZERO
                     if q0 + r < tq and dc + d < e:
                         x = q[b, h, q0 + r, dc + d] * scale
                     q_chunk[d, r] = x
-                for idx in range(tid_z, BK * D_CHUNK, NTHREADS):
+                for idx in range(tid_c, BK * D_CHUNK, NTHREADS):
                     r = idx // D_CHUNK
                     d = idx % D_CHUNK
                     x = ZERO
@@ -241,16 +240,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         x = k[b, hk, j0 + r, dc + d]
                     k_chunk[d, r] = x
                 cuda.syncthreads()
-                # Shared-memory indices start from a zero the compiler cannot see
-                # through, so that their addresses are formed here, not held in
-                # registers across chunks and tiles.
-                z = opaque_zero()
                 for d in range(D_CHUNK):
                     for i in unroll(4):
-                        a[i] = q_chunk[d + z, 4 * rg_z + i]
+                        a[i] = q_chunk[d + z, 4 * rg_c + i]
                     for c in unroll(KC):
                         for u in unroll(4):
-                            y = k_chunk[d + z, 32 * c + 4 * kg_z + u]
+                            y = k_chunk[d + z, 32 * c + 4 * kg_c + u]
                             for i in unroll(4):
                                 s[16 * c + 4 * i + u] += a[i] * y
 
@@ -258,13 +253,14 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             # them there in loops left rolled (unrolled, they would multiply the
             # kernel's code, and its compile time, by the patch size).
             z = opaque_zero()
+            rg_s, kg_s = rg + z, kg + z
             for c in unroll(KC):
                 for u in unroll(4):
                     for i in unroll(4):
-                        p_tile[32 * c + 4 * kg_z + u + z, 4 * rg_z + i] = s[16 * c + 4 * i + u]
+                        p_tile[32 * c + 4 * kg_s + u, 4 * rg_s + i] = s[16 * c + 4 * i + u]
 
             for i in unroll(4):
-                row = row_base + i
+                row = q0 + 4 * rg_s + i
                 p = row + pos_offset
                 # Keys of the tile row i sees: [vis_lo, vis_hi) relative to j0.
                 vis_lo = max(p - left, j0) - j0
@@ -274,8 +270,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 mi = row * mi_step
                 mt = NEG_INF
                 for n in range(4 * KC):
-                    jj = 32 * (n // 4) + 4 * kg_z + n % 4
-                    x = p_tile[jj, 4 * rg_z + i]
+                    jj = 32 * (n // 4) + 4 * kg_s + n % 4
+                    x = p_tile[jj, 4 * rg_s + i]
                     if MODS:
                         if cap > ZERO:
                             x = cap * math.tanh(x * inv_cap)
@@ -287,7 +283,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                             x = NEG_INF
                     elif FLOAT_MASK:
                         x += mask[mb, mh, mi, (j0 + jj) * mj_step]
-                    p_tile[jj, 4 * rg_z + i] = x
+                    p_tile[jj, 4 * rg_s + i] = x
                     if x > mt or x != x:
                         mt = x
                 mt = row_max(mt)
@@ -307,20 +303,20 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     m[i] = m_new
                 total = ZERO
                 for n in range(4 * KC):
-                    jj = 32 * (n // 4) + 4 * kg_z + n % 4
+                    jj = 32 * (n // 4) + 4 * kg_s + n % 4
                     w = ZERO
                     if m_new != NEG_INF:
-                        w = math.exp(p_tile[jj, 4 * rg_z + i] - m_new)
+                        w = math.exp(p_tile[jj, 4 * rg_s + i] - m_new)
                     total += w
-                    p_tile[jj, 4 * rg_z + i] = w
+                    p_tile[jj, 4 * rg_s + i] = w
                 l[i] += total  # l (and lse) before dropout, P·V after it
 
             # Dropout on this thread's weights in Pᵀ, in a loop left rolled: the
             # cipher is long, one copy of it is enough.
             if dropping:
                 for n in range(S_LEN):
-                    jj = 32 * (n // 16) + 4 * kg_z + n % 4
-                    ii = 4 * rg_z + (n // 4) % 4
+                    jj = 32 * (n // 16) + 4 * kg + n % 4
+                    ii = 4 * rg + (n // 4) % 4
                     w = p_tile[jj, ii]
                     if w != ZERO:
                         if keep_word((pair_n + q0 + ii) * tk + j0 + jj, key0,
@@ -331,8 +327,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 
             # O += P V, V through shared memory VK keys at a time.
             for vc in range(0, BK, VK):
+                z = opaque_zero()
+                tid_v, rg_v, kg_v = tid + z, rg + z, kg + z
                 cuda.syncthreads()  # Pᵀ written; the previous V chunk read
-                for idx in range(tid_z, VK * HEAD, NTHREADS):
+                for idx in range(tid_v, VK * HEAD, NTHREADS):
                     r = idx // HEAD
                     d = idx % HEAD
                     x = ZERO
@@ -340,13 +338,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         x = v[b, hk, j0 + vc + r, d]
                     v_chunk[r, d] = x
                 cuda.syncthreads()
-                z = opaque_zero()
                 for jj in range(VK):
                     for i in unroll(4):
-                        a[i] = p_tile[vc + jj + z, 4 * rg_z + i]
+                        a[i] = p_tile[vc + jj + z, 4 * rg_v + i]
                     for c in unroll(OC):
                         for u in unroll(4):
-                            f = 32 * c + 4 * kg_z + u
+                            f = 32 * c + 4 * kg_v + u
                             if f < HEAD:
                                 y = v_chunk[jj + z, f]
                                 for i in unroll(4):
