@@ -418,6 +418,8 @@ def test_tiled_kernel_ptx_and_sass(spec):
           f"{longest_dependent_run(sass)}")
     assert F64_SASS.search(sass) is None or dtype == "float64"
     assert longest_dependent_run(sass) <= 8
+    if dtype == "float32":
+        assert frame and frame.group(2) == "0", run.stderr
 
 
 @pytest.mark.skipif(_nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None,

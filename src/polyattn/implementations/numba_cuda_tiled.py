@@ -5,16 +5,20 @@ The same online softmax as :mod:`.numba_cuda`, in the arithmetic of the inputs
 one thread per query row:
 
 * a block of 128 threads owns 64 query rows of one (batch, head) pair and
-  walks its visible keys in tiles of ``BK`` keys (64 for float32, 32 for
-  float64);
-* the 64 × BK scores of a tile are spread over the threads in patches of 4
-  rows × BK/8 keys: thread ``tid`` holds rows ``4·(tid // 8) + i`` and keys
-  ``4·(tid % 8) + 32·c + u``. Q and K pass through shared memory feature-major
+  walks its visible keys in tiles of ``BK`` = 32 keys;
+* the 64 × 32 scores of a tile are spread over the threads in patches of 4
+  rows × 4 keys: thread ``tid`` holds rows ``4·(tid // 8) + i`` and keys
+  ``4·(tid % 8) + u``. Q and K pass through shared memory feature-major
   (``DC`` features at a time, Qᵀ and Kᵀ), so each step of the dot products
-  loads 4 query values and BK/8 key values and does 4·BK/8 independent
-  multiply-adds: the accumulators form no long dependent chain;
+  loads 4 query values and 4 key values (two 16-byte loads) and does 16
+  independent multiply-adds: the accumulators form no long dependent chain;
 * loops over a thread's patch are unrolled before compilation
-  (:mod:`._unroll`), so the patch stays in registers;
+  (:mod:`._unroll`), so the patch stays in registers, and each phase of a
+  tile indexes from a zero the compiler cannot see through
+  (:func:`._mma.gpu_ops`' ``opaque_zero``), so that Numba's 64-bit index
+  arithmetic is redone where it is used instead of being held in registers
+  across the whole key loop (sm_90, float32: 124-130 registers for head sizes
+  up to 64, 168 at 128, no spills);
 * a row's maximum and sum are combined over the eight threads that share it
   (neighbouring lanes: three warp shuffles);
 * the scores go through shared memory (Pᵀ, key-major), where the rules and
@@ -63,8 +67,9 @@ cuda: Any = None
 
 
 def block_k(dtype: str) -> int:
-    """Keys per tile: 64 for float32, 32 for float64 (shared memory holds Pᵀ)."""
-    return 64 if dtype == "float32" else 32
+    """Keys per tile: 32 (4-row × 4-key score patches; 64 keys would hold 16 more
+    scores per thread: 156 registers instead of 128 at float32 head size 64)."""
+    return 32
 
 
 def v_keys(dtype: str, bucket: int) -> int:
