@@ -144,14 +144,15 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, softcap,
                      drop_scale, threshold, key0, key1, offset, shift, left, right):
         """Out and lse of 64 query rows of one (batch, head) pair."""
-        n_batch, n_heads, tq, e = q.shape
+        _, n_heads, tq, e = q.shape
         tk = k.shape[2]
         ev = v.shape[3]
         group = n_heads // k.shape[1]
-        n_pairs = n_batch * n_heads
         n_qtiles = (tq + BQ - 1) // BQ
-        pair = cuda.blockIdx.x % n_pairs
-        qt = n_qtiles - 1 - cuda.blockIdx.x // n_pairs  # largest causal work first
+        # Consecutive blocks take the query tiles of one (batch, head) pair, which
+        # then read its K and V while they are in L2; largest causal work first.
+        pair = cuda.blockIdx.x // n_qtiles
+        qt = n_qtiles - 1 - cuda.blockIdx.x % n_qtiles
         b = pair // n_heads
         h = pair % n_heads
         hk = h // group
