@@ -316,8 +316,9 @@ needs_sass_tools = pytest.mark.skipif(
                               for i, cc in TC_CASES])
 def test_tensor_core_kernel_sass(index, cc):
     """The 16-key step issues exactly the expected HMMA instructions (three per
-    product for 3xTF32); no double-precision instruction; no spills and no local
-    memory at all (the warp's scores, Q fragments and accumulators stay in registers)."""
+    product for 3xTF32) and ldmatrix instructions; no double-precision
+    instruction; no spills and no local memory at all (the warp's scores, Q
+    fragments and accumulators stay in registers)."""
     fn, _ = TC_SPECS[index]
     name = fn.__name__
     report, sass = tc_sass_for(index, cc)
@@ -328,6 +329,9 @@ def test_tensor_core_kernel_sass(index, cc):
     assert len(hmma) == numba_cuda_tc.hmma_per_step(arith, bucket), (name, len(hmma))
     f64 = [line for line in sass.splitlines() if F64_SASS.search(line)]
     assert not f64, f"{name} runs float64 instructions:\n" + "\n".join(f64[:10])
+    ldsm = [line for line in sass.splitlines() if "LDSM" in line]
+    assert all("LDSM.16.M88.4" in line for line in ldsm), ldsm[:3]
+    assert len(ldsm) == numba_cuda_tc.ldmatrix_per_step(arith, bucket), (name, len(ldsm))
     used = re.search(r"Used (\d+) registers", report)
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
                       r"(\d+) bytes spill loads", report)

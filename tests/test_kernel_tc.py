@@ -73,6 +73,21 @@ def test_emulated_mma_is_a_product(shape):
     assert not np.allclose(_mma.matrix_c(wrong), a @ b + c, atol=1e-3)
 
 
+def test_ldmatrix_of_the_quadrants_is_the_a_fragment():
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 16)).astype(np.float16).astype(np.float32)
+    quadrants = [a[:8, :8], a[8:, :8], a[:8, 8:], a[8:, 8:]]
+    registers = _mma.ldmatrix(quadrants)  # (32, 4, 2): lane, register, half
+    np.testing.assert_array_equal(registers.reshape(32, 8), _mma.fragments_a("m16n8k16", a))
+    # and a K tile's rows (keys) give the B fragments of two 8-key tiles
+    k = rng.standard_normal((16, 16)).astype(np.float32)  # (keys, features)
+    registers = _mma.ldmatrix([k[:8, :8], k[:8, 8:], k[8:, :8], k[8:, 8:]])
+    for tile in range(2):
+        b = k[8 * tile:8 * tile + 8].T  # B = Kᵀ: (features, keys)
+        got = registers[:, 2 * tile:2 * tile + 2].reshape(32, 4)
+        np.testing.assert_array_equal(got, _mma.fragments_b("m16n8k16", b))
+
+
 def test_number_formats():
     x = np.array([1.0, -2.5, 65504.0, 1e-8, np.inf, -np.inf, np.nan, 1 + 2**-11, 3.14159],
                  dtype=np.float32)
@@ -308,6 +323,8 @@ def test_hmma_counts_per_step():
     assert tc.hmma_per_step("f16", 64) == 2 * 4 + 8
     assert tc.hmma_per_step("bf16", 128) == 2 * 8 + 16
     assert tc.hmma_per_step("3xtf32", 64) == 3 * (2 * 8 + 2 * 8)
+    assert tc.ldmatrix_per_step("f16", 64) == 4 + 4
+    assert tc.ldmatrix_per_step("3xtf32", 64) == 0
     assert len(tc.specializations()) == (4 + 4 + 3) * 3 * 2
 
 
@@ -350,3 +367,34 @@ def test_emulator_matches_the_hardware(arithmetic):
                    cupy.asarray(np.ascontiguousarray(words_b)), d)
     np.testing.assert_allclose(_mma.matrix_c(cupy.asnumpy(d)), a.astype(np.float64) @ b,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(SIMULATOR or _gpu_reason() is not None,
+                    reason="the real ldmatrix needs a CUDA GPU with CuPy")
+def test_ldmatrix_matches_the_hardware():
+    """ldmatrix x4 from a shared tile on the GPU, against the emulator's layout."""
+    import cupy
+    from numba import cuda, types
+
+    ldmatrix_x4 = _mma.gpu_ops().ldmatrix_x4
+    words = np.arange(16 * 8, dtype=np.uint32).reshape(16, 8) * np.uint32(2654435761)
+
+    @cuda.jit(types.void(types.uint32[:, ::1], types.uint32[:, ::1]))
+    def load(source, out):
+        tile = cuda.shared.array((16, 8), types.uint32, alignment=16)
+        lane = cuda.threadIdx.x
+        for i in range(4):
+            tile[(lane * 4 + i) // 8, (lane * 4 + i) % 8] = source[(lane * 4 + i) // 8,
+                                                                  (lane * 4 + i) % 8]
+        cuda.syncthreads()
+        # lane L: row L % 8 of matrix L // 8 = (row block L // 16, word block (L // 8) % 2)
+        r = ldmatrix_x4(tile, (lane // 16) * 8 + lane % 8, 4 * ((lane // 8) % 2))
+        for i in range(4):
+            out[lane, i] = r[i]
+
+    out = cupy.zeros((32, 4), dtype=np.uint32)
+    load[1, 32](cupy.asarray(words), out)
+    halves = words.view(np.uint16).reshape(16, 16)  # little-endian: low half first
+    expected = _mma.ldmatrix([halves[:8, :8], halves[:8, 8:], halves[8:, :8], halves[8:, 8:]])
+    np.testing.assert_array_equal(cupy.asnumpy(out),
+                                  expected.reshape(32, 8).view(np.uint32).reshape(32, 4))

@@ -134,6 +134,25 @@ def matrix_c(frags: np.ndarray) -> np.ndarray:
     return _matrix(frags, 16, 8, c_position)
 
 
+def ldmatrix(matrices: list[np.ndarray]) -> np.ndarray:
+    """A warp's ``ldmatrix.sync.aligned.m8n8.x4.b16`` on NumPy values: four 8×8
+    matrices of 16-bit values (given as (8, 8) arrays; each lane of group
+    ``8i … 8i+7`` supplies the address of one row of matrix ``i``) give each lane
+    four registers, register ``i`` of lane ``l`` holding row ``l // 4``, values
+    ``2·(l % 4)`` and ``2·(l % 4) + 1`` of matrix ``i``. Returns (32, 4, 2).
+
+    The four 8×8 quadrants of a 16×16 A tile, in the order (rows 0-7, columns
+    0-7), (rows 8-15, columns 0-7), (rows 0-7, 8-15), (rows 8-15, 8-15), give
+    exactly its ``m16n8k16`` A fragments (:func:`fragments_a`).
+    """
+    out = np.zeros((WARP, 4, 2), dtype=np.asarray(matrices[0]).dtype)
+    for lane in range(WARP):
+        for i, matrix in enumerate(matrices):
+            row, pair = lane // 4, lane % 4
+            out[lane, i] = np.asarray(matrix)[row, 2 * pair:2 * pair + 2]
+    return out
+
+
 def mma(shape: str, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """A warp's ``D = A·B + C`` on per-lane fragments ((32, ·) arrays): D's fragments.
 
@@ -193,7 +212,8 @@ def unpack(word: Any) -> tuple[int, int]:
 # --------------------------------------------------------------------------- #
 
 OPS = ("mma_f16", "mma_bf16", "mma_tf32", "pack_f16x2", "pack_bf16x2", "tf32_bits",
-       "bits_to_f32", "quad_max", "quad_sum", "octet_max", "octet_sum", "opaque_zero")
+       "bits_to_f32", "quad_max", "quad_sum", "octet_max", "octet_sum", "ldmatrix_x4",
+       "opaque_zero")
 
 
 class _Warp:
@@ -301,6 +321,24 @@ def _butterfly(combine: Any, lanes: int, cast: Any = np.float32) -> Any:
     return op
 
 
+def _simulated_ldmatrix(array: Any, row: Any, col: Any) -> tuple[np.uint32, ...]:
+    """``ldmatrix`` x4 on the simulator: lane ``8i + r`` gives the row ``(row, col)``
+    (four 32-bit words) of matrix ``i``; lane ``l`` gets word ``l % 4`` of row
+    ``l // 4`` of each matrix."""
+
+    def compute(slots: list[Any]) -> list[tuple[np.uint32, ...]]:
+        result = []
+        for lane in range(WARP):
+            words = []
+            for i in range(4):
+                source, r, c = slots[8 * i + lane // 4]
+                words.append(np.uint32(source[r, c + lane % 4]))
+            result.append(tuple(words))
+        return result
+
+    return _collective((array, int(row), int(col)), compute)  # type: ignore[no-any-return]
+
+
 def nan_max(x: Any, y: Any) -> Any:
     """max(x, y) where NaN wins (as the kernels' running maximum)."""
     return y if (y > x or y != y) else x
@@ -320,6 +358,7 @@ def simulated_ops() -> pytypes.SimpleNamespace:
         quad_sum=_butterfly(lambda x, y: np.float32(x) + np.float32(y), 4),
         octet_max=_butterfly(nan_max, 8, cast=lambda x: x),
         octet_sum=_butterfly(lambda x, y: x + y, 8, cast=lambda x: x),
+        ldmatrix_x4=_simulated_ldmatrix,
         opaque_zero=lambda: 0,
     )
 
@@ -452,11 +491,49 @@ def gpu_ops() -> pytypes.SimpleNamespace:
         quad_sum=quad_sum,
         octet_max=octet_max,
         octet_sum=octet_sum,
+        ldmatrix_x4=_ldmatrix_intrinsic(),
         # A zero the compiler cannot see through: shared-memory indices that add it
         # in a loop are computed there, not hoisted as 64-bit addresses.
         opaque_zero=_intrinsic("opaque_zero", "int32", "", "mov.u32 $0, 0;", "=r",
                                side_effect=True),
     )
+
+
+def _ldmatrix_intrinsic() -> Any:
+    """``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` from a 2-D uint32 shared array: the
+    lane gives the element that starts its row (16 bytes, 16-byte aligned)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def ldmatrix_x4(typingctx: Any, array: Any, row: Any, col: Any) -> Any:
+        if not (isinstance(array, types.Array) and array.ndim == 2
+                and array.dtype == types.uint32):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(array, row, col)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            arrty = signature.args[0]
+            ary = context.make_array(arrty)(context, builder, args[0])
+            indices = [context.cast(builder, value, ty, types.intp)
+                       for value, ty in zip(args[1:], signature.args[1:], strict=True)]
+            pointer = cgutils.get_item_pointer(context, builder, arrty, ary, indices,
+                                               wraparound=False)
+            i32 = ir.IntType(32)
+            shared = builder.addrspacecast(pointer, ir.PointerType(i32, 3))
+            address = builder.ptrtoint(shared, i32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+            asm = ir.InlineAsm(
+                fnty, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
+                "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+            value = builder.call(asm, [address])
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(value, i) for i in range(4)])
+
+        return sig, codegen
+
+    return intrinsic(ldmatrix_x4)
 
 
 def _swap(hi_lo: Any) -> Any:

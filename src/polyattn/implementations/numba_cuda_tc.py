@@ -47,8 +47,10 @@ Limits
   fragments are held twice).
 * No split-K: decoding shapes (``Tq <= DECODE_MAX_TQ``) go to the exact
   kernel of :mod:`.numba_cuda`, which splits long caches across blocks.
-* The tiles are loaded by plain 32-bit shared-memory stores and loads, not
-  ``ldmatrix``/``cp.async``, and are not double-buffered.
+* f16/bf16 fragments of K and V come from shared memory by ``ldmatrix`` (x4:
+  two 8×16 fragments per instruction); the tiles are stored by plain 32-bit
+  stores (no ``cp.async``) and are not double-buffered; 3xTF32 reads its
+  float32 tiles word by word.
 * The forward pass only: gradients come from the exact backward kernels of
   :mod:`.numba_cuda_backward`, which recompute the weights in float32 from the
   saved ``lse``.
@@ -147,6 +149,10 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     pack = ops.pack_bf16x2 if arithmetic == "bf16" else ops.pack_f16x2
     mma8, tf32, as_f32 = ops.mma_tf32, ops.tf32_bits, ops.bits_to_f32
     quad_max, quad_sum, opaque_zero = ops.quad_max, ops.quad_sum, ops.opaque_zero
+    ldmatrix_x4 = ops.ldmatrix_x4
+    # ldmatrix reads 16-byte rows: the tiles start on 16 bytes (the simulator
+    # takes no alignment).
+    ALIGN = None if numba_cuda.simulator_enabled() else 16
     keep_word = numba_cuda.philox_function()
 
     f32, u32 = types.float32, types.uint32
@@ -240,8 +246,8 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                 sh = h
             slope = slopes[sb, sh]
 
-        k_tile = cuda.shared.array(K_SHAPE, TILE_T)
-        v_tile = cuda.shared.array(V_SHAPE, TILE_T)
+        k_tile = cuda.shared.array(K_SHAPE, TILE_T, alignment=ALIGN)
+        v_tile = cuda.shared.array(V_SHAPE, TILE_T, alignment=ALIGN)
         q_big = cuda.local.array(Q_WORDS, u32)  # Q fragments (TF32: large parts)
         q_small = cuda.local.array(Q_WORDS, u32)  # TF32: small parts
         s = cuda.local.array(8, f32)  # this lane's scores of 16 keys, then weights
@@ -326,19 +332,44 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
 
             for kk in range(STEPS):  # 16 keys at a time: two 8-key tiles of S
                 # S = Q Kᵀ for this warp's 16 rows and keys 16kk … 16kk + 15.
-                for half in range(2):
+                if HALF_OPERANDS:
+                    # One ldmatrix per 16 features gives the B fragments of both
+                    # 8-key tiles: lane L points at row L % 8 of matrix L // 8, the
+                    # keys of tile L // 16 and the lower or upper 8 features.
+                    key_row = kk * 16 + (lane // 16) * 8 + lane % 8 + z
+                    word = 4 * ((lane // 8) % 2)
                     c0 = ZERO
                     c1 = ZERO
                     c2 = ZERO
                     c3 = ZERO
-                    key = kk * 16 + half * 8 + g + z
+                    c4 = ZERO
+                    c5 = ZERO
+                    c6 = ZERO
+                    c7 = ZERO
                     for ks in range(KS):
-                        if HALF_OPERANDS:
-                            c0, c1, c2, c3 = mma16(
-                                q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
-                                q_big[ks * 4 + 3], k_tile[key, ks * 8 + t],
-                                k_tile[key, ks * 8 + 4 + t], c0, c1, c2, c3)
-                        else:
+                        b0, b1, b2, b3 = ldmatrix_x4(k_tile, key_row, ks * 8 + word)
+                        c0, c1, c2, c3 = mma16(
+                            q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
+                            q_big[ks * 4 + 3], b0, b1, c0, c1, c2, c3)
+                        c4, c5, c6, c7 = mma16(
+                            q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
+                            q_big[ks * 4 + 3], b2, b3, c4, c5, c6, c7)
+                    s[0] = c0
+                    s[1] = c1
+                    s[2] = c2
+                    s[3] = c3
+                    s[4] = c4
+                    s[5] = c5
+                    s[6] = c6
+                    s[7] = c7
+                else:
+                    for half in range(2):
+                        c0 = ZERO
+                        c1 = ZERO
+                        c2 = ZERO
+                        c3 = ZERO
+                        key = kk * 16 + half * 8 + g + z
+                        for ks in range(KS):
                             y0 = k_tile[key, ks * 8 + t]
                             y1 = k_tile[key, ks * 8 + 4 + t]
                             big0 = tf32(y0)
@@ -354,10 +385,10 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                             c0, c1, c2, c3 = mma8(
                                 q_big[ks * 4], q_big[ks * 4 + 1], q_big[ks * 4 + 2],
                                 q_big[ks * 4 + 3], big0, big1, c0, c1, c2, c3)
-                    s[half * 4] = c0
-                    s[half * 4 + 1] = c1
-                    s[half * 4 + 2] = c2
-                    s[half * 4 + 3] = c3
+                        s[half * 4] = c0
+                        s[half * 4 + 1] = c1
+                        s[half * 4 + 2] = c2
+                        s[half * 4 + 3] = c3
 
                 # The score rules, element by element, and each row's maximum.
                 # s[4·half + r]: row g (r < 2) or g + 8, key 16kk + 8·half + 2t + r % 2.
@@ -438,11 +469,18 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                     a1 = pack(s[2], s[3])
                     a2 = pack(s[4], s[5])
                     a3 = pack(s[6], s[7])
-                    for nf in range(NF):
+                    # One ldmatrix gives the B fragments of two 8-feature tiles
+                    # (V is stored transposed: features are its rows).
+                    for nf in range(0, NF, 2):
+                        feature_row = (nf + lane // 16) * 8 + lane % 8 + z
+                        b0, b1, b2, b3 = ldmatrix_x4(v_tile, feature_row,
+                                                     kk * 8 + 4 * ((lane // 8) % 2))
                         o[nf * 4], o[nf * 4 + 1], o[nf * 4 + 2], o[nf * 4 + 3] = mma16(
-                            a0, a1, a2, a3, v_tile[nf * 8 + g + z, kk * 8 + t],
-                            v_tile[nf * 8 + g + z, kk * 8 + 4 + t], o[nf * 4], o[nf * 4 + 1],
-                            o[nf * 4 + 2], o[nf * 4 + 3])
+                            a0, a1, a2, a3, b0, b1, o[nf * 4], o[nf * 4 + 1], o[nf * 4 + 2],
+                            o[nf * 4 + 3])
+                        o[nf * 4 + 4], o[nf * 4 + 5], o[nf * 4 + 6], o[nf * 4 + 7] = mma16(
+                            a0, a1, a2, a3, b2, b3, o[nf * 4 + 4], o[nf * 4 + 5],
+                            o[nf * 4 + 6], o[nf * 4 + 7])
                 else:
                     # One k8 step per 8-key tile, its keys taken in the order
                     # 2t ↦ column t, 2t + 1 ↦ column t + 4 (in A and in B alike).
@@ -528,6 +566,13 @@ def hmma_per_step(arithmetic: str, bucket: int) -> int:
     if arithmetic == "3xtf32":
         return 3 * (2 * (bucket // 8) + 2 * (bucket // 8))
     return 2 * (bucket // 16) + bucket // 8
+
+
+def ldmatrix_per_step(arithmetic: str, bucket: int) -> int:
+    """``ldmatrix`` x4 instructions one warp issues per 16-key step: the K fragments of
+    two 8-key tiles per 16 features, the V fragments of two 8-feature tiles per
+    16 features (none for 3xTF32, whose float32 tiles are read word by word)."""
+    return 0 if arithmetic == "3xtf32" else 2 * (bucket // 16)
 
 
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
