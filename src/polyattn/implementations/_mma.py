@@ -504,7 +504,7 @@ def _ldmatrix_intrinsic() -> Any:
     lane gives the element that starts its row (16 bytes, 16-byte aligned)."""
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
+    from numba.cuda import cgutils  # type: ignore[attr-defined]
     from numba.cuda.extending import intrinsic
 
     def ldmatrix_x4(typingctx: Any, array: Any, row: Any, col: Any) -> Any:

@@ -990,6 +990,35 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     return out, lse
 
 
+def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None,
+                 causal_offset: int | None, scale: float, xp: Any, rules: Rules | None,
+                 kernel_for: Any, rows: int, threads: int) -> tuple[Array, Array]:
+    """``(out, lse)`` from one launch of a kernel whose blocks own ``rows`` query rows
+    of one (batch, head) pair each, with ``threads`` threads, and take the arrays
+    and scalars of :func:`kernel_inputs` then ``out`` and ``lse``: the tensor-core
+    and register-tiled kernels. ``kernel_for(mask_kind, mods)`` gives the compiled
+    kernel."""
+    *batch, n_heads, tq, _ = q.shape
+    ev = v.shape[-1]
+    dev = _Device(q)
+    n_batch = math.prod(batch)
+    out = empty_like_layout(dev, q, (n_batch, n_heads, tq, ev), xp)  # (B, H, Tq, Ev)
+    lse = dev.empty((n_batch, n_heads, tq), q.dtype)  # (B, H, Tq)
+    if n_batch * n_heads * tq > 0:
+        inputs = kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
+        kernel = kernel_for(inputs.mask_kind, inputs.mods)
+        n_blocks = n_batch * n_heads * -(-tq // rows)
+        check_grid(n_blocks, f"B·H·ceil(Tq/{rows})", q)
+        out_d, lse_d = dev.view(out), dev.view(lse)
+        with launching(dev) as stream:
+            kernel[n_blocks, threads, stream](*inputs.arrays, out_d, lse_d, *inputs.scalars)
+        if dev.simulated:
+            out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
+    out = xp.reshape(out, (*batch, n_heads, tq, ev))  # (B…, H, Tq, Ev)
+    lse = xp.reshape(lse, (*batch, n_heads, tq))  # (B…, H, Tq)
+    return out, lse
+
+
 def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
              mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
              rules: Rules | None = None, grad_lse: Array | None = None,

@@ -591,7 +591,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     TypeError
         Inputs that are not float32.
     """
-    *batch, n_heads, tq, e = q.shape
+    tq, e = q.shape[-2:]
     ev = v.shape[-1]
     why = unsupported(arithmetic, tq, e, ev)
     if why is not None:
@@ -601,23 +601,11 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
         raise TypeError(f"the tensor-core kernel takes float32 arrays, got {dtype}")
     bucket = head_bucket(arithmetic, e, ev)
     assert bucket is not None
-    dev = numba_cuda._Device(q)
-    n_batch = math.prod(batch)
-    out = numba_cuda.empty_like_layout(dev, q, (n_batch, n_heads, tq, ev), xp)
-    lse = dev.empty((n_batch, n_heads, tq), q.dtype)
-    if n_batch * n_heads * tq > 0:
-        inputs = numba_cuda.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
-        kernel = compiled_kernel(arithmetic, bucket, inputs.mask_kind, inputs.mods)
-        n_blocks = n_batch * n_heads * -(-tq // BLOCK_Q)
-        numba_cuda.check_grid(n_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
-        out_d, lse_d = dev.view(out), dev.view(lse)
-        with numba_cuda.launching(dev) as stream:
-            kernel[n_blocks, THREADS, stream](*inputs.arrays, out_d, lse_d, *inputs.scalars)
-        if dev.simulated:
-            out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
-    out = xp.reshape(out, (*batch, n_heads, tq, ev))
-    lse = xp.reshape(lse, (*batch, n_heads, tq))
-    return out, lse
+    return numba_cuda.launch_tiles(
+        q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+        kernel_for=lambda mask_kind, mods: compiled_kernel(arithmetic, bucket, mask_kind,
+                                                           mods),
+        rows=BLOCK_Q, threads=THREADS)
 
 
 #: ``POLYATTN_CUDA_FLOAT32``: how the CUDA kernel computes float32 inputs.

@@ -406,27 +406,13 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     ValueError
         A decoding shape (:func:`unsupported`), or a head size above 256.
     """
-    *batch, n_heads, tq, e = q.shape
-    ev = v.shape[-1]
+    tq, e = q.shape[-2:]
     why = unsupported(tq)
     if why is not None:
         raise ValueError(f"the register-tiled kernel cannot take this call: {why}")
-    bucket = numba_cuda.head_bucket(e, ev)
+    bucket = numba_cuda.head_bucket(e, v.shape[-1])
     dtype = numba_cuda.common_dtype(query=q, key=k, value=v)
-    dev = numba_cuda._Device(q)
-    n_batch = math.prod(batch)
-    out = numba_cuda.empty_like_layout(dev, q, (n_batch, n_heads, tq, ev), xp)
-    lse = dev.empty((n_batch, n_heads, tq), q.dtype)
-    if n_batch * n_heads * tq > 0:
-        inputs = numba_cuda.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
-        kernel = compiled_kernel(dtype, bucket, inputs.mask_kind, inputs.mods)
-        n_blocks = n_batch * n_heads * -(-tq // BLOCK_Q)
-        numba_cuda.check_grid(n_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
-        out_d, lse_d = dev.view(out), dev.view(lse)
-        with numba_cuda.launching(dev) as stream:
-            kernel[n_blocks, THREADS, stream](*inputs.arrays, out_d, lse_d, *inputs.scalars)
-        if dev.simulated:
-            out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
-    out = xp.reshape(out, (*batch, n_heads, tq, ev))
-    lse = xp.reshape(lse, (*batch, n_heads, tq))
-    return out, lse
+    return numba_cuda.launch_tiles(
+        q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+        kernel_for=lambda mask_kind, mods: compiled_kernel(dtype, bucket, mask_kind, mods),
+        rows=BLOCK_Q, threads=THREADS)
