@@ -211,8 +211,10 @@ def bench_decode(session: nox.Session) -> None:
 
 @nox.session(default=False, tags=["gpu", "bench"])
 def bench_gpu(session: nox.Session) -> None:
-    """GPU benchmark: the Numba CUDA kernel vs the CuPy reference path vs torch SDPA."""
+    """GPU benchmark: the Numba CUDA kernels vs the CuPy reference path vs torch SDPA
+    (torch is installed for the comparison and for bfloat16 inputs; on a GPU machine
+    the pinned version is the CUDA build)."""
     if not has_cuda_gpu():
         session.skip("no CUDA GPU on this machine (nvidia-smi not found)")
-    install(session, "-e", ".", "cupy-cuda13x", "numba-cuda[cu13]")
+    install(session, "-e", ".", "cupy-cuda13x", "numba-cuda[cu13]", "torch")
     session.run("python", "benchmarks/gpu.py", *session.posargs)
