@@ -55,8 +55,7 @@ from ._unroll import unroll, unrolled
 
 Array = Any
 
-THREADS = 128
-BLOCK_Q = 64  # query rows per block: 16 row groups of 4
+BLOCK_Q = 64  # query rows per block
 DC = 16  # features of Qᵀ and Kᵀ per shared-memory chunk
 HEAD_DIM_BUCKETS = numba_cuda.HEAD_DIM_BUCKETS
 MASK_KINDS = numba_cuda.MASK_KINDS
@@ -64,6 +63,27 @@ DTYPES = numba_cuda.DTYPES
 
 # ``numba.cuda``, bound by the kernel factory (the simulator swaps it for its own).
 cuda: Any = None
+
+
+def rows_per_thread(bucket: int) -> int:
+    """Query rows of a thread's patches: 4, or 2 for head sizes above 64 (whose
+    output patch would otherwise hold 64 accumulators: 168 registers at float32
+    head size 128, against 128 for 2 rows and twice the threads)."""
+    return 2 if bucket > 64 else 4
+
+
+def threads(bucket: int) -> int:
+    """Threads of a block: eight per row group (128 for 4-row patches, 256 for 2)."""
+    return 8 * BLOCK_Q // rows_per_thread(bucket)
+
+
+def launch_bounds(dtype: str, bucket: int) -> tuple[int, ...]:
+    """The kernel's launch bounds: its block size and, in float32 up to head size
+    128, enough resident blocks per multiprocessor that ptxas keeps to 128
+    registers per thread (65536 registers / 128 per thread / threads per block).
+    Float64 and head size 256 keep what they need (128 would spill)."""
+    n = threads(bucket)
+    return (n, 65536 // (128 * n)) if dtype == "float32" and bucket <= 128 else (n,)
 
 
 def block_k(dtype: str) -> int:
@@ -129,14 +149,16 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
     U_ZERO = np.uint64(0)
     HEAD = bucket
-    BQ, BK, NTHREADS = BLOCK_Q, block_k(dtype), THREADS
+    BQ, BK, R, NTHREADS = BLOCK_Q, block_k(dtype), rows_per_thread(bucket), threads(bucket)
     D_CHUNK = min(DC, HEAD)
     VK = v_keys(dtype, bucket)
     KC = BK // 32  # groups of 4 keys per thread in a tile
     OC = (HEAD + 31) // 32  # groups of 4 features per thread in the output
-    S_LEN = 4 * 4 * KC  # scores per thread
-    O_LEN = 4 * 4 * OC  # output accumulators per thread
+    RS = 4 * R  # values of a thread's patch in one 32-key (or 32-feature) group
+    S_LEN = RS * KC  # scores per thread
+    O_LEN = RS * OC  # output accumulators per thread
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    MASKED = BOOL_MASK or FLOAT_MASK
     # Shared tiles, rows padded by 4 values (16-byte aligned rows, fewer bank conflicts).
     Q_SHAPE, K_SHAPE = (D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
     V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
@@ -157,10 +179,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         h = pair % n_heads
         hk = h // group
         tid = cuda.threadIdx.x
-        rg = tid // 8  # this thread's rows: 4·rg … 4·rg + 3 of the block
+        rg = tid // 8  # this thread's rows: R·rg … R·rg + R - 1 of the block
         kg = tid % 8  # its keys 4·kg + 32·c + u, and output features alike
         q0 = qt * BQ
-        row_base = q0 + 4 * rg
+        row_base = q0 + R * rg
 
         len_b = lengths[0]
         if lengths.shape[0] > 1:
@@ -171,49 +193,20 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         hi = min(tk, len_b, last_row + pos_offset + right + 1)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
-        mb = 0
-        mh = 0
-        mi_step = 0
-        mj_step = 0
-        if BOOL_MASK or FLOAT_MASK:
-            mb = mask_batch[b]
-            if mask.shape[1] > 1:
-                mh = h
-            if mask.shape[2] > 1:
-                mi_step = 1
-            if mask.shape[3] > 1:
-                mj_step = 1
-
         dropping = threshold != U_ZERO
-        pair_n = (b * n_heads + h) * tq  # weight (b, h, i, j) has the flat index
-
-        cap = ZERO
-        inv_cap = ZERO
-        slope = ZERO
-        if MODS:
-            cap = softcap
-            if cap > ZERO:
-                inv_cap = ONE / cap
-            sb = 0
-            sh = 0
-            if slopes.shape[0] > 1:
-                sb = b
-            if slopes.shape[1] > 1:
-                sh = h
-            slope = slopes[sb, sh]
 
         q_chunk = cuda.shared.array(Q_SHAPE, acc_t)  # Qᵀ: feature-major
         k_chunk = cuda.shared.array(K_SHAPE, acc_t)  # Kᵀ
         v_chunk = cuda.shared.array(V_SHAPE, acc_t)
         p_tile = cuda.shared.array(P_SHAPE, acc_t)  # Pᵀ: key-major
-        s = cuda.local.array(S_LEN, acc_t)  # s[16c + 4i + u]: row i, key 4kg + 32c + u
-        o = cuda.local.array(O_LEN, acc_t)  # o[16c + 4i + u]: row i, feature 32c + 4kg + u
-        m = cuda.local.array(4, acc_t)
-        l = cuda.local.array(4, acc_t)
-        a = cuda.local.array(4, acc_t)
+        s = cuda.local.array(S_LEN, acc_t)  # s[RS·c + 4i + u]: row i, key 4kg + 32c + u
+        o = cuda.local.array(O_LEN, acc_t)  # o[RS·c + 4i + u]: row i, feature 32c + 4kg + u
+        m = cuda.local.array(R, acc_t)
+        l = cuda.local.array(R, acc_t)
+        a = cuda.local.array(R, acc_t)
         for n in unroll(O_LEN):
             o[n] = ZERO
-        for i in unroll(4):
+        for i in unroll(R):
             m[i] = NEG_INF
             l[i] = ZERO
 
@@ -247,13 +240,13 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     k_chunk[d, r] = x
                 cuda.syncthreads()
                 for d in range(D_CHUNK):
-                    for i in unroll(4):
-                        a[i] = q_chunk[d + z, 4 * rg_c + i]
+                    for i in unroll(R):
+                        a[i] = q_chunk[d + z, R * rg_c + i]
                     for c in unroll(KC):
                         for u in unroll(4):
                             y = k_chunk[d + z, 32 * c + 4 * kg_c + u]
-                            for i in unroll(4):
-                                s[16 * c + 4 * i + u] += a[i] * y
+                            for i in unroll(R):
+                                s[RS * c + 4 * i + u] += a[i] * y
 
             # The scores go to Pᵀ in shared memory; the rules and the softmax read
             # them there in loops left rolled (unrolled, they would multiply the
@@ -262,34 +255,78 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             rg_s, kg_s = rg + z, kg + z
             for c in unroll(KC):
                 for u in unroll(4):
-                    for i in unroll(4):
-                        p_tile[32 * c + 4 * kg_s + u, 4 * rg_s + i] = s[16 * c + 4 * i + u]
+                    for i in unroll(R):
+                        p_tile[32 * c + 4 * kg_s + u, R * rg_s + i] = s[RS * c + 4 * i + u]
 
-            for i in unroll(4):
-                row = q0 + 4 * rg_s + i
+            cap = ZERO
+            inv_cap = ZERO
+            slope = ZERO
+            if MODS:
+                # Read per tile from the kernel's arguments, like the mask's
+                # parameters below: held across the key loop, they would take
+                # registers the patches need.
+                cap = softcap
+                if cap > ZERO:
+                    inv_cap = ONE / cap
+                sb = z
+                sh = z
+                if slopes.shape[0] > 1:
+                    sb += b
+                if slopes.shape[1] > 1:
+                    sh += h
+                slope = slopes[sb, sh]
+            if MASKED:
+                # A mask is applied to the whole tile by all threads together, key
+                # fastest (consecutive threads read consecutive mask entries), with
+                # the modifiers before it; its parameters are read per tile.
+                cuda.syncthreads()
+                mb = mask_batch[b + z]
+                mh = 0
+                mi_step = 0
+                mj_step = 0
+                if mask.shape[1] > 1:
+                    mh = h
+                if mask.shape[2] > 1:
+                    mi_step = 1
+                if mask.shape[3] > 1:
+                    mj_step = 1
+                for idx in range(tid + z, BQ * BK, NTHREADS):
+                    jj = idx % BK
+                    r = idx // BK
+                    row = q0 + z + r
+                    if row < tq and j0 + jj < hi:
+                        x = p_tile[jj, r]
+                        if MODS:
+                            if cap > ZERO:
+                                x = cap * math.tanh(x * inv_cap)
+                            x -= slope * np_t(abs(row + pos_offset - j0 - jj))
+                        if BOOL_MASK:
+                            if not mask[mb, mh, row * mi_step, (j0 + jj) * mj_step]:
+                                x = NEG_INF
+                        else:
+                            x += mask[mb, mh, row * mi_step, (j0 + jj) * mj_step]
+                        p_tile[jj, r] = x
+                cuda.syncthreads()
+
+            for i in unroll(R):
+                row = q0 + R * rg_s + i
                 p = row + pos_offset
                 # Keys of the tile row i sees: [vis_lo, vis_hi) relative to j0.
                 vis_lo = max(p - left, j0) - j0
                 vis_hi = min(p + right + 1, hi) - j0
                 if row >= tq:
                     vis_hi = vis_lo
-                mi = row * mi_step
                 mt = NEG_INF
                 for n in range(4 * KC):
                     jj = 32 * (n // 4) + 4 * kg_s + n % 4
-                    x = p_tile[jj, 4 * rg_s + i]
-                    if MODS:
+                    x = p_tile[jj, R * rg_s + i]
+                    if MODS and not MASKED:
                         if cap > ZERO:
                             x = cap * math.tanh(x * inv_cap)
                         x -= slope * np_t(abs(p - j0 - jj))
                     if jj < vis_lo or jj >= vis_hi:
                         x = NEG_INF
-                    elif BOOL_MASK:
-                        if not mask[mb, mh, mi, (j0 + jj) * mj_step]:
-                            x = NEG_INF
-                    elif FLOAT_MASK:
-                        x += mask[mb, mh, mi, (j0 + jj) * mj_step]
-                    p_tile[jj, 4 * rg_s + i] = x
+                    p_tile[jj, R * rg_s + i] = x
                     if x > mt or x != x:
                         mt = x
                 mt = row_max(mt)
@@ -305,24 +342,26 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     l[i] *= alpha
                     for c in unroll(OC):
                         for u in unroll(4):
-                            o[16 * c + 4 * i + u] *= alpha
+                            o[RS * c + 4 * i + u] *= alpha
                     m[i] = m_new
                 total = ZERO
                 for n in range(4 * KC):
                     jj = 32 * (n // 4) + 4 * kg_s + n % 4
                     w = ZERO
                     if m_new != NEG_INF:
-                        w = math.exp(p_tile[jj, 4 * rg_s + i] - m_new)
+                        w = math.exp(p_tile[jj, R * rg_s + i] - m_new)
                     total += w
-                    p_tile[jj, 4 * rg_s + i] = w
+                    p_tile[jj, R * rg_s + i] = w
                 l[i] += total  # l (and lse) before dropout, P·V after it
 
             # Dropout on this thread's weights in Pᵀ, in a loop left rolled: the
             # cipher is long, one copy of it is enough.
             if dropping:
+                # weight (b, h, i, j) has the flat index ((b·H + h)·Tq + i)·Tk + j
+                pair_n = ((b + opaque_zero()) * n_heads + h) * tq
                 for n in range(S_LEN):
-                    jj = 32 * (n // 16) + 4 * kg + n % 4
-                    ii = 4 * rg + (n // 4) % 4
+                    jj = 32 * (n // RS) + 4 * kg + n % 4
+                    ii = R * rg + (n // 4) % R
                     w = p_tile[jj, ii]
                     if w != ZERO:
                         if keep_word((pair_n + q0 + ii) * tk + j0 + jj, key0,
@@ -345,18 +384,18 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     v_chunk[r, d] = x
                 cuda.syncthreads()
                 for jj in range(VK):
-                    for i in unroll(4):
-                        a[i] = p_tile[vc + jj + z, 4 * rg_v + i]
+                    for i in unroll(R):
+                        a[i] = p_tile[vc + jj + z, R * rg_v + i]
                     for c in unroll(OC):
                         for u in unroll(4):
                             f = 32 * c + 4 * kg_v + u
                             if f < HEAD:
                                 y = v_chunk[jj + z, f]
-                                for i in unroll(4):
-                                    o[16 * c + 4 * i + u] += a[i] * y
+                                for i in unroll(R):
+                                    o[RS * c + 4 * i + u] += a[i] * y
 
         # Each row's sum over its eight threads; normalise and write.
-        for i in unroll(4):
+        for i in unroll(R):
             l_row = row_sum(l[i])
             row = row_base + i
             if row < tq:
@@ -369,7 +408,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     for u in unroll(4):
                         f = 32 * c + 4 * kg + u
                         if f < ev:
-                            out[b, h, row, f] = o[16 * c + 4 * i + u] * inv_l
+                            out[b, h, row, f] = o[RS * c + 4 * i + u] * inv_l
                 if kg == 0:
                     lse[b, h, row] = lse_i
 
@@ -383,7 +422,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
     """The kernel for one specialisation, compiled on first use and cached."""
     fn = make_kernel_function(dtype, bucket, mask_kind, mods)
-    return numba_cuda._cuda().jit(_signature(dtype, mask_kind))(fn)
+    if numba_cuda.simulator_enabled():
+        return numba_cuda._cuda().jit(_signature(dtype, mask_kind))(fn)
+    return numba_cuda._cuda().jit(_signature(dtype, mask_kind),
+                                  launch_bounds=launch_bounds(dtype, bucket))(fn)
 
 
 def specializations() -> list[tuple[Any, Any]]:
@@ -415,4 +457,4 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     return numba_cuda.launch_tiles(
         q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
         kernel_for=lambda mask_kind, mods: compiled_kernel(dtype, bucket, mask_kind, mods),
-        rows=BLOCK_Q, threads=THREADS)
+        rows=BLOCK_Q, threads=threads(bucket))
