@@ -75,12 +75,14 @@ def kernel_sim(session: nox.Session) -> None:
         return
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL,
                 "tests/test_kernel_sim.py", "tests/test_kernel_sim_backward.py",
-                "tests/test_kernel_tc.py", "tests/test_kernel_tiled.py")
+                "tests/test_kernel_tc.py", "tests/test_kernel_tiled.py",
+                "tests/test_kernel_tiled_backward.py")
     # the public API's tests, with implementation="numba_cuda" on the simulator
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL, "tests",
                 "-k", "numba_cuda", "--ignore=tests/test_kernel_sim.py",
                 "--ignore=tests/test_kernel_sim_backward.py", "--ignore=tests/test_kernel_ptx.py",
-                "--ignore=tests/test_kernel_tc.py", "--ignore=tests/test_kernel_tiled.py")
+                "--ignore=tests/test_kernel_tc.py", "--ignore=tests/test_kernel_tiled.py",
+                "--ignore=tests/test_kernel_tiled_backward.py")
 
 
 @nox.session(tags=["kernel"])

@@ -4,9 +4,9 @@ For each shape (B, H, T, E), dtype and causal setting, this script times, side
 by side in one run,
 
 * ``numba_cuda``: ``scaled_dot_product_attention(..., implementation="numba_cuda")``
-  (float16/bfloat16: the tensor-core kernel; float32/float64: the 0.1 kernel, one
-  thread per query row), beside ``numba_cuda_tiled`` (``POLYATTN_CUDA_KERNEL=tiled``,
-  the register-tiled exact kernel), ``numba_cuda_3xtf32``
+  (float16/bfloat16: the tensor-core kernel; float32/float64: the register-tiled
+  exact kernel), beside ``numba_cuda_rows`` (``POLYATTN_CUDA_KERNEL=rows``, the 0.1
+  kernel: one thread per query row), ``numba_cuda_3xtf32``
   (``POLYATTN_CUDA_FLOAT32=3xtf32``) for float32 and ``numba_cuda_exact_f32`` (the
   exact kernel on float32 copies) for float16/bfloat16; the report names each
   method's arithmetic,
@@ -248,10 +248,10 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
 
     methods: dict[str, Any] = {"numba_cuda": lambda: run_kernel(*inputs)}
     record["arithmetic"] = {"numba_cuda": arithmetic()}
-    if dtype in ("float32", "float64"):  # the register-tiled exact kernel beside the 0.1 one
-        tiled = {"POLYATTN_CUDA_KERNEL": "tiled"}
-        methods["numba_cuda_tiled"] = lambda: run_kernel(*inputs, **tiled)
-        record["arithmetic"]["numba_cuda_tiled"] = arithmetic(**tiled)
+    if dtype in ("float32", "float64"):  # the 0.1 kernel beside the register-tiled one
+        rows = {"POLYATTN_CUDA_KERNEL": "rows"}
+        methods["numba_cuda_rows"] = lambda: run_kernel(*inputs, **rows)
+        record["arithmetic"]["numba_cuda_rows"] = arithmetic(**rows)
     if dtype == "float32":  # the opt-in tensor-core arithmetic
         tf32 = {"POLYATTN_CUDA_FLOAT32": "3xtf32"}
         methods["numba_cuda_3xtf32"] = lambda: run_kernel(*inputs, **tf32)
@@ -290,7 +290,7 @@ def bench_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], dtype: str
             "rel_error": err, "peak_extra_mib": peak / 2**20,
         }
     kernel = record["methods"].get("numba_cuda", {})
-    for other in ("reference", "torch", "numba_cuda_tiled", "numba_cuda_exact_f32",
+    for other in ("reference", "torch", "numba_cuda_rows", "numba_cuda_exact_f32",
                   "numba_cuda_3xtf32"):
         if "ms" in kernel and "ms" in record["methods"].get(other, {}):
             # > 1: the kernel is faster than ``other``.

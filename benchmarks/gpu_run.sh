@@ -31,7 +31,7 @@ cat "$out/gpu.txt"
 
 echo "== tests"
 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_tc.py \
-    tests/test_kernel_tiled.py tests/test_kernel_sim.py tests/test_kernel_sim_backward.py --junitxml="$out/tests.xml" \
+    tests/test_kernel_tiled.py tests/test_kernel_tiled_backward.py tests/test_kernel_sim.py tests/test_kernel_sim_backward.py --junitxml="$out/tests.xml" \
     > "$out/tests.txt" 2>&1
 echo "tests: exit $?"; tail -15 "$out/tests.txt"
 

@@ -9,7 +9,10 @@ converted with :func:`helpers.to_xp`.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
+import numpy as np
 import pytest
 from helpers import Backend, available_backends, backend_namespace, default_device
 
@@ -63,3 +66,50 @@ def device(backend, xp):
 def dtype_name(request) -> str:
     """A real floating dtype, by name."""
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cuda_simulator():
+    """Under ``NUMBA_ENABLE_CUDASIM=1``: the simulator polls its block threads, so a
+    short switch interval speeds it up, and its shared arrays are made race-free
+    (see :func:`_shared_array`). Nothing otherwise."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        yield
+        return
+    from numba.cuda.simulator import kernelapi
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    _ORIGINAL_SHARED_ARRAY.append(kernelapi.FakeCUDAShared.array)
+    kernelapi.FakeCUDAShared.array = _shared_array
+    yield
+    kernelapi.FakeCUDAShared.array = _ORIGINAL_SHARED_ARRAY.pop()
+    sys.setswitchinterval(previous)
+
+
+_SHARED_LOCK = threading.Lock()
+_ORIGINAL_SHARED_ARRAY = []
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """``FakeCUDAShared.array`` with its look-up and its store under one lock.
+
+    The simulator gives every thread of a block the array allocated for the
+    calling line, looked up and stored in two steps: a thread switch between
+    them gives two threads two different arrays, and the kernel then reads
+    tiles that its neighbours never wrote (a failure once in a few hundred
+    launches, without any race in the kernel).
+    """
+    from numba.cuda.simulator import kernelapi
+
+    if alignment is not None or shape == 0:  # errors and dynamic memory: no look-up
+        return _ORIGINAL_SHARED_ARRAY[-1](self, shape, dtype, alignment)
+    if isinstance(dtype, kernelapi.types.Type):
+        dtype = kernelapi.numpy_support.as_dtype(dtype)
+    frame = sys._getframe(1)
+    caller = (frame.f_code.co_filename, frame.f_lineno)
+    with _SHARED_LOCK:
+        array = self._allocations.get(caller)
+        if array is None:
+            array = self._allocations[caller] = np.empty(shape, dtype)
+    return array

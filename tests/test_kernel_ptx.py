@@ -273,9 +273,8 @@ def tc_ptx_for(index: int, cc: tuple[int, int]) -> str:
     return ptx
 
 
-@functools.cache
-def tc_sass_for(index: int, cc: tuple[int, int]) -> tuple[str, str]:
-    """(ptxas -v report, cuobjdump -sass text) of one tensor-core kernel."""
+def ptxas_and_sass(ptx: str, cc: tuple[int, int]) -> tuple[str, str]:
+    """(ptxas -v report, cuobjdump -sass text) of one kernel's PTX."""
     import tempfile
 
     ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
@@ -283,11 +282,16 @@ def tc_sass_for(index: int, cc: tuple[int, int]) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         run = subprocess.run([ptxas, "-v", f"-arch=sm_{cc[0]}{cc[1]}", "-", "-o", cubin],
-                             input=tc_ptx_for(index, cc), capture_output=True, text=True,
-                             check=True)
+                             input=ptx, capture_output=True, text=True, check=True)
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
     return run.stderr, sass
+
+
+@functools.cache
+def tc_sass_for(index: int, cc: tuple[int, int]) -> tuple[str, str]:
+    """(ptxas -v report, cuobjdump -sass text) of one tensor-core kernel."""
+    return ptxas_and_sass(tc_ptx_for(index, cc), cc)
 
 
 @pytest.mark.parametrize(("index", "cc"), TC_CASES,
@@ -454,19 +458,11 @@ def test_tiled_kernel_ptx_and_sass(spec):
     assert_float64_only_where_asked(f"{fn.__name__}", body, (9, 0))
     assert has_philox(body)
     assert any(INT_TO_FLOAT.search(line) for line in body) == mods
-    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
-    if ptxas is None or cuobjdump is None:
+    if _nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None:
         pytest.skip("ptxas and cuobjdump are not installed")
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        run = subprocess.run([ptxas, "-v", "-arch=sm_90", "-", "-o", cubin], input=ptx,
-                             capture_output=True, text=True, check=True)
-        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    used = re.search(r"Used (\d+) registers", run.stderr)
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", run.stderr)
+    report, sass = ptxas_and_sass(ptx, (9, 0))
+    used = re.search(r"Used (\d+) registers", report)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", report)
     print(f"{fn.__name__} sm_90: registers {used.group(1) if used else '?'}, stack "
           f"{frame.group(1) if frame else '?'} B, spill stores "
           f"{frame.group(2) if frame else '?'} B, longest dependent FMA run "
@@ -475,10 +471,10 @@ def test_tiled_kernel_ptx_and_sass(spec):
     assert longest_dependent_run(sass) <= 8
     assert local_accesses_in_inner_loops(sass) == []
     if dtype == "float32":
-        assert used and int(used.group(1)) <= 128, run.stderr
+        assert used and int(used.group(1)) <= 128, report
         # at most one value spilled, stored once before the key loop (one float32
         # specialisation of 30 spills 4 bytes, reloaded once per key tile)
-        assert frame and int(frame.group(2)) <= 4, run.stderr
+        assert frame and int(frame.group(2)) <= 4, report
 
 
 @pytest.mark.skipif(_nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None,
@@ -499,3 +495,47 @@ def test_dependent_run_finds_the_row_kernels_serial_dot_product():
     run = longest_dependent_run(sass)
     print(f"{fn.__name__} sm_90: longest dependent FMA run {run}")
     assert run >= 32
+
+
+# --------------------------------------------------------------------------- #
+# The register-tiled backward kernels
+# --------------------------------------------------------------------------- #
+
+from polyattn.implementations import numba_cuda_tiled_backward  # noqa: E402
+
+TILED_BACKWARD_SPECS = [(kernel, dtype, bucket, mask_kind, mods)
+                        for kernel in ("dq", "dkdv")
+                        for dtype, bucket in (("float32", 64), ("float32", 128),
+                                              ("float64", 64))
+                        for mask_kind, mods in (("none", False), ("bool", True))]
+
+
+@pytest.mark.parametrize("spec", TILED_BACKWARD_SPECS, ids=lambda s: "_".join(map(str, s)))
+def test_tiled_backward_ptx_and_sass(spec):
+    """The register-tiled dQ and dK/dV kernels, compiled with their launch bounds:
+    no float64 in float32, no serial FMA chain, at most 128 registers per thread
+    in float32, no local memory in their inner loops."""
+    kernel, dtype, bucket, mask_kind, mods = spec
+    module = numba_cuda_tiled_backward
+    make, threads, outputs = ((module.make_dq_function, module.dq_threads, 1)
+                              if kernel == "dq" else
+                              (module.make_dkdv_function, module.dkdv_threads, 2))
+    fn = make(dtype, bucket, mask_kind, mods)
+    ptx, _ = cuda.compile_ptx(fn, numba_cuda_backward._signature(dtype, mask_kind, outputs),
+                              cc=(9, 0), launch_bounds=module.launch_bounds(dtype, threads(bucket)))
+    assert_float64_only_where_asked(fn.__name__, _instructions(ptx), (9, 0))
+    assert has_philox(_instructions(ptx))
+    if _nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None:
+        pytest.skip("ptxas and cuobjdump are not installed")
+    report, sass = ptxas_and_sass(ptx, (9, 0))
+    used = re.search(r"Used (\d+) registers", report)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", report)
+    print(f"{fn.__name__} sm_90: registers {used.group(1) if used else '?'}, spill stores "
+          f"{frame.group(2) if frame else '?'} B, longest dependent FMA run "
+          f"{longest_dependent_run(sass)}, local accesses in inner loops "
+          f"{len(local_accesses_in_inner_loops(sass))}")
+    assert F64_SASS.search(sass) is None or dtype == "float64"
+    assert longest_dependent_run(sass) <= 8
+    if dtype == "float32":
+        assert used and int(used.group(1)) <= 128, report
+        assert local_accesses_in_inner_loops(sass) == []

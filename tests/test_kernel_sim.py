@@ -18,8 +18,6 @@ import dataclasses
 import importlib.util
 import math
 import os
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -61,49 +59,10 @@ TOL = {"float32": 1e-5, "float64": 1e-12}
 
 
 @pytest.fixture(autouse=True, scope="module")
-def simulator_threads():
-    """The simulator polls its block threads: a short switch interval speeds it up.
-    Its shared arrays are made race-free (see :func:`_shared_array`)."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    if not SIMULATOR:
-        yield
-    else:
-        from numba.cuda.simulator import kernelapi
-
-        _ORIGINAL_SHARED_ARRAY.append(kernelapi.FakeCUDAShared.array)
-        kernelapi.FakeCUDAShared.array = _shared_array
-        yield
-        kernelapi.FakeCUDAShared.array = _ORIGINAL_SHARED_ARRAY.pop()
-    sys.setswitchinterval(previous)
-
-
-_SHARED_LOCK = threading.Lock()
-_ORIGINAL_SHARED_ARRAY = []
-
-
-def _shared_array(self, shape, dtype, alignment=None):
-    """``FakeCUDAShared.array`` with its look-up and its store under one lock.
-
-    The simulator gives every thread of a block the array allocated for the
-    calling line, looked up and stored in two steps: a thread switch between
-    them gives two threads two different arrays, and the kernel then reads
-    tiles that its neighbours never wrote (a failure once in a few hundred
-    launches, without any race in the kernel).
-    """
-    from numba.cuda.simulator import kernelapi
-
-    if alignment is not None or shape == 0:  # errors and dynamic memory: no look-up
-        return _ORIGINAL_SHARED_ARRAY[-1](self, shape, dtype, alignment)
-    if isinstance(dtype, kernelapi.types.Type):
-        dtype = kernelapi.numpy_support.as_dtype(dtype)
-    frame = sys._getframe(1)
-    caller = (frame.f_code.co_filename, frame.f_lineno)
-    with _SHARED_LOCK:
-        array = self._allocations.get(caller)
-        if array is None:
-            array = self._allocations[caller] = np.empty(shape, dtype)
-    return array
+def simulator_threads(cuda_simulator):
+    """The conftest's ``cuda_simulator`` (short thread switches, race-free shared
+    arrays), named here for the kernel test modules that import it."""
+    yield
 
 
 # --------------------------------------------------------------------------- #

@@ -403,17 +403,20 @@ def test_specializations_cover_every_combination():
 # The public API on the kernel
 # --------------------------------------------------------------------------- #
 
+@pytest.mark.parametrize("tq", [6, 20], ids=["rows", "tiled"])
 @pytest.mark.parametrize("layout", ["BHTE", "BTHE"])
-def test_attention_vjp_with_every_keyword(layout, monkeypatch):
+def test_attention_vjp_with_every_keyword(layout, tq, monkeypatch):
+    """Through the public API: 6 query rows run the one-thread-per-row kernels
+    (decoding shapes), 20 the register-tiled forward and backward kernels."""
     monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
     rng = np.random.default_rng(60)
-    q, k, v, do = draw(rng, (2,), 4, 2, 6, 11, 4, 3)
-    grad_lse = rng.standard_normal((2, 4, 6))
+    q, k, v, do = draw(rng, (2,), 4, 2, tq, 11 + tq, 4, 3)
+    grad_lse = rng.standard_normal((2, 4, tq))
     if layout == "BTHE":
         q, k, v, do = (np.swapaxes(a, 1, 2) for a in (q, k, v, do))
     options = dict(is_causal=True, causal_alignment="bottom_right", window=(4, 0),
                    softcap=2.5, alibi_slopes=rng.uniform(0.1, 0.5, (4,)), enable_gqa=True,
-                   key_lengths=np.array([11, 7]), dropout_p=0.3, dropout_seed=5,
+                   key_lengths=np.array([11 + tq, 7]), dropout_p=0.3, dropout_seed=5,
                    return_lse=True, layout=layout)
     (ref_out, ref_lse), ref_pullback = polyattn.attention_vjp(
         q, k, v, implementation="reference", **options)
@@ -476,6 +479,30 @@ def test_torch_gradcheck_through_the_kernel(options, monkeypatch):
     out = kernel(q, k, v)
     assert out.grad_fn is not None and "FusedAttention" in type(out.grad_fn).__name__
     assert torch.autograd.gradcheck(kernel, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
+    mine = torch.autograd.grad(out, (q, k, v), g)
+    ref = polyattn.scaled_dot_product_attention(q, k, v, implementation="reference", **options)
+    theirs = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(mine, theirs, strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-12
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="torch CPU tensors reach the kernel on the simulator "
+                    "only (on a GPU the CuPy session tests CuPy arrays)")
+def test_torch_autograd_through_the_tiled_kernels():
+    """20 query rows: torch autograd runs the register-tiled forward and backward
+    kernels (gradcheck's hundreds of launches are left to the small shapes above);
+    the gradients match the reference implementation's under torch autograd."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(6)
+    options = {"is_causal": True, "softcap": 4.0, "enable_gqa": True}
+    q = torch.tensor(rng.standard_normal((1, 2, 20, 4)), requires_grad=True)
+    k = torch.tensor(rng.standard_normal((1, 1, 23, 4)), requires_grad=True)
+    v = torch.tensor(rng.standard_normal((1, 1, 23, 3)), requires_grad=True)
+    assert "register-tiled" in str(polyattn.explain(q, k, v, implementation="numba_cuda",
+                                                    **options))
+    out = polyattn.scaled_dot_product_attention(q, k, v, implementation="numba_cuda", **options)
+    assert out.grad_fn is not None and "FusedAttention" in type(out.grad_fn).__name__
     g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
     mine = torch.autograd.grad(out, (q, k, v), g)
     ref = polyattn.scaled_dot_product_attention(q, k, v, implementation="reference", **options)

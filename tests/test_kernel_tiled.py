@@ -125,12 +125,16 @@ def test_chosen_by_name_and_explained(monkeypatch):
     rng = np.random.default_rng(16)
     q, k, v = (to_library(a.astype(np.float32)) for a in
                make_inputs(rng, (1,), 2, 2, 33, 40, 8, 8))
-    monkeypatch.setenv(numba_cuda.KERNEL_VARIABLE, "tiled")
+    monkeypatch.delenv(numba_cuda.KERNEL_VARIABLE, raising=False)  # the default
     why = polyattn.explain(q, k, v, is_causal=True, implementation="numba_cuda")
     assert "register-tiled" in str(why)
+    monkeypatch.setenv(numba_cuda.KERNEL_VARIABLE, "tiled")
+    assert "register-tiled" in str(polyattn.explain(q, k, v, implementation="numba_cuda"))
     out = polyattn.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                 implementation="numba_cuda")
     monkeypatch.setenv(numba_cuda.KERNEL_VARIABLE, "rows")
+    assert "POLYATTN_CUDA_KERNEL=rows" in str(polyattn.explain(q, k, v,
+                                                               implementation="numba_cuda"))
     rows = polyattn.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  implementation="numba_cuda")
     assert rel_error(to_numpy(out), to_numpy(rows).astype(np.float64)) <= 1e-6

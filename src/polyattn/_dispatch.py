@@ -453,8 +453,10 @@ def cuda_arithmetic(problem: Problem) -> str:
     if arithmetic is not None:
         return how
     if numba_cuda.kernel_choice() == "tiled" and numba_cuda_tiled.unsupported(tq) is None:
-        return how + "; the register-tiled kernel (POLYATTN_CUDA_KERNEL=tiled)"
-    return how + "; the one-thread-per-row kernel"
+        return how + "; the register-tiled kernel"
+    if numba_cuda.kernel_choice() == "rows":
+        return how + "; the one-thread-per-row kernel (POLYATTN_CUDA_KERNEL=rows)"
+    return how + "; the one-thread-per-row kernel (decoding shapes)"
 
 
 def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,

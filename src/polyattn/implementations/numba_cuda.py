@@ -74,18 +74,21 @@ Other kernels behind this module
 --------------------------------
 float16 and bfloat16 calls (and float32 with ``POLYATTN_CUDA_FLOAT32=3xtf32``)
 run the tensor-core kernel of :mod:`.numba_cuda_tc` (``mma.sync``, FlashAttention-2
-work split) wherever it takes them; ``POLYATTN_CUDA_KERNEL=tiled`` sends exact
-calls to the register-tiled kernel of :mod:`.numba_cuda_tiled`. Decoding shapes
-stay here. :func:`attention` picks (its ``arithmetic`` argument and
+work split) wherever it takes them; other float32 and float64 calls run the
+register-tiled kernel of :mod:`.numba_cuda_tiled` unless ``POLYATTN_CUDA_KERNEL=rows``
+keeps them here. Decoding shapes stay here. :func:`attention` picks (its ``arithmetic`` argument and
 :func:`kernel_choice`); ``explain()`` names the arithmetic and the kernel.
 
 Backward
 --------
 :func:`backward` gives ``(dq, dk, dv)`` from the forward's ``out`` and
-``lse`` in two more kernels (:mod:`.numba_cuda_backward`): one thread per
-query row for ``dq``, one thread per key row for ``dk`` and ``dv`` (summed
-over the query heads of its group, without atomics), every score and
-dropout decision recomputed, the same rules and specialisations.
+``lse`` in two more kernels: those of :mod:`.numba_cuda_tiled_backward`
+(register patches, the FlashAttention-2 split: a dQ pass over query tiles, a
+dK/dV pass over key tiles) where the forward is register-tiled, else those
+of :mod:`.numba_cuda_backward`: one thread per query row for ``dq``, one
+thread per key row for ``dk`` and ``dv``. Both sum ``dk`` and ``dv`` over the
+query heads of a group without atomics and recompute every score and
+dropout decision, with the same rules and specialisations.
 
 Specialisation
 --------------
@@ -132,10 +135,10 @@ Limits and costs
 * Dropout costs one Philox evaluation (ten rounds of two 32×32-bit
   products, done as 64-bit products) per visible weight, a few registers and
   no spills (sm_90, float32, head size 64: 220 registers instead of 217).
-* The backward kernels are the simple version: at head size 64 (float32,
-  sm_90) they use 255 registers and spill (the dK/dV kernel keeps four
-  feature rows per thread), and the dK/dV kernel rereads Q and dO once per
-  key tile.
+* This module's backward kernels (decoding shapes, ``POLYATTN_CUDA_KERNEL=rows``)
+  are the simple version: at head size 64 (float32, sm_90) they use 255
+  registers and spill, and the dK/dV kernel rereads Q and dO once per key
+  tile.
 """
 
 from __future__ import annotations
@@ -264,15 +267,16 @@ KERNEL_CHOICES = ("rows", "tiled")
 
 
 def kernel_choice() -> str:
-    """``POLYATTN_CUDA_KERNEL``: ``"rows"`` (one thread per query row; the default) or
-    ``"tiled"`` (:mod:`.numba_cuda_tiled`); ValueError naming the variable otherwise.
+    """``POLYATTN_CUDA_KERNEL``: ``"tiled"`` (:mod:`.numba_cuda_tiled`, the default) or
+    ``"rows"`` (one thread per query row, for every shape); ValueError naming the
+    variable otherwise. Decoding shapes take the one-thread-per-row kernel either way.
 
     Examples
     --------
     >>> kernel_choice() in KERNEL_CHOICES
     True
     """
-    value = os.environ.get(KERNEL_VARIABLE, "rows").strip().lower() or "rows"
+    value = os.environ.get(KERNEL_VARIABLE, "tiled").strip().lower() or "tiled"
     if value not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_VARIABLE}={os.environ[KERNEL_VARIABLE]!r}: expected one "
                          f"of {', '.join(KERNEL_CHOICES)}")
@@ -917,9 +921,9 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     ALiBi, per-row positions) are applied inside the kernel. ``block_q`` and
     ``block_k`` override the tile sizes (threads per block, key rows per tile),
     ``decode`` and ``num_splits`` the launch plan (:func:`launch_plan`); they
-    exist for tests and tuning (and keep this kernel). With
-    ``POLYATTN_CUDA_KERNEL=tiled``, exact calls other than decoding shapes run
-    the register-tiled kernel of :mod:`.numba_cuda_tiled` instead.
+    exist for tests and tuning (and keep this kernel). Other exact calls, but
+    decoding shapes, run the register-tiled kernel of :mod:`.numba_cuda_tiled`
+    (``POLYATTN_CUDA_KERNEL=rows`` keeps them here).
     ``arithmetic`` (``"f16"``, ``"bf16"``, ``"3xtf32"``) runs the tensor-core
     kernel of :mod:`.numba_cuda_tc` on float32 inputs where it can take the
     call (:func:`.numba_cuda_tc.unsupported`), else the exact kernels.
@@ -1025,9 +1029,20 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
              block_q: int | None = None, block_k: int | None = None,
              ) -> tuple[Array, Array, Array]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention` on a CUDA GPU, in two kernel
-    launches; see :func:`.numba_cuda_backward.backward`."""
+    launches: the register-tiled kernels of :mod:`.numba_cuda_tiled_backward` where
+    the forward runs the register-tiled kernel (:func:`kernel_choice`, not for
+    decoding shapes), else those of :mod:`.numba_cuda_backward` (``block_q`` and
+    ``block_k`` set their tile sizes and keep them)."""
+    from . import numba_cuda_tiled
     from .numba_cuda_backward import backward as kernel_backward
 
+    if (kernel_choice() == "tiled" and block_q is None and block_k is None
+            and numba_cuda_tiled.unsupported(q.shape[-2]) is None):
+        from .numba_cuda_tiled_backward import backward as tiled_backward
+
+        return tiled_backward(q, k, v, out, lse, grad_out, mask=mask,
+                              causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+                              grad_lse=grad_lse)
     return kernel_backward(q, k, v, out, lse, grad_out, mask=mask,
                            causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
                            grad_lse=grad_lse, block_q=block_q, block_k=block_k)

@@ -4,26 +4,33 @@ The same online softmax as :mod:`.numba_cuda`, in the arithmetic of the inputs
 (float32 or float64, no tensor cores), laid out for throughput rather than
 one thread per query row:
 
-* a block of 128 threads owns 64 query rows of one (batch, head) pair and
-  walks its visible keys in tiles of ``BK`` = 32 keys;
-* the 64 × 32 scores of a tile are spread over the threads in patches of 4
-  rows × 4 keys: thread ``tid`` holds rows ``4·(tid // 8) + i`` and keys
-  ``4·(tid % 8) + u``. Q and K pass through shared memory feature-major
-  (``DC`` features at a time, Qᵀ and Kᵀ), so each step of the dot products
-  loads 4 query values and 4 key values (two 16-byte loads) and does 16
-  independent multiply-adds: the accumulators form no long dependent chain;
+* a block of 128 threads (256 above head size 64) owns 64 query rows of one
+  (batch, head) pair and walks its visible keys in tiles of ``BK`` = 32 keys;
+* the 64 × 32 scores of a tile are spread over the threads in patches of
+  ``R`` = 4 rows (2 above head size 64) × 4 keys: thread ``tid`` holds rows
+  ``R·(tid // 8) + i`` and keys ``4·(tid % 8) + u``. Q and K pass through
+  shared memory feature-major (``DC`` features at a time, Qᵀ and Kᵀ), so each
+  step of the dot products loads R query values and 4 key values and does
+  4·R independent multiply-adds: the accumulators form no long dependent
+  chain;
 * loops over a thread's patch are unrolled before compilation
   (:mod:`._unroll`), so the patch stays in registers, and each phase of a
   tile indexes from a zero the compiler cannot see through
   (:func:`._mma.gpu_ops`' ``opaque_zero``), so that Numba's 64-bit index
   arithmetic is redone where it is used instead of being held in registers
-  across the whole key loop (sm_90, float32: 124-130 registers for head sizes
-  up to 64, 168 at 128, no spills);
+  across the whole key loop; the mask's and the modifiers' parameters are
+  read per tile. With launch bounds of 4 blocks of 128 threads (2 of 256) per
+  multiprocessor, ptxas fits float32 up to head size 128 in 128 registers
+  (sm_90: 112-128, no spill but 4 bytes in one specialisation, none in an
+  inner loop; ``test_kernel_ptx.py`` checks all 30);
 * a row's maximum and sum are combined over the eight threads that share it
   (neighbouring lanes: three warp shuffles);
-* the scores go through shared memory (Pᵀ, key-major), where the rules and
-  the softmax turn them into probabilities in place, and ``O = P V``
-  is spread the same way: thread ``tid`` keeps rows ``4·(tid // 8) + i`` and
+* the scores go through shared memory (Pᵀ, key-major). A mask (with the
+  modifiers, which come before it) is applied there by all the threads
+  together, key fastest, so that neighbouring threads read neighbouring mask
+  entries; then each thread's rows turn into probabilities in place (the
+  visible key range, the online softmax), and ``O = P V``
+  is spread the same way: thread ``tid`` keeps rows ``R·(tid // 8) + i`` and
   features ``32·c + 4·(tid % 8) + u`` of the output in registers, fed by one
   probability and one V value per multiply-add, V streamed ``VK`` keys at a
   time.
@@ -37,8 +44,8 @@ no visible key give 0 and ``lse = -inf``; NaN propagates.
 Limits: query tiles of fewer than ``DECODE_MAX_TQ`` + 1 rows (decoding) go to
 the one-thread-per-row kernel of :mod:`.numba_cuda`, whose key lanes and
 split-K suit them; so do calls that ask for its tile sizes. The backward pass
-is :mod:`.numba_cuda_backward`'s. On Numba's CUDA simulator the shuffles are
-emulated (:func:`._mma.simulated_ops`).
+is :mod:`.numba_cuda_tiled_backward`'s, laid out alike. On Numba's CUDA
+simulator the shuffles are emulated (:func:`._mma.simulated_ops`).
 """
 
 from __future__ import annotations

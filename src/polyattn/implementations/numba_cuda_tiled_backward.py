@@ -1,0 +1,774 @@
+"""The backward pass of the register-tiled kernel: FlashAttention-2's split in FFMA.
+
+The gradients of :mod:`.numba_cuda_backward` (its docstring gives the maths:
+``P = exp(s − lse)``, ``dV = (P∘Z)ᵀ dO``, ``dS = P∘(dP∘Z − D)∘(1 − tanh²)``,
+``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``, with ``D = rowsum(dO∘O) − dlse``
+computed with the input library before the launch), laid out as the
+forward of :mod:`.numba_cuda_tiled`: blocks of 64 rows, eight threads per
+row group, each thread a patch of ``R`` rows × 4 columns of every 32-column
+tile, the operands through shared memory feature-major (``DC`` features at
+a time), loops over a patch unrolled (:mod:`._unroll`) so that it stays in
+registers, each phase indexing from an opaque zero. Two kernels, no atomics,
+deterministic:
+
+* **dQ kernel.** A block owns 64 query rows of one (batch, head) pair and
+  walks the key tiles (``BK`` = 32 keys) its rows can see. Per tile, the
+  score patch ``S = (scale·Q) Kᵀ`` (Qᵀ and Kᵀ chunks) and then the patch
+  ``dP = dO Vᵀ`` (dOᵀ and Vᵀ chunks, the same registers) go to shared
+  memory (Sᵀ and dPᵀ, key-major); one loop, left rolled (one copy of the
+  rules and of the dropout cipher), turns each of the thread's pairs into
+  ``dS`` in place: rules, visibility, ``P``, ``Z``, ``D`` (per row, from
+  shared memory), the soft-cap derivative. ``dQ += dS K`` is then spread as
+  the forward's ``O = P V``: thread ``tid`` keeps rows ``R·(tid // 8) + i``
+  and features ``32·c + 4·(tid % 8) + u`` of dQ in registers, fed by one
+  ``dS`` and one K value per multiply-add, K streamed ``VK`` keys at a time.
+* **dK/dV kernel.** A block owns 64 keys of one (batch, key/value head) pair
+  (``R`` keys per thread, :func:`dkdv_rows_per_thread`), loops over the
+  ``G`` query heads of the group and over the query tiles (``BQT`` = 32
+  rows) that can see any of its keys, and per tile recomputes the transposed
+  patches ``Sᵀ = K (scale·Q)ᵀ`` and ``dPᵀ = V dOᵀ``; the rolled loop leaves
+  ``P∘Z`` and ``dS`` in shared memory (query-major), and ``dV += (P∘Z)ᵀ dO``
+  and ``dK += dSᵀ Q`` accumulate in two register patches (keys × features),
+  dO and then Q streamed ``VK`` rows at a time. The sums over the query heads
+  of a group stay in the thread's registers: no atomics.
+
+Every rule is applied per pair as in the forward: the mask (bool or float,
+read through its strides and the batch table), causality, windows and key
+lengths as visibility, soft-capping (and its derivative), ALiBi, dropout by
+the forward's Philox counters on the weight's flat index
+``((b·H + h)·Tq + i)·Tk + j``. A pair that is invisible, or whose weight is
+0 (rows with ``lse = −inf`` among them), gives ``dS = 0`` and ``P∘Z = 0``
+without any product (an infinite ``dO·v`` there cannot give NaN); NaN in the
+inputs propagates to the gradients it reaches, as in the one-thread-per-row
+kernels. The dense products ``dS K`` and ``dSᵀ Q`` also multiply the zero
+``dS`` of invisible pairs: a K or Q value that is not finite goes into their
+row-major chunks as 0, which changes nothing else (such a row's or key's
+scores are all NaN or −∞, so each of its ``dS`` is NaN, which still
+propagates, or 0, whose product is then 0 as in the row kernels). ``dV +=
+(P∘Z)ᵀ dO`` has no such guard: a non-finite ``dO`` row reaches every key of
+its tile. Keys past ``min(Tk, key_lengths[b])`` are never read.
+
+Registers (sm_90, float32, the 128-register launch bound of the forward):
+dQ 124-128 at head sizes 64 and 128 without spills; dK/dV 128 at head size
+64 with 44-68 bytes of spill stores, 126-128 at 128 (none plain, 12 bytes with
+a mask and modifiers). float64 at head size 256 spills heavily in dK/dV (one
+key per thread still holds 64 double accumulators).
+
+Shared memory: one buffer serves the feature-major chunks and, later in a
+tile, the row-major ``VK``-row chunks; with the two 32 × 68 score tiles and
+the per-row ``lse`` and ``D``, float64 head sizes above 64 take ``VK`` = 8 or
+4 to stay within 48 KiB (:func:`shared_bytes`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _mma, numba_cuda, numba_cuda_backward
+from ._rules import Rules
+from ._unroll import unroll, unrolled
+
+Array = Any
+
+BLOCK_Q = 64  # query rows per dQ block
+BLOCK_KV = 64  # keys per dK/dV block
+BK = 32  # keys per tile of the dQ kernel
+BQT = 32  # query rows per tile of the dK/dV kernel
+DC = 16  # features per feature-major shared-memory chunk
+SHARED_LIMIT = 48 * 1024  # static shared memory of one block, bytes
+HEAD_DIM_BUCKETS = numba_cuda.HEAD_DIM_BUCKETS
+MASK_KINDS = numba_cuda.MASK_KINDS
+DTYPES = numba_cuda.DTYPES
+
+# ``numba.cuda``, bound by the kernel factories (the simulator swaps it for its own).
+cuda: Any = None
+
+
+def dq_rows_per_thread(bucket: int) -> int:
+    """Query rows of a dQ thread's patches: the forward's (4, or 2 above head size 64),
+    and 1 at head size 256 (sm_90, float32: 2 rows spill 76 bytes under the
+    128-register bound, 1 row none)."""
+    if bucket <= 64:
+        return 4
+    return 2 if bucket <= 128 else 1
+
+
+def dkdv_rows_per_thread(bucket: int) -> int:
+    """Keys of a dK/dV thread's patches: it holds two accumulator patches (dK and
+    dV) of ``R × 4·ceil(head/32)`` values each, so 2 keys up to head size 64 and
+    1 above (sm_90, float32, under the 128-register bound: 4 keys spill from head
+    size 32 on, 2 keys at head size 128 spill 220 bytes; 1 key there takes 126
+    registers and no spill)."""
+    return 2 if bucket <= 64 else 1
+
+
+def dq_threads(bucket: int) -> int:
+    """Threads of a dQ block: eight per row group."""
+    return 8 * BLOCK_Q // dq_rows_per_thread(bucket)
+
+
+def dkdv_threads(bucket: int) -> int:
+    """Threads of a dK/dV block: eight per key group."""
+    return 8 * BLOCK_KV // dkdv_rows_per_thread(bucket)
+
+
+def launch_bounds(dtype: str, n_threads: int) -> tuple[int, ...]:
+    """A kernel's launch bounds: its block size and, in float32, enough resident
+    blocks per multiprocessor that ptxas keeps to 128 registers per thread."""
+    return (n_threads, max(1, 65536 // (128 * n_threads))) if dtype == "float32" else (
+        n_threads,)
+
+
+def _chunk_len(bucket: int, vk: int) -> int:
+    """Values of the shared chunk buffer: two feature-major chunks (64 and 32 rows
+    wide) or ``vk`` row-major rows of the head size."""
+    dc = min(DC, bucket)
+    return max(dc * (BLOCK_Q + 4) + dc * (BK + 4), vk * (bucket + 4))
+
+
+def shared_bytes(dtype: str, bucket: int, vk: int | None = None) -> int:
+    """Static shared memory of a block of either kernel (the dQ kernel's, the
+    larger): the chunk buffer, two 32 × 68 score tiles and 64 rows' lse and D."""
+    item = np.dtype(dtype).itemsize
+    vk = v_keys(dtype, bucket) if vk is None else vk
+    return item * (_chunk_len(bucket, vk) + 2 * BK * (BLOCK_Q + 4) + 2 * BLOCK_Q)
+
+
+def v_keys(dtype: str, bucket: int) -> int:
+    """Rows per row-major chunk (K in dQ; dO and Q in dK/dV): 16, or fewer where
+    the block's shared memory would pass 48 KiB (float64, head sizes above 64)."""
+    for vk in (16, 8, 4):
+        if shared_bytes(dtype, bucket, vk) <= SHARED_LIMIT:
+            return vk
+    raise ValueError(f"no chunk size fits {dtype} head size {bucket} in shared memory")
+
+
+_signature = numba_cuda_backward._signature
+
+
+def _constants(dtype: str, bucket: int, rows: int) -> dict[str, Any]:
+    """The compile-time constants both kernels share (``rows``: R)."""
+    np_t = np.dtype(dtype).type
+    vk = v_keys(dtype, bucket)
+    d_chunk = min(DC, bucket)
+    return dict(
+        np_t=np_t, ZERO=np_t(0.0), ONE=np_t(1.0), NEG_INF=np_t(-np.inf), U_ZERO=np.uint64(0),
+        HEAD=bucket, R=rows, NTHREADS=8 * 64 // rows, D_CHUNK=d_chunk, VK=vk,
+        KC=1,  # groups of 32 columns (keys in dQ, queries in dK/dV) per tile
+        OC=(bucket + 31) // 32,  # groups of 4 features per thread in an accumulator
+        RS=4 * rows, S_LEN=4 * rows, O_LEN=4 * rows * ((bucket + 31) // 32),
+        A_STRIDE=64 + 4,  # feature-major chunk of the block's 64 rows
+        B_STRIDE=32 + 4,  # feature-major chunk of the tile's 32 columns
+        B_OFF=d_chunk * (64 + 4),
+        ROW_STRIDE=bucket + 4,  # row-major chunk
+        CHUNK_LEN=_chunk_len(bucket, vk),
+        P_SHAPE=(32, 64 + 4),  # score tiles: 32 tile columns × the block's 64 rows
+    )
+
+
+@functools.cache
+def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+    """The Python dQ kernel function for one specialisation (not yet compiled)."""
+    global cuda
+    cuda = numba_cuda._cuda()
+    from numba import types
+
+    opaque_zero = _mma.device_ops(numba_cuda.simulator_enabled()).opaque_zero
+    keep_word = numba_cuda.philox_function()
+    acc_t = getattr(types, dtype)
+    BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    BQ = BLOCK_Q
+    consts = _constants(dtype, bucket, dq_rows_per_thread(bucket))
+    np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
+                                                            "U_ZERO"))
+    HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
+                                                         "VK"))
+    KC, OC, RS, S_LEN, O_LEN = (consts[n] for n in ("KC", "OC", "RS", "S_LEN", "O_LEN"))
+    A_STRIDE, B_STRIDE, B_OFF, ROW_STRIDE, CHUNK_LEN, P_SHAPE = (
+        consts[n] for n in ("A_STRIDE", "B_STRIDE", "B_OFF", "ROW_STRIDE", "CHUNK_LEN",
+                            "P_SHAPE"))
+
+    def tiled_dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq,
+                        scale, softcap, drop_scale, threshold, key0, key1, offset, shift,
+                        left, right):
+        """dq of 64 query rows of one (batch, head) pair."""
+        _, n_heads, tq, e = q.shape
+        tk = k.shape[2]
+        ev = v.shape[3]
+        group = n_heads // k.shape[1]
+        n_qtiles = (tq + BQ - 1) // BQ
+        # Consecutive blocks take the query tiles of one pair; largest causal work first.
+        pair = cuda.blockIdx.x // n_qtiles
+        qt = n_qtiles - 1 - cuda.blockIdx.x % n_qtiles
+        b = pair // n_heads
+        h = pair % n_heads
+        hk = h // group
+        tid = cuda.threadIdx.x
+        rg = tid // 8  # this thread's rows: R·rg … R·rg + R - 1 of the block
+        kg = tid % 8  # its keys 4·kg + 32·c + u, and dQ features 32·c + 4·kg + u
+        q0 = qt * BQ
+
+        len_b = lengths[0]
+        if lengths.shape[0] > 1:
+            len_b = lengths[b]
+        pos_offset = offset + shift * len_b
+        last_row = min(q0 + BQ, tq) - 1
+        lo = max(0, q0 + pos_offset - left)
+        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        n_ktiles = max(0, (hi - lo + BK - 1) // BK)
+        dropping = threshold != U_ZERO
+
+        chunk = cuda.shared.array(CHUNK_LEN, acc_t)  # Qᵀ|Kᵀ, dOᵀ|Vᵀ, then K rows
+        s_tile = cuda.shared.array(P_SHAPE, acc_t)  # Sᵀ: key-major
+        ds_tile = cuda.shared.array(P_SHAPE, acc_t)  # dPᵀ, then dSᵀ
+        row_lse = cuda.shared.array(BQ, acc_t)
+        row_d = cuda.shared.array(BQ, acc_t)
+        s = cuda.local.array(S_LEN, acc_t)  # s[RS·c + 4i + u]: row i, key 4kg + 32c + u
+        acc = cuda.local.array(O_LEN, acc_t)  # acc[RS·c + 4i + u]: row i, feature 32c+4kg+u
+        a = cuda.local.array(R, acc_t)
+        for n in unroll(O_LEN):
+            acc[n] = ZERO
+        # lse and D of the block's rows (read after the first chunk's barrier).
+        for r in range(tid, BQ, NTHREADS):
+            x = NEG_INF
+            y = ZERO
+            if q0 + r < tq:
+                x = lse[b, h, q0 + r]
+                y = delta[b, h, q0 + r]
+            row_lse[r] = x
+            row_d[r] = y
+
+        for kt in range(n_ktiles):
+            j0 = lo + kt * BK
+
+            # Phase 0: S = (scale·Q) Kᵀ; phase 1: dP = dO Vᵀ; each to its shared tile.
+            for ph in unroll(2):
+                width = e
+                if ph == 1:
+                    width = ev
+                for n in unroll(S_LEN):
+                    s[n] = ZERO
+                for dc in range(0, width, D_CHUNK):
+                    # Indices from an opaque zero: recomputed here, not held in registers.
+                    z = opaque_zero()
+                    tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
+                    cuda.syncthreads()  # the previous chunk (or tile) is read
+                    for idx in range(tid_c, BQ * D_CHUNK, NTHREADS):
+                        r = idx // D_CHUNK
+                        d = idx % D_CHUNK
+                        x = ZERO
+                        if q0 + r < tq and dc + d < width:
+                            if ph == 0:
+                                x = q[b, h, q0 + r, dc + d] * scale
+                            else:
+                                x = do[b, h, q0 + r, dc + d]
+                        chunk[d * A_STRIDE + r] = x
+                    for idx in range(tid_c, BK * D_CHUNK, NTHREADS):
+                        r = idx // D_CHUNK
+                        d = idx % D_CHUNK
+                        x = ZERO
+                        if j0 + r < hi and dc + d < width:
+                            if ph == 0:
+                                x = k[b, hk, j0 + r, dc + d]
+                            else:
+                                x = v[b, hk, j0 + r, dc + d]
+                        chunk[B_OFF + d * B_STRIDE + r] = x
+                    cuda.syncthreads()
+                    for d in range(D_CHUNK):
+                        for i in unroll(R):
+                            a[i] = chunk[(d + z) * A_STRIDE + R * rg_c + i]
+                        for c in unroll(KC):
+                            for u in unroll(4):
+                                y = chunk[B_OFF + (d + z) * B_STRIDE + 32 * c + 4 * kg_c + u]
+                                for i in unroll(R):
+                                    s[RS * c + 4 * i + u] += a[i] * y
+                z = opaque_zero()
+                rg_s, kg_s = rg + z, kg + z
+                for c in unroll(KC):
+                    for u in unroll(4):
+                        for i in unroll(R):
+                            if ph == 0:
+                                s_tile[32 * c + 4 * kg_s + u, R * rg_s + i] = s[RS * c + 4 * i + u]
+                            else:
+                                ds_tile[32 * c + 4 * kg_s + u, R * rg_s + i] = s[RS * c + 4 * i
+                                                                                 + u]
+
+            # dS of the thread's pairs, in place in dPᵀ, in a loop left rolled: one
+            # copy of the rules and of the dropout cipher. Parameters read per tile.
+            z = opaque_zero()
+            rg_s, kg_s = rg + z, kg + z
+            mb = 0
+            mh = 0
+            mi_step = 0
+            mj_step = 0
+            if BOOL_MASK or FLOAT_MASK:
+                mb = mask_batch[b + z]
+                if mask.shape[1] > 1:
+                    mh = h
+                if mask.shape[2] > 1:
+                    mi_step = 1
+                if mask.shape[3] > 1:
+                    mj_step = 1
+            cap = ZERO
+            inv_cap = ZERO
+            slope = ZERO
+            if MODS:
+                cap = softcap
+                if cap > ZERO:
+                    inv_cap = ONE / cap
+                sb = z
+                sh = z
+                if slopes.shape[0] > 1:
+                    sb += b
+                if slopes.shape[1] > 1:
+                    sh += h
+                slope = slopes[sb, sh]
+            # weight (b, h, i, j) has the flat index ((b·H + h)·Tq + i)·Tk + j
+            pair_n = ((b + z) * n_heads + h) * tq
+            for n in range(S_LEN):
+                jj = 32 * (n // RS) + 4 * kg_s + n % 4
+                ii = R * rg_s + (n // 4) % R
+                row = q0 + ii
+                j = j0 + jj
+                p = row + pos_offset
+                lse_i = row_lse[ii]
+                ds = ZERO
+                if row < tq and j < hi and j >= p - left and j <= p + right and lse_i != NEG_INF:
+                    x = s_tile[jj, ii]
+                    t = ZERO
+                    if MODS:
+                        if cap > ZERO:
+                            t = math.tanh(x * inv_cap)
+                            x = cap * t
+                        x -= slope * np_t(abs(p - j))
+                    seen = True
+                    if BOOL_MASK:
+                        seen = mask[mb, mh, row * mi_step, j * mj_step]
+                    elif FLOAT_MASK:
+                        x += mask[mb, mh, row * mi_step, j * mj_step]
+                    w = ZERO
+                    if seen:
+                        w = math.exp(x - lse_i)
+                    if w != ZERO:
+                        dp = ds_tile[jj, ii]
+                        if dropping:
+                            if keep_word((pair_n + row) * tk + j, key0, key1) >= threshold:
+                                dp *= drop_scale
+                            else:
+                                dp = ZERO
+                        ds = w * (dp - row_d[ii])
+                        if MODS:
+                            if cap > ZERO:
+                                ds *= ONE - t * t
+                ds_tile[jj, ii] = ds
+
+            # dQ += dS K, K through shared memory VK keys at a time.
+            for vc in range(0, min(BK, hi - j0), VK):
+                z = opaque_zero()
+                tid_v, rg_v, kg_v = tid + z, rg + z, kg + z
+                cuda.syncthreads()  # dSᵀ written; the previous K chunk read
+                for idx in range(tid_v, VK * HEAD, NTHREADS):
+                    r = idx // HEAD
+                    d = idx % HEAD
+                    x = ZERO
+                    if j0 + vc + r < hi and d < e:
+                        x = k[b, hk, j0 + vc + r, d]
+                        if not math.isfinite(x):
+                            x = ZERO  # its pairs' dS are NaN or 0: see the docstring
+                    chunk[r * ROW_STRIDE + d] = x
+                cuda.syncthreads()
+                for jj in range(VK):
+                    for i in unroll(R):
+                        a[i] = ds_tile[vc + jj + z, R * rg_v + i]
+                    for c in unroll(OC):
+                        for u in unroll(4):
+                            f = 32 * c + 4 * kg_v + u
+                            if f < HEAD:
+                                y = chunk[(jj + z) * ROW_STRIDE + f]
+                                for i in unroll(R):
+                                    acc[RS * c + 4 * i + u] += a[i] * y
+
+        for i in unroll(R):
+            row = q0 + R * rg + i
+            if row < tq:
+                for c in unroll(OC):
+                    for u in unroll(4):
+                        f = 32 * c + 4 * kg + u
+                        if f < e:
+                            dq[b, h, row, f] = acc[RS * c + 4 * i + u] * scale
+
+    kernel = unrolled(tiled_dq_kernel, {**globals(), **locals()})
+    suffix = "_mods" if mods else ""
+    kernel.__name__ = kernel.__qualname__ = f"tiled_dq_{dtype}_head{bucket}_{mask_kind}{suffix}"
+    return kernel
+
+
+@functools.cache
+def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+    """The Python dK/dV kernel function for one specialisation (not yet compiled)."""
+    global cuda
+    cuda = numba_cuda._cuda()
+    from numba import types
+
+    opaque_zero = _mma.device_ops(numba_cuda.simulator_enabled()).opaque_zero
+    keep_word = numba_cuda.philox_function()
+    acc_t = getattr(types, dtype)
+    BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    BKV = BLOCK_KV
+    consts = _constants(dtype, bucket, dkdv_rows_per_thread(bucket))
+    np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
+                                                            "U_ZERO"))
+    HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
+                                                         "VK"))
+    KC, OC, RS, S_LEN, O_LEN = (consts[n] for n in ("KC", "OC", "RS", "S_LEN", "O_LEN"))
+    A_STRIDE, B_STRIDE, B_OFF, ROW_STRIDE, CHUNK_LEN, P_SHAPE = (
+        consts[n] for n in ("A_STRIDE", "B_STRIDE", "B_OFF", "ROW_STRIDE", "CHUNK_LEN",
+                            "P_SHAPE"))
+
+    def tiled_dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
+                          scale, softcap, drop_scale, threshold, key0, key1, offset, shift,
+                          left, right):
+        """dk and dv of 64 keys of one (batch, key/value head) pair, summed over the
+        query heads of its group."""
+        _, n_heads, tq, e = q.shape
+        n_kv_heads = k.shape[1]
+        tk = k.shape[2]
+        ev = v.shape[3]
+        group = n_heads // n_kv_heads
+        n_ktiles = (tk + BKV - 1) // BKV
+        pair = cuda.blockIdx.x // n_ktiles
+        kt = cuda.blockIdx.x % n_ktiles  # first keys first: most causal work first
+        b = pair // n_kv_heads
+        hk = pair % n_kv_heads
+        tid = cuda.threadIdx.x
+        rg = tid // 8  # this thread's keys: R·rg … R·rg + R - 1 of the block
+        kg = tid % 8  # its queries 4·kg + 32·c + u, and dK/dV features 32·c + 4·kg + u
+        k0 = kt * BKV
+
+        # Keys of this block that exist, and the queries that may see one of them.
+        len_b = lengths[0]
+        if lengths.shape[0] > 1:
+            len_b = lengths[b]
+        pos_offset = offset + shift * len_b
+        hi = min(tk, len_b)
+        last_key = min(k0 + BKV, hi) - 1
+        q_lo = max(0, k0 - right - pos_offset)
+        q_hi = min(tq, last_key + left - pos_offset + 1)
+        n_qtiles = 0
+        if last_key >= k0:
+            n_qtiles = max(0, (q_hi - q_lo + BQT - 1) // BQT)
+        dropping = threshold != U_ZERO
+
+        chunk = cuda.shared.array(CHUNK_LEN, acc_t)  # Kᵀ|Qᵀ, Vᵀ|dOᵀ, then dO or Q rows
+        p_tile = cuda.shared.array(P_SHAPE, acc_t)  # Sᵀ, then P∘Z: query-major
+        ds_tile = cuda.shared.array(P_SHAPE, acc_t)  # dPᵀ, then dS
+        row_lse = cuda.shared.array(BQT, acc_t)
+        row_d = cuda.shared.array(BQT, acc_t)
+        s = cuda.local.array(S_LEN, acc_t)  # s[RS·c + 4i + u]: key i, query 4kg + 32c + u
+        dk_acc = cuda.local.array(O_LEN, acc_t)  # [RS·c + 4i + u]: key i, feature 32c+4kg+u
+        dv_acc = cuda.local.array(O_LEN, acc_t)
+        a = cuda.local.array(R, acc_t)
+        for n in unroll(O_LEN):
+            dk_acc[n] = ZERO
+            dv_acc[n] = ZERO
+
+        for g in range(group):
+            h = hk * group + g
+            for qt in range(n_qtiles):
+                i0 = q_lo + qt * BQT
+                # lse and D of the tile's rows (read after the first chunk's barrier;
+                # the previous tile's reads are behind its own barriers).
+                for r in range(tid, BQT, NTHREADS):
+                    x = NEG_INF
+                    y = ZERO
+                    if i0 + r < q_hi:
+                        x = lse[b, h, i0 + r]
+                        y = delta[b, h, i0 + r]
+                    row_lse[r] = x
+                    row_d[r] = y
+
+                # Phase 0: Sᵀ = K (scale·Q)ᵀ; phase 1: dPᵀ = V dOᵀ.
+                for ph in unroll(2):
+                    width = e
+                    if ph == 1:
+                        width = ev
+                    for n in unroll(S_LEN):
+                        s[n] = ZERO
+                    for dc in range(0, width, D_CHUNK):
+                        z = opaque_zero()
+                        tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
+                        cuda.syncthreads()  # the previous chunk (or tile) is read
+                        for idx in range(tid_c, BKV * D_CHUNK, NTHREADS):
+                            r = idx // D_CHUNK
+                            d = idx % D_CHUNK
+                            x = ZERO
+                            if k0 + r < hi and dc + d < width:
+                                if ph == 0:
+                                    x = k[b, hk, k0 + r, dc + d]
+                                else:
+                                    x = v[b, hk, k0 + r, dc + d]
+                            chunk[d * A_STRIDE + r] = x
+                        for idx in range(tid_c, BQT * D_CHUNK, NTHREADS):
+                            r = idx // D_CHUNK
+                            d = idx % D_CHUNK
+                            x = ZERO
+                            if i0 + r < q_hi and dc + d < width:
+                                if ph == 0:
+                                    x = q[b, h, i0 + r, dc + d] * scale
+                                else:
+                                    x = do[b, h, i0 + r, dc + d]
+                            chunk[B_OFF + d * B_STRIDE + r] = x
+                        cuda.syncthreads()
+                        for d in range(D_CHUNK):
+                            for i in unroll(R):
+                                a[i] = chunk[(d + z) * A_STRIDE + R * rg_c + i]
+                            for c in unroll(KC):
+                                for u in unroll(4):
+                                    y = chunk[B_OFF + (d + z) * B_STRIDE + 32 * c + 4 * kg_c
+                                              + u]
+                                    for i in unroll(R):
+                                        s[RS * c + 4 * i + u] += a[i] * y
+                    z = opaque_zero()
+                    rg_s, kg_s = rg + z, kg + z
+                    for c in unroll(KC):
+                        for u in unroll(4):
+                            for i in unroll(R):
+                                if ph == 0:
+                                    p_tile[32 * c + 4 * kg_s + u, R * rg_s + i] = s[
+                                        RS * c + 4 * i + u]
+                                else:
+                                    ds_tile[32 * c + 4 * kg_s + u, R * rg_s + i] = s[
+                                        RS * c + 4 * i + u]
+
+                # P∘Z and dS of the thread's pairs, in place, in a loop left rolled.
+                z = opaque_zero()
+                rg_s, kg_s = rg + z, kg + z
+                mb = 0
+                mh = 0
+                mi_step = 0
+                mj_step = 0
+                if BOOL_MASK or FLOAT_MASK:
+                    mb = mask_batch[b + z]
+                    if mask.shape[1] > 1:
+                        mh = h
+                    if mask.shape[2] > 1:
+                        mi_step = 1
+                    if mask.shape[3] > 1:
+                        mj_step = 1
+                cap = ZERO
+                inv_cap = ZERO
+                slope = ZERO
+                if MODS:
+                    cap = softcap
+                    if cap > ZERO:
+                        inv_cap = ONE / cap
+                    sb = z
+                    sh = z
+                    if slopes.shape[0] > 1:
+                        sb += b
+                    if slopes.shape[1] > 1:
+                        sh += h
+                    slope = slopes[sb, sh]
+                pair_n = ((b + z) * n_heads + h) * tq
+                for n in range(S_LEN):
+                    ii = 32 * (n // RS) + 4 * kg_s + n % 4
+                    jj = R * rg_s + (n // 4) % R
+                    i = i0 + ii
+                    j = k0 + jj
+                    p = i + pos_offset
+                    lse_i = row_lse[ii]
+                    pz = ZERO
+                    ds = ZERO
+                    if j < hi and j >= p - left and j <= p + right and lse_i != NEG_INF:
+                        x = p_tile[ii, jj]
+                        t = ZERO
+                        if MODS:
+                            if cap > ZERO:
+                                t = math.tanh(x * inv_cap)
+                                x = cap * t
+                            x -= slope * np_t(abs(p - j))
+                        seen = True
+                        if BOOL_MASK:
+                            seen = mask[mb, mh, i * mi_step, j * mj_step]
+                        elif FLOAT_MASK:
+                            x += mask[mb, mh, i * mi_step, j * mj_step]
+                        w = ZERO
+                        if seen:
+                            w = math.exp(x - lse_i)
+                        if w != ZERO:
+                            zf = ONE
+                            if dropping:
+                                if keep_word((pair_n + i) * tk + j, key0, key1) >= threshold:
+                                    zf = drop_scale
+                                else:
+                                    zf = ZERO
+                            pz = w * zf
+                            ds = w * (ds_tile[ii, jj] * zf - row_d[ii])
+                            if MODS:
+                                if cap > ZERO:
+                                    ds *= ONE - t * t
+                    p_tile[ii, jj] = pz
+                    ds_tile[ii, jj] = ds
+
+                # Pass 0: dV += (P∘Z)ᵀ dO; pass 1: dK += dSᵀ Q; rows VK at a time.
+                for ps in unroll(2):
+                    width = ev
+                    if ps == 1:
+                        width = e
+                    for vc in range(0, min(BQT, q_hi - i0), VK):
+                        z = opaque_zero()
+                        tid_v, rg_v, kg_v = tid + z, rg + z, kg + z
+                        cuda.syncthreads()  # the weights written; the previous chunk read
+                        for idx in range(tid_v, VK * HEAD, NTHREADS):
+                            r = idx // HEAD
+                            d = idx % HEAD
+                            x = ZERO
+                            if i0 + vc + r < q_hi and d < width:
+                                if ps == 0:
+                                    x = do[b, h, i0 + vc + r, d]
+                                else:
+                                    x = q[b, h, i0 + vc + r, d]
+                                    if not math.isfinite(x):
+                                        x = ZERO  # its pairs' dS are NaN or 0
+                            chunk[r * ROW_STRIDE + d] = x
+                        cuda.syncthreads()
+                        for ii in range(VK):
+                            for i in unroll(R):
+                                if ps == 0:
+                                    a[i] = p_tile[vc + ii + z, R * rg_v + i]
+                                else:
+                                    a[i] = ds_tile[vc + ii + z, R * rg_v + i]
+                            for c in unroll(OC):
+                                for u in unroll(4):
+                                    f = 32 * c + 4 * kg_v + u
+                                    if f < HEAD:
+                                        y = chunk[(ii + z) * ROW_STRIDE + f]
+                                        for i in unroll(R):
+                                            if ps == 0:
+                                                dv_acc[RS * c + 4 * i + u] += a[i] * y
+                                            else:
+                                                dk_acc[RS * c + 4 * i + u] += a[i] * y
+
+        for i in unroll(R):
+            j = k0 + R * rg + i
+            if j < tk:
+                for c in unroll(OC):
+                    for u in unroll(4):
+                        f = 32 * c + 4 * kg + u
+                        if f < e:
+                            dk[b, hk, j, f] = dk_acc[RS * c + 4 * i + u] * scale
+                        if f < ev:
+                            dv[b, hk, j, f] = dv_acc[RS * c + 4 * i + u]
+
+    kernel = unrolled(tiled_dkdv_kernel, {**globals(), **locals()})
+    suffix = "_mods" if mods else ""
+    kernel.__name__ = kernel.__qualname__ = (
+        f"tiled_dkdv_{dtype}_head{bucket}_{mask_kind}{suffix}")
+    return kernel
+
+
+@functools.cache
+def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+    """The dQ kernel for one specialisation, compiled on first use and cached."""
+    fn = make_dq_function(dtype, bucket, mask_kind, mods)
+    sig = _signature(dtype, mask_kind, 1)
+    if numba_cuda.simulator_enabled():
+        return numba_cuda._cuda().jit(sig)(fn)
+    return numba_cuda._cuda().jit(sig, launch_bounds=launch_bounds(dtype, dq_threads(bucket)))(
+        fn)
+
+
+@functools.cache
+def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+    """The dK/dV kernel for one specialisation, compiled on first use and cached."""
+    fn = make_dkdv_function(dtype, bucket, mask_kind, mods)
+    sig = _signature(dtype, mask_kind, 2)
+    if numba_cuda.simulator_enabled():
+        return numba_cuda._cuda().jit(sig)(fn)
+    return numba_cuda._cuda().jit(
+        sig, launch_bounds=launch_bounds(dtype, dkdv_threads(bucket)))(fn)
+
+
+def specializations() -> list[tuple[Any, Any]]:
+    """Every (Python kernel function, Numba signature) pair the launcher may compile:
+    a dQ and a dK/dV kernel per dtype × head bucket × mask kind × modifiers."""
+    specs = []
+    for dtype in DTYPES:
+        for bucket in HEAD_DIM_BUCKETS:
+            for mask_kind in MASK_KINDS:
+                for mods in (False, True):
+                    specs.append((make_dq_function(dtype, bucket, mask_kind, mods),
+                                  _signature(dtype, mask_kind, 1)))
+                    specs.append((make_dkdv_function(dtype, bucket, mask_kind, mods),
+                                  _signature(dtype, mask_kind, 2)))
+    return specs
+
+
+def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
+             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
+             rules: Rules | None = None, grad_lse: Array | None = None,
+             ) -> tuple[Array, Array, Array]:
+    """Gradients ``(dq, dk, dv)`` of :func:`.numba_cuda.attention`, shaped like
+    ``(q, k, v)``, in two kernel launches.
+
+    The contract of :func:`.numba_cuda_backward.backward` (without its tile
+    sizes): ``out`` and ``lse`` are the forward's results, ``grad_out``
+    (B…, H, Tq, Ev) the gradient of ``out``, ``grad_lse`` (B…, H, Tq) that of
+    ``lse`` (or ``None``).
+
+    Raises
+    ------
+    ValueError
+        A head size above ``MAX_HEAD_DIM`` or a mask that does not broadcast.
+    TypeError
+        CPU arrays without the simulator, or a dtype other than float32/float64.
+    """
+    *batch_list, n_heads, tq, e = q.shape
+    *_, n_kv_heads, tk, ev = v.shape
+    batch = tuple(batch_list)
+    bucket = numba_cuda.head_bucket(e, ev)
+    named = {"query": q, "key": k, "value": v, "out": out, "lse": lse, "grad_out": grad_out}
+    if grad_lse is not None:
+        named["grad_lse"] = grad_lse
+    dtype = numba_cuda.common_dtype(**named)
+    dev = numba_cuda._Device(q)
+    n_batch = math.prod(batch)
+
+    dq = numba_cuda.empty_like_layout(dev, q, (n_batch, n_heads, tq, e), xp)  # (B, H, Tq, E)
+    dk = numba_cuda.empty_like_layout(dev, k, (n_batch, n_kv_heads, tk, e), xp)  # (B, Hkv, Tk, E)
+    dv = numba_cuda.empty_like_layout(dev, v, (n_batch, n_kv_heads, tk, ev), xp)
+    if n_batch * n_heads * tq * tk == 0:
+        # No score: every gradient is 0.
+        dq, dk, dv = (xp.zeros_like(a) for a in (dq, dk, dv))
+    else:
+        # D = rowsum(dO ∘ O) − dlse, with the input library.
+        delta = xp.sum(grad_out * out, axis=-1)  # (B…, H, Tq)
+        if grad_lse is not None:
+            delta = delta - grad_lse
+        delta = xp.reshape(delta, (n_batch, n_heads, tq))  # (B, H, Tq)
+        lse3 = xp.reshape(lse, (n_batch, n_heads, tq))  # (B, H, Tq)
+        do4 = xp.reshape(grad_out, (n_batch, n_heads, tq, ev))  # (B, H, Tq, Ev)
+        inputs = numba_cuda.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
+        dq_blocks = n_batch * n_heads * -(-tq // BLOCK_Q)
+        kv_blocks = n_batch * n_kv_heads * -(-tk // BLOCK_KV)
+        numba_cuda.check_grid(dq_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
+        numba_cuda.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{BLOCK_KV})", q)
+        extra = tuple(dev.view(a) for a in (do4, lse3, delta))
+        dq_d, dk_d, dv_d = dev.view(dq), dev.view(dk), dev.view(dv)
+        with numba_cuda.launching(dev) as stream:
+            compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods)[
+                dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *extra, dq_d,
+                                                       *inputs.scalars)
+            compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods)[
+                kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *extra, dk_d, dv_d,
+                                                         *inputs.scalars)
+        if dev.simulated:
+            dq, dk, dv = dq_d.copy_to_host(), dk_d.copy_to_host(), dv_d.copy_to_host()
+    dq = xp.reshape(dq, (*batch, n_heads, tq, e))  # (B…, H, Tq, E)
+    dk = xp.reshape(dk, (*batch, n_kv_heads, tk, e))  # (B…, Hkv, Tk, E)
+    dv = xp.reshape(dv, (*batch, n_kv_heads, tk, ev))  # (B…, Hkv, Tk, Ev)
+    return dq, dk, dv
