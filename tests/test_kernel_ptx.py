@@ -540,3 +540,23 @@ def test_tiled_backward_ptx_and_sass(spec):
     if dtype == "float32":
         assert used and int(used.group(1)) <= 128, report
         assert local_accesses_in_inner_loops(sass) == []
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv"])
+@pytest.mark.parametrize("spec", [("float32", 64, "none", False), ("float64", 128, "bool", True)],
+                         ids=lambda s: "_".join(map(str, s)))
+def test_tiled_kernels_compile_for_sm80(kernel, spec):
+    """The register-tiled kernels use nothing beyond sm_80 (warp shuffles, barriers)."""
+    dtype, bucket, mask_kind, mods = spec
+    if kernel == "forward":
+        fn = numba_cuda_tiled.make_kernel_function(dtype, bucket, mask_kind, mods)
+        sig = numba_cuda_tiled._signature(dtype, mask_kind)
+    else:
+        module = numba_cuda_tiled_backward
+        make = module.make_dq_function if kernel == "dq" else module.make_dkdv_function
+        fn = make(dtype, bucket, mask_kind, mods)
+        sig = numba_cuda_backward._signature(dtype, mask_kind, 1 if kernel == "dq" else 2)
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(8, 0))
+    body = _instructions(ptx)
+    assert any(".target sm_80" in line for line in body)
+    assert_float64_only_where_asked(fn.__name__, body, (8, 0))
