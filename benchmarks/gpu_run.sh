@@ -30,9 +30,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 cat "$out/gpu.txt"
 
 echo "== tests"
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_tc.py \
-    tests/test_kernel_tiled.py tests/test_kernel_tiled_backward.py tests/test_kernel_sim.py tests/test_kernel_sim_backward.py --junitxml="$out/tests.xml" \
-    > "$out/tests.txt" 2>&1
+# Each test compiles its kernels first (seconds each): with pytest-xdist, eight
+# processes compile side by side.
+parallel=""
+python3 -c "import xdist" 2>/dev/null && parallel="-n 8"
+timeout 170 python3 -m pytest -q -p no:cacheprovider $parallel tests/test_kernel_tc.py \
+    tests/test_kernel_tiled.py tests/test_kernel_tiled_backward.py tests/test_kernel_sim.py \
+    tests/test_kernel_sim_backward.py --junitxml="$out/tests.xml" > "$out/tests.txt" 2>&1
 echo "tests: exit $?"; tail -15 "$out/tests.txt"
 
 echo "== compute-sanitizer"
