@@ -332,7 +332,7 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         raise RuntimeError(
             f"implementation='numba_cuda' needs CUDA arrays (CuPy or torch CUDA tensors), "
             f"a CUDA GPU and numba-cuda, or the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) "
-            f"for NumPy arrays: {kernel_reason}"
+            f"for NumPy arrays and torch CPU tensors: {kernel_reason}"
         )
 
     # --- numba_cpu: the fused CPU kernel, on NumPy arrays
