@@ -71,7 +71,8 @@ def assert_close(got, ref, dtype):
 SHAPES = {  # (batch, H, Hkv, Tq, Tk, E, Ev)
     "gqa": ((1,), 2, 1, 70, 100, 16, 16),
     "odd_sizes": ((1,), 1, 1, 67, 45, 13, 9),
-    "head40": ((), 1, 1, 20, 70, 40, 33),
+    "head40": ((), 1, 1, 20, 70, 40, 33),  # float32: Qᵀ resident; float64: in chunks
+    "head100": ((), 1, 1, 20, 40, 100, 72),  # 2-row patches, 256 threads, Qᵀ in chunks
 }
 
 

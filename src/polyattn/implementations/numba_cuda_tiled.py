@@ -21,10 +21,12 @@ one thread per query row:
   across the whole key loop; the mask's and the modifiers' parameters are
   read per tile. With launch bounds of 4 blocks of 128 threads (2 of 256) per
   multiprocessor, ptxas fits float32 up to head size 128 in 128 registers
-  (sm_90: 112-128, no spill but 4 bytes in two specialisations, never in an
-  inner loop; ``test_kernel_ptx.py`` checks all 30);
+  (sm_90: 108-128, no spill; ``test_kernel_ptx.py`` checks all 30);
 * a row's maximum and sum are combined over the eight threads that share it
   (neighbouring lanes: three warp shuffles);
+* where it fits (float32 up to head size 64, float64 up to 32), the block's
+  scaled Qᵀ is loaded once and stays in shared memory for the whole key loop;
+  otherwise each key tile reads it again, a chunk at a time;
 * the scores go through shared memory (Pᵀ, key-major). A mask (with the
   modifiers, which come before it) is applied there by all the threads
   together, key fastest, so that neighbouring threads read neighbouring mask
@@ -104,13 +106,23 @@ def v_keys(dtype: str, bucket: int) -> int:
     return 8 if dtype == "float64" and bucket > 128 else 16
 
 
-def shared_bytes(dtype: str, bucket: int) -> int:
-    """Static shared memory of one block: Qᵀ and Kᵀ chunks, a V chunk and Pᵀ."""
+def shared_bytes(dtype: str, bucket: int, q_features: int | None = None) -> int:
+    """Static shared memory of one block: Qᵀ (all of it, or a chunk), a Kᵀ chunk, a V
+    chunk and Pᵀ. ``q_features``: the features of Qᵀ held (default: as compiled)."""
     item = np.dtype(dtype).itemsize
     bk = block_k(dtype)
     dc = min(DC, bucket)
-    return item * (dc * (BLOCK_Q + 4) + dc * (bk + 4) + v_keys(dtype, bucket) * (bucket + 4)
-                   + bk * (BLOCK_Q + 4))
+    if q_features is None:
+        q_features = bucket if q_resident(dtype, bucket) else dc
+    return item * (q_features * (BLOCK_Q + 4) + dc * (bk + 4)
+                   + v_keys(dtype, bucket) * (bucket + 4) + bk * (BLOCK_Q + 4))
+
+
+def q_resident(dtype: str, bucket: int) -> bool:
+    """Whether the block's Qᵀ (scaled) stays in shared memory for the whole key loop,
+    where it fits in Numba's 48 KiB of static shared memory (float32 up to head size
+    64, float64 up to 32); else each key tile reads it again, a chunk at a time."""
+    return shared_bytes(dtype, bucket, q_features=bucket) <= 48 * 1024
 
 
 def unsupported(tq: int) -> str | None:
@@ -171,7 +183,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     MASKED = BOOL_MASK or FLOAT_MASK
     # Shared tiles, rows padded by 4 values (16-byte aligned rows, fewer bank conflicts).
-    Q_SHAPE, K_SHAPE = (D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
+    Q_RESIDENT = q_resident(dtype, bucket)
+    Q_SHAPE, K_SHAPE = (HEAD if Q_RESIDENT else D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
     V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
 
     def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, softcap,
@@ -221,6 +234,17 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             m[i] = NEG_INF
             l[i] = ZERO
 
+        if Q_RESIDENT:
+            # Qᵀ, scaled, once for the whole key loop (the loop's first barrier
+            # comes before any read of it).
+            for idx in range(tid, BQ * HEAD, NTHREADS):
+                r = idx // HEAD
+                d = idx % HEAD
+                x = ZERO
+                if q0 + r < tq and d < e:
+                    x = q[b, h, q0 + r, d] * scale * LOG2E
+                q_chunk[d, r] = x
+
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
 
@@ -235,13 +259,17 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 z = opaque_zero()
                 tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
                 cuda.syncthreads()  # the previous chunk (or P·V) is read
-                for idx in range(tid_c, BQ * D_CHUNK, NTHREADS):
-                    r = idx // D_CHUNK
-                    d = idx % D_CHUNK
-                    x = ZERO
-                    if q0 + r < tq and dc + d < e:
-                        x = q[b, h, q0 + r, dc + d] * scale * LOG2E
-                    q_chunk[d, r] = x
+                dq0 = z
+                if Q_RESIDENT:
+                    dq0 += dc  # this chunk's features in the resident Qᵀ
+                else:
+                    for idx in range(tid_c, BQ * D_CHUNK, NTHREADS):
+                        r = idx // D_CHUNK
+                        d = idx % D_CHUNK
+                        x = ZERO
+                        if q0 + r < tq and dc + d < e:
+                            x = q[b, h, q0 + r, dc + d] * scale * LOG2E
+                        q_chunk[d, r] = x
                 for idx in range(tid_c, BK * D_CHUNK, NTHREADS):
                     r = idx // D_CHUNK
                     d = idx % D_CHUNK
@@ -252,7 +280,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 cuda.syncthreads()
                 for d in range(D_CHUNK):
                     for i in unroll(R):
-                        a[i] = q_chunk[d + z, R * rg_c + i]
+                        a[i] = q_chunk[dq0 + d, R * rg_c + i]
                     for c in unroll(KC):
                         for u in unroll(4):
                             y = k_chunk[d + z, 32 * c + 4 * kg_c + u]
