@@ -21,12 +21,16 @@ one thread per query row:
   across the whole key loop; the mask's and the modifiers' parameters are
   read per tile. With launch bounds of 4 blocks of 128 threads (2 of 256) per
   multiprocessor, ptxas fits float32 up to head size 128 in 128 registers
-  (sm_90: 108-128, no spill; ``test_kernel_ptx.py`` checks all 30);
+  (sm_90: 110-128; no spill, but for 4 bytes reloaded once per key tile in
+  two specialisations; ``test_kernel_ptx.py`` checks all 30);
 * a row's maximum and sum are combined over the eight threads that share it
   (neighbouring lanes: three warp shuffles);
 * where it fits (float32 up to head size 64, float64 up to 32), the block's
   scaled Qᵀ is loaded once and stays in shared memory for the whole key loop;
-  otherwise each key tile reads it again, a chunk at a time;
+  otherwise each key tile reads it again, a chunk at a time. K chunks are
+  double-buffered through registers: the next chunk's loads are issued
+  before the current chunk's multiply-adds and stored to shared memory after
+  them;
 * the scores go through shared memory (Pᵀ, key-major). A mask (with the
   modifiers, which come before it) is applied there by all the threads
   together, key fastest, so that neighbouring threads read neighbouring mask
@@ -184,6 +188,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     MASKED = BOOL_MASK or FLOAT_MASK
     # Shared tiles, rows padded by 4 values (16-byte aligned rows, fewer bank conflicts).
     Q_RESIDENT = q_resident(dtype, bucket)
+    PRE = BK * D_CHUNK // NTHREADS  # K values of a chunk per thread
+    assert PRE * NTHREADS == BK * D_CHUNK
     Q_SHAPE, K_SHAPE = (HEAD if Q_RESIDENT else D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
     V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
 
@@ -228,6 +234,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         m = cuda.local.array(R, acc_t)
         l = cuda.local.array(R, acc_t)
         a = cuda.local.array(R, acc_t)
+        k_next = cuda.local.array(PRE, acc_t)  # the K chunk in flight
         for n in unroll(O_LEN):
             o[n] = ZERO
         for i in unroll(R):
@@ -258,6 +265,14 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 # of the loops and held in registers across all of them.
                 z = opaque_zero()
                 tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
+                if dc == 0:  # the tile's first K chunk, to registers
+                    for n in unroll(PRE):
+                        r = (tid_c + n * NTHREADS) // D_CHUNK
+                        d = (tid_c + n * NTHREADS) % D_CHUNK
+                        x = ZERO
+                        if j0 + r < hi and d < e:
+                            x = k[b, hk, j0 + r, d]
+                        k_next[n] = x
                 cuda.syncthreads()  # the previous chunk (or P·V) is read
                 dq0 = z
                 if Q_RESIDENT:
@@ -270,14 +285,21 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         if q0 + r < tq and dc + d < e:
                             x = q[b, h, q0 + r, dc + d] * scale * LOG2E
                         q_chunk[d, r] = x
-                for idx in range(tid_c, BK * D_CHUNK, NTHREADS):
-                    r = idx // D_CHUNK
-                    d = idx % D_CHUNK
-                    x = ZERO
-                    if j0 + r < hi and dc + d < e:
-                        x = k[b, hk, j0 + r, dc + d]
-                    k_chunk[d, r] = x
+                for n in unroll(PRE):
+                    r = (tid_c + n * NTHREADS) // D_CHUNK
+                    d = (tid_c + n * NTHREADS) % D_CHUNK
+                    k_chunk[d, r] = k_next[n]
                 cuda.syncthreads()
+                # The next K chunk's loads are issued now and land in registers
+                # while this chunk's multiply-adds run (a register double buffer).
+                if dc + D_CHUNK < HEAD:
+                    for n in unroll(PRE):
+                        r = (tid_c + n * NTHREADS) // D_CHUNK
+                        d = (tid_c + n * NTHREADS) % D_CHUNK
+                        x = ZERO
+                        if j0 + r < hi and dc + D_CHUNK + d < e:
+                            x = k[b, hk, j0 + r, dc + D_CHUNK + d]
+                        k_next[n] = x
                 for d in range(D_CHUNK):
                     for i in unroll(R):
                         a[i] = q_chunk[dq0 + d, R * rg_c + i]
