@@ -512,6 +512,37 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
     TypeError
         CPU arrays without the simulator, or a dtype other than float32/float64.
     """
+    rows = fwd.BLOCK_Q if block_q is None else int(block_q)
+
+    def launch(dtype: str, bucket: int, inputs: Any, arrays: tuple[Any, ...],
+               dq_d: Any, dkdv_d: tuple[Any, Any], stream: Any) -> None:
+        n_batch, n_heads, tq = arrays[1].shape  # lse (B, H, Tq)
+        n_kv_heads, tk = dkdv_d[0].shape[1:3]
+        bk = fwd.default_block_k(dtype, bucket) if block_k is None else int(block_k)
+        tile = None if block_k is None else bk
+        dq_blocks = n_batch * n_heads * -(-tq // rows)
+        kv_blocks = n_batch * n_kv_heads * -(-tk // rows)
+        fwd.check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
+        fwd.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
+        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
+            dq_blocks, rows, stream](*inputs.arrays, *arrays, dq_d, *inputs.scalars)
+        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
+            kv_blocks, rows, stream](*inputs.arrays, *arrays, *dkdv_d, *inputs.scalars)
+
+    return launch_backward(q, k, v, out, lse, grad_out, mask=mask,
+                           causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+                           grad_lse=grad_lse, launch=launch)
+
+
+def launch_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array,
+                    /, *, mask: Array | None, causal_offset: int | None, scale: float,
+                    xp: Any, rules: Rules | None, grad_lse: Array | None,
+                    launch: Any) -> tuple[Array, Array, Array]:
+    """What the backward launchers share: dtype and head bucket, ``D = rowsum(dO ∘ O)
+    − dlse`` with the input library, the kernels' inputs, the gradients' arrays
+    (zeros where there is no score), and shapes back. ``launch(dtype, bucket,
+    inputs, (dO, lse, D), dq, (dk, dv), stream)`` launches the kernels, the
+    arrays flattened to (B, H, …) device views."""
     *batch_list, n_heads, tq, e = q.shape
     *_, n_kv_heads, tk, ev = v.shape
     batch = tuple(batch_list)
@@ -538,21 +569,10 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         lse3 = xp.reshape(lse, (n_batch, n_heads, tq))  # (B, H, Tq)
         do4 = xp.reshape(grad_out, (n_batch, n_heads, tq, ev))  # (B, H, Tq, Ev)
         inputs = fwd.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
-        rows = fwd.BLOCK_Q if block_q is None else int(block_q)
-        bk = fwd.default_block_k(dtype, bucket) if block_k is None else int(block_k)
-        tile = None if block_k is None else bk
-        dq_blocks = n_batch * n_heads * -(-tq // rows)
-        kv_blocks = n_batch * n_kv_heads * -(-tk // rows)
-        fwd.check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
-        fwd.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
         extra = tuple(dev.view(a) for a in (do4, lse3, delta))
         dq_d, dk_d, dv_d = dev.view(dq), dev.view(dk), dev.view(dv)
         with fwd.launching(dev) as stream:
-            compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
-                dq_blocks, rows, stream](*inputs.arrays, *extra, dq_d, *inputs.scalars)
-            compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
-                kv_blocks, rows, stream](*inputs.arrays, *extra, dk_d, dv_d,
-                                         *inputs.scalars)
+            launch(dtype, bucket, inputs, extra, dq_d, (dk_d, dv_d), stream)
         if dev.simulated:
             dq, dk, dv = dq_d.copy_to_host(), dk_d.copy_to_host(), dv_d.copy_to_host()
     dq = xp.reshape(dq, (*batch, n_heads, tq, e))  # (B…, H, Tq, E)

@@ -727,48 +727,21 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
     TypeError
         CPU arrays without the simulator, or a dtype other than float32/float64.
     """
-    *batch_list, n_heads, tq, e = q.shape
-    *_, n_kv_heads, tk, ev = v.shape
-    batch = tuple(batch_list)
-    bucket = numba_cuda.head_bucket(e, ev)
-    named = {"query": q, "key": k, "value": v, "out": out, "lse": lse, "grad_out": grad_out}
-    if grad_lse is not None:
-        named["grad_lse"] = grad_lse
-    dtype = numba_cuda.common_dtype(**named)
-    dev = numba_cuda._Device(q)
-    n_batch = math.prod(batch)
-
-    dq = numba_cuda.empty_like_layout(dev, q, (n_batch, n_heads, tq, e), xp)  # (B, H, Tq, E)
-    dk = numba_cuda.empty_like_layout(dev, k, (n_batch, n_kv_heads, tk, e), xp)  # (B, Hkv, Tk, E)
-    dv = numba_cuda.empty_like_layout(dev, v, (n_batch, n_kv_heads, tk, ev), xp)
-    if n_batch * n_heads * tq * tk == 0:
-        # No score: every gradient is 0.
-        dq, dk, dv = (xp.zeros_like(a) for a in (dq, dk, dv))
-    else:
-        # D = rowsum(dO ∘ O) − dlse, with the input library.
-        delta = xp.sum(grad_out * out, axis=-1)  # (B…, H, Tq)
-        if grad_lse is not None:
-            delta = delta - grad_lse
-        delta = xp.reshape(delta, (n_batch, n_heads, tq))  # (B, H, Tq)
-        lse3 = xp.reshape(lse, (n_batch, n_heads, tq))  # (B, H, Tq)
-        do4 = xp.reshape(grad_out, (n_batch, n_heads, tq, ev))  # (B, H, Tq, Ev)
-        inputs = numba_cuda.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
+    def launch(dtype: str, bucket: int, inputs: Any, arrays: tuple[Any, ...],
+               dq_d: Any, dkdv_d: tuple[Any, Any], stream: Any) -> None:
+        n_batch, n_heads, tq = arrays[1].shape  # lse (B, H, Tq)
+        n_kv_heads, tk = dkdv_d[0].shape[1:3]
         dq_blocks = n_batch * n_heads * -(-tq // BLOCK_Q)
         kv_blocks = n_batch * n_kv_heads * -(-tk // BLOCK_KV)
         numba_cuda.check_grid(dq_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
         numba_cuda.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{BLOCK_KV})", q)
-        extra = tuple(dev.view(a) for a in (do4, lse3, delta))
-        dq_d, dk_d, dv_d = dev.view(dq), dev.view(dk), dev.view(dv)
-        with numba_cuda.launching(dev) as stream:
-            compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods)[
-                dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *extra, dq_d,
-                                                       *inputs.scalars)
-            compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods)[
-                kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *extra, dk_d, dv_d,
-                                                         *inputs.scalars)
-        if dev.simulated:
-            dq, dk, dv = dq_d.copy_to_host(), dk_d.copy_to_host(), dv_d.copy_to_host()
-    dq = xp.reshape(dq, (*batch, n_heads, tq, e))  # (B…, H, Tq, E)
-    dk = xp.reshape(dk, (*batch, n_kv_heads, tk, e))  # (B…, Hkv, Tk, E)
-    dv = xp.reshape(dv, (*batch, n_kv_heads, tk, ev))  # (B…, Hkv, Tk, Ev)
-    return dq, dk, dv
+        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods)[
+            dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *arrays, dq_d,
+                                                   *inputs.scalars)
+        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods)[
+            kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *arrays, *dkdv_d,
+                                                     *inputs.scalars)
+
+    return numba_cuda_backward.launch_backward(
+        q, k, v, out, lse, grad_out, mask=mask, causal_offset=causal_offset, scale=scale,
+        xp=xp, rules=rules, grad_lse=grad_lse, launch=launch)
