@@ -1,24 +1,35 @@
-"""Compile every kernel specialisation to PTX for sm_80 and sm_90, without a GPU.
+"""Compile every kernel specialisation for sm_80 and sm_90, without a GPU, and read
+what ptxas makes of it.
 
-Every attention kernel (dtype × head bucket × mask kind × plain or with score
-modifiers) and the split-merge kernel of each dtype. float32 kernels must not
-touch float64 at all: one stray untyped literal (``0.0`` instead of
-``float32(0.0)``) would put double-precision instructions, at a fraction of
-the float32 rate, into the inner loop. Plain kernels must carry no score
-modifier code. Every attention kernel carries the dropout cipher (Philox's
-multipliers). Where ``ptxas`` is on PATH, its register and spill report for
-sm_90 is printed (``pytest -s``).
+Every kernel the launchers may compile: the one-thread-per-row forward kernels
+(dtype × head bucket × mask kind × plain or with score modifiers) and their
+split merge, the tensor-core kernels (float16, bfloat16, 3xTF32), the
+register-tiled forward kernels and the register-tiled dQ and dK/dV kernels,
+each for every dtype, head bucket, mask kind and modifier setting; the
+register-tiled dQ and dK/dV kernels for every float32 specialisation up to
+head size 128 and for every other (dtype, head size) with a rotating mask
+kind and modifier setting; the one-thread-per-row backward kernels (which
+only decoding shapes use) at head size 64 in full and once per other head
+size.
 
-The backward kernels (dQ and dK/dV) are compiled for every dtype × mask kind ×
-modifier combination at head size 64 (sm_90; float32 also for sm_80, where a
-stray float64 would matter most), and once for each other head size (sm_90),
-with the same checks: the full product would double the session's time for
-code that differs only in constant loop lengths.
+Numba's NVVM emits the same PTX for sm_80 and sm_90 but for its ``.target``
+line (checked on a sample of every family: ``test_one_ptx_serves_both``), so
+each kernel is compiled to PTX once and ptxas assembles that PTX for both
+architectures. On the PTX: float32 and float16 kernels touch no float64 at
+all (one untyped literal, ``0.0`` instead of ``float32(0.0)``, would put
+double-precision instructions in an inner loop); plain kernels carry no score
+modifier code; every attention kernel carries the dropout cipher. On ptxas's
+report and the SASS (ptxas and cuobjdump from NVIDIA's wheels): the
+register-tiled float32 kernels up to head size 128 fit in 128 registers, the
+forward ones spill nothing, no float32 kernel touches local memory in an
+innermost loop, the longest dependent FFMA chain is at most 8, the tiled
+kernels read rows with 16-byte loads; the tensor-core kernels issue
+exactly the expected HMMA and LDSM instructions per 16-key step and (float16,
+bfloat16) spill nothing. ``pytest -s`` prints the registers and spills.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import re
@@ -35,7 +46,14 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
 
 from numba import cuda
 
-from polyattn.implementations import _dropout, numba_cuda, numba_cuda_backward
+from polyattn.implementations import (
+    _dropout,
+    numba_cuda,
+    numba_cuda_backward,
+    numba_cuda_tc,
+    numba_cuda_tiled,
+    numba_cuda_tiled_backward,
+)
 
 
 def _nvvm_problem() -> str | None:
@@ -55,8 +73,8 @@ _problem = _nvvm_problem()
 if _problem is not None:
     pytest.skip(f"NVVM is not usable: {_problem}", allow_module_level=True)
 
-SPECS = list(numba_cuda.specializations())
 ARCHS = [(8, 0), (9, 0)]
+PTX_CC = (8, 0)  # the PTX of every kernel; ptxas assembles it for each of ARCHS
 
 # Any float64 register, operation, conversion, load or store.
 F64 = re.compile(r"\.f64\b|%fd\d")
@@ -64,190 +82,15 @@ F64 = re.compile(r"\.f64\b|%fd\d")
 F64_ARITHMETIC = re.compile(
     r"\b(add|sub|mul|fma|div|max|min|ex2|lg2|rcp|sqrt|neg|abs)\.[a-z.]*f64\b"
 )
-
-
-def _instructions(ptx: str) -> list[str]:
-    """PTX lines without comments and blank lines."""
-    lines = (line.split("//", 1)[0].strip() for line in ptx.splitlines())
-    return [line for line in lines if line]
-
-
-@functools.cache
-def ptx_for(index: int, cc: tuple[int, int]) -> str:
-    fn, sig = SPECS[index]
-    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
-    return ptx
-
-
-def _ids() -> list[str]:
-    return [fn.__name__.removeprefix("attention_") for fn, _ in SPECS]
-
-
+# Double-precision SASS instructions (arithmetic, conversions, compares).
+F64_SASS = re.compile(r"\b(DADD|DMUL|DFMA|DSETP|DMNMX|DMMA)\b|\bF2F\.F64|\.F64\b")
+LOCAL_SASS = re.compile(r"\b(LDL|STL)\b")
 # ALiBi's distance |p_i - j| converted from int64 to the compute dtype.
 INT_TO_FLOAT = re.compile(r"\bcvt\.rn\.f(32|64)\.s64\b")
 # Philox4x32's multipliers, as PTX immediates (unsigned or signed 32-bit).
 PHILOX = [re.compile(rf"\b({m}|{m - 2**32})\b") for m in (_dropout.M0, _dropout.M1)]
-
-
-def has_philox(body: list[str]) -> bool:
-    return all(any(m.search(line) for line in body) for m in PHILOX)
-
-
-def assert_float64_only_where_asked(name: str, body: list[str], cc: tuple[int, int]) -> None:
-    if "float32" in name:
-        f64 = [line for line in body if F64.search(line)]
-        assert not f64, f"{name} uses float64 for sm_{cc[0]}{cc[1]}:\n" + "\n".join(f64[:20])
-    else:
-        assert any(F64_ARITHMETIC.search(line) for line in body)
-
-
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
-@pytest.mark.parametrize("index", range(len(SPECS)), ids=_ids())
-def test_compiles_with_float64_only_where_asked(index, cc):
-    fn, _ = SPECS[index]
-    ptx = ptx_for(index, cc)
-    assert f".target sm_{cc[0]}{cc[1]}" in ptx
-    assert ".entry" in ptx
-    body = _instructions(ptx)
-    assert_float64_only_where_asked(fn.__name__, body, cc)
-    assert has_philox(body) == fn.__name__.startswith("attention_"), fn.__name__
-
-
-ATTENTION = [i for i, (fn, _) in enumerate(SPECS) if fn.__name__.startswith("attention_")]
-
-
-@pytest.mark.parametrize("index", ATTENTION, ids=[_ids()[i] for i in ATTENTION])
-def test_score_modifiers_only_where_asked(index):
-    fn, _ = SPECS[index]
-    body = _instructions(ptx_for(index, (9, 0)))
-    has_alibi = any(INT_TO_FLOAT.search(line) for line in body)
-    assert has_alibi == ("_mods" in fn.__name__), fn.__name__
-
-
-def test_every_specialisation_is_compiled():
-    names = {fn.__name__ for fn, _ in SPECS}
-    assert any(name.startswith("merge_splits_") for name in names)
-    assert sum("_mods" in name for name in names) == sum(
-        name.startswith("attention_") and "_mods" not in name for name in names)
-
-
-def _ptxas(ptx: str, arch: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ptxas", "-v", f"-arch={arch}", "-", "-o", os.devnull],
-                          input=ptx, capture_output=True, text=True, check=False)
-
-
-def ptxas_report(ptx: str, arch: str = "sm_90") -> str:
-    """ptxas's register, stack and spill report; an older ptxas gets the PTX
-    ``.version`` it supports (the kernels use no newer PTX feature)."""
-    run = _ptxas(ptx, arch)
-    supported = re.search(r"current version is '(\d+\.\d+)'", run.stderr)
-    if run.returncode != 0 and supported:
-        ptx = re.sub(r"^\.version \d+\.\d+", f".version {supported.group(1)}", ptx,
-                     count=1, flags=re.M)
-        run = _ptxas(ptx, arch)
-    if run.returncode != 0:
-        return f"ptxas failed: {run.stderr.strip()[:300]}"
-    used = re.search(r"Used (\d+) registers", run.stderr)
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                      r"(\d+) bytes spill loads", run.stderr)
-    smem = re.search(r"(\d+) bytes smem", run.stderr)
-    return (f"registers {used.group(1) if used else '?'}, "
-            f"stack {frame.group(1) if frame else '?'} B, "
-            f"spill stores {frame.group(2) if frame else '?'} B, "
-            f"spill loads {frame.group(3) if frame else '?'} B, "
-            f"shared {smem.group(1) if smem else '0'} B")
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
-@pytest.mark.parametrize("index", range(len(SPECS)), ids=_ids())
-def test_ptxas_registers_and_spills(index):
-    fn, _ = SPECS[index]
-    report = ptxas_report(ptx_for(index, (9, 0)))
-    print(f"{fn.__name__} sm_90: {report}")
-    assert not report.startswith("ptxas failed"), report
-
-
-# --------------------------------------------------------------------------- #
-# The backward kernels
-# --------------------------------------------------------------------------- #
-
-def _backward_specs() -> list[tuple[object, object, tuple[tuple[int, int], ...]]]:
-    """(function, signature, architectures): the full product at head size 64 for
-    sm_90, its float32 half for sm_80 too; each other head size once (a rotating
-    dtype, mask kind and modifier choice, so that each appears), for sm_90."""
-    specs = [(fn, sig, tuple(ARCHS) if "float32" in fn.__name__ else ((9, 0),))
-             for fn, sig in numba_cuda_backward.specializations((64,))]
-    others = [b for b in numba_cuda.HEAD_DIM_BUCKETS if b != 64]
-    for n, bucket in enumerate(others):
-        dtype = numba_cuda.DTYPES[n % 2]
-        mask_kind = numba_cuda.MASK_KINDS[n % 3]
-        mods = n % 2 == 1
-        for make in (numba_cuda_backward.make_dq_function,
-                     numba_cuda_backward.make_dkdv_function):
-            fn = make(dtype, bucket, mask_kind, mods)
-            specs.append((fn, numba_cuda_backward._signature(
-                dtype, mask_kind, 1 if make is numba_cuda_backward.make_dq_function else 2),
-                ((9, 0),)))
-    return specs
-
-
-BACKWARD = _backward_specs()
-BACKWARD_CASES = [(index, cc) for index, (_, _, archs) in enumerate(BACKWARD) for cc in archs]
-
-
-@functools.cache
-def backward_ptx_for(index: int, cc: tuple[int, int]) -> str:
-    fn, sig, _ = BACKWARD[index]
-    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
-    return ptx
-
-
-@pytest.mark.parametrize(
-    ("index", "cc"), BACKWARD_CASES,
-    ids=[f"{BACKWARD[i][0].__name__.removeprefix('attention_')}-sm_{cc[0]}{cc[1]}"
-         for i, cc in BACKWARD_CASES])
-def test_backward_compiles(index, cc):
-    fn, _, _ = BACKWARD[index]
-    name = fn.__name__
-    ptx = backward_ptx_for(index, cc)
-    assert f".target sm_{cc[0]}{cc[1]}" in ptx
-    assert ".entry" in ptx
-    body = _instructions(ptx)
-    assert_float64_only_where_asked(name, body, cc)
-    assert any(INT_TO_FLOAT.search(line) for line in body) == ("_mods" in name), name
-    assert has_philox(body), name  # dropout's keep-mask, recomputed
-    if cc == (9, 0) and "head64" in name and shutil.which("ptxas"):
-        report = ptxas_report(ptx)
-        print(f"{name} sm_90: {report}")
-        assert not report.startswith("ptxas failed"), report
-
-
-def test_backward_cases_cover_every_axis():
-    names = [fn.__name__ for fn, _, _ in BACKWARD]
-    assert len(set(names)) == len(names)
-    for part in ("dq_", "dkdv_", *numba_cuda.DTYPES, *(f"_{m}" for m in numba_cuda.MASK_KINDS),
-                 "_mods", *(f"head{b}_" for b in numba_cuda.HEAD_DIM_BUCKETS)):
-        assert any(part in name for name in names), part
-
-
-# --------------------------------------------------------------------------- #
-# The tensor-core kernels: PTX, ptxas's report and the SASS
-# --------------------------------------------------------------------------- #
-
-from polyattn.implementations import numba_cuda_tc  # noqa: E402
-
-TC_SPECS = numba_cuda_tc.specializations()
-# Every specialisation, for sm_80 and sm_90.
-TC_CASES = [(i, cc) for i in range(len(TC_SPECS)) for cc in ARCHS]
-MMA_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
-           "bf16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-           "3xtf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"}
-HMMA_SASS = {"f16": re.compile(r"\bHMMA\.16816\.F32\b"),
-             "bf16": re.compile(r"\bHMMA\.16816\.F32\.BF16\b"),
-             "3xtf32": re.compile(r"\bHMMA\.1688\.F32\.TF32\b")}
-# Double-precision SASS instructions (arithmetic, conversions, compares).
-F64_SASS = re.compile(r"\b(DADD|DMUL|DFMA|DSETP|DMNMX|DMMA)\b|\bF2F\.F64|\.F64\b")
-LOCAL_SASS = re.compile(r"\b(LDL|STL)\b")
+USED = re.compile(r"Used (\d+) registers")
+FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 def _nvidia_tool(name: str) -> str | None:
@@ -262,19 +105,26 @@ def _nvidia_tool(name: str) -> str | None:
     return shutil.which(name)
 
 
-def _arith(name: str) -> str:
-    return name.split("_")[1]
+HAVE_SASS_TOOLS = _nvidia_tool("ptxas") is not None and _nvidia_tool("cuobjdump") is not None
+needs_sass_tools = pytest.mark.skipif(
+    not HAVE_SASS_TOOLS,
+    reason="ptxas and cuobjdump are not installed (nvidia-cuda-nvcc, nvidia-cuda-cuobjdump)")
 
 
-@functools.cache
-def tc_ptx_for(index: int, cc: tuple[int, int]) -> str:
-    fn, sig = TC_SPECS[index]
-    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
-    return ptx
+def _instructions(ptx: str) -> list[str]:
+    """PTX lines without comments and blank lines."""
+    lines = (line.split("//", 1)[0].strip() for line in ptx.splitlines())
+    return [line for line in lines if line]
+
+
+def compile_ptx(fn, sig, bounds=None, cc=PTX_CC) -> str:
+    """The PTX of one kernel, with the launch bounds it is compiled with."""
+    options = {} if bounds is None else {"launch_bounds": bounds}
+    return cuda.compile_ptx(fn, sig, cc=cc, **options)[0]
 
 
 def ptxas_and_sass(ptx: str, cc: tuple[int, int]) -> tuple[str, str]:
-    """(ptxas -v report, cuobjdump -sass text) of one kernel's PTX."""
+    """(ptxas -v report, cuobjdump -sass text) of one kernel's PTX for sm_XY."""
     import tempfile
 
     ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
@@ -288,81 +138,170 @@ def ptxas_and_sass(ptx: str, cc: tuple[int, int]) -> tuple[str, str]:
     return run.stderr, sass
 
 
-@functools.cache
-def tc_sass_for(index: int, cc: tuple[int, int]) -> tuple[str, str]:
-    """(ptxas -v report, cuobjdump -sass text) of one tensor-core kernel."""
-    return ptxas_and_sass(tc_ptx_for(index, cc), cc)
+def assembled(ptx: str) -> dict[tuple[int, int], tuple[str, str]]:
+    """{architecture: (ptxas report, SASS)} of one PTX for every one of ARCHS."""
+    return {cc: ptxas_and_sass(ptx, cc) for cc in ARCHS}
 
 
-@pytest.mark.parametrize(("index", "cc"), TC_CASES,
-                         ids=[f"{TC_SPECS[i][0].__name__}-sm_{cc[0]}{cc[1]}"
-                              for i, cc in TC_CASES])
-def test_tensor_core_kernel_ptx(index, cc):
-    name = TC_SPECS[index][0].__name__
-    body = _instructions(tc_ptx_for(index, cc))
-    assert any(f".target sm_{cc[0]}{cc[1]}" in line for line in body)
-    f64 = [line for line in body if F64.search(line)]
-    assert not f64, f"{name} uses float64:\n" + "\n".join(f64[:20])
-    mma = [line for line in body if line.startswith("mma.sync")]
-    assert mma and all(MMA_PTX[_arith(name)] in line for line in mma), mma[:3]
-    assert has_philox(body), name
-    assert any(INT_TO_FLOAT.search(line) for line in body) == ("_mods" in name), name
+def usage(report: str) -> tuple[int, int, int]:
+    """(registers, stack bytes, spill-store bytes) from a ptxas -v report."""
+    used, frame = USED.search(report), FRAME.search(report)
+    assert used and frame, report
+    return int(used.group(1)), int(frame.group(1)), int(frame.group(2))
 
 
-needs_sass_tools = pytest.mark.skipif(
-    _nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None,
-    reason="ptxas and cuobjdump are not installed (nvidia-cuda-nvcc, nvidia-cuda-cuobjdump)")
+def has_philox(body: list[str]) -> bool:
+    return all(any(m.search(line) for line in body) for m in PHILOX)
 
 
-@needs_sass_tools
-@pytest.mark.parametrize(("index", "cc"), TC_CASES,
-                         ids=[f"{TC_SPECS[i][0].__name__}-sm_{cc[0]}{cc[1]}"
-                              for i, cc in TC_CASES])
-def test_tensor_core_kernel_sass(index, cc):
-    """The 16-key step issues exactly the expected HMMA instructions (three per
-    product for 3xTF32) and ldmatrix instructions; no double-precision
-    instruction; in the float16 and bfloat16 kernels no spills and no local
-    memory at all (the warp's scores, Q fragments and accumulators stay in
-    registers)."""
-    fn, _ = TC_SPECS[index]
+def assert_float64_only_where_asked(name: str, body: list[str]) -> None:
+    if "float64" not in name:
+        f64 = [line for line in body if F64.search(line)]
+        assert not f64, f"{name} uses float64:\n" + "\n".join(f64[:20])
+    else:
+        assert any(F64_ARITHMETIC.search(line) for line in body)
+
+
+def assert_ptx_basics(name: str, ptx: str, mods: bool, dropout: bool = True) -> list[str]:
+    """The checks every kernel's PTX passes; its instructions."""
+    body = _instructions(ptx)
+    assert any(f".target sm_{PTX_CC[0]}{PTX_CC[1]}" in line for line in body)
+    assert any(".entry" in line for line in body)
+    assert_float64_only_where_asked(name, body)
+    assert has_philox(body) == dropout, name
+    assert any(INT_TO_FLOAT.search(line) for line in body) == mods, name
+    return body
+
+
+def _normalised(ptx: str) -> str:
+    """PTX without what differs between two compilations of one kernel: the target
+    line, the mangled names (a compilation counter is part of them) and the
+    numbering of shared arrays."""
+    ptx = re.sub(r"^\.target sm_\d+", ".target", ptx, flags=re.M)
+    return re.sub(r"_cudapy_smem_\d+", "SMEM", re.sub(r"_ZN\w+", "NAME", ptx))
+
+
+# --------------------------------------------------------------------------- #
+# The one-thread-per-row kernels (0.1), forward and split merge: every one
+# --------------------------------------------------------------------------- #
+
+ROWS = list(numba_cuda.specializations())
+
+
+@pytest.mark.parametrize("index", range(len(ROWS)),
+                         ids=[fn.__name__.removeprefix("attention_") for fn, _ in ROWS])
+def test_row_kernel(index):
+    fn, sig = ROWS[index]
     name = fn.__name__
-    report, sass = tc_sass_for(index, cc)
-    arith = _arith(name)
+    ptx = compile_ptx(fn, sig)
+    assert_ptx_basics(name, ptx, "_mods" in name, dropout=name.startswith("attention_"))
+    if HAVE_SASS_TOOLS:
+        for cc, (report, _) in assembled(ptx).items():
+            print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores {usage(report)}")
+
+
+def test_every_row_kernel_is_compiled():
+    names = {fn.__name__ for fn, _ in ROWS}
+    assert any(name.startswith("merge_splits_") for name in names)
+    assert sum("_mods" in name for name in names) == sum(
+        name.startswith("attention_") and "_mods" not in name for name in names)
+
+
+# --------------------------------------------------------------------------- #
+# The one-thread-per-row backward kernels (decoding shapes): a sample
+# --------------------------------------------------------------------------- #
+
+def _row_backward_specs() -> list[tuple[object, object]]:
+    """The full product at head size 64, and each other head size once (a rotating
+    dtype, mask kind and modifier choice, so that each appears)."""
+    specs = list(numba_cuda_backward.specializations((64,)))
+    others = [b for b in numba_cuda.HEAD_DIM_BUCKETS if b != 64]
+    for n, bucket in enumerate(others):
+        dtype = numba_cuda.DTYPES[n % 2]
+        mask_kind = numba_cuda.MASK_KINDS[n % 3]
+        mods = n % 2 == 1
+        specs.append((numba_cuda_backward.make_dq_function(dtype, bucket, mask_kind, mods),
+                      numba_cuda_backward._signature(dtype, mask_kind, 1)))
+        specs.append((numba_cuda_backward.make_dkdv_function(dtype, bucket, mask_kind, mods),
+                      numba_cuda_backward._signature(dtype, mask_kind, 2)))
+    return specs
+
+
+ROW_BACKWARD = _row_backward_specs()
+
+
+@pytest.mark.parametrize("index", range(len(ROW_BACKWARD)),
+                         ids=[fn.__name__.removeprefix("attention_") for fn, _ in ROW_BACKWARD])
+def test_row_backward_kernel(index):
+    fn, sig = ROW_BACKWARD[index]
+    name = fn.__name__
+    ptx = compile_ptx(fn, sig)
+    assert_ptx_basics(name, ptx, "_mods" in name)  # dropout's keep-mask, recomputed
+    if HAVE_SASS_TOOLS:
+        for cc, (report, _) in assembled(ptx).items():
+            print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores {usage(report)}")
+
+
+def test_row_backward_sample_covers_every_axis():
+    names = [fn.__name__ for fn, _ in ROW_BACKWARD]
+    assert len(set(names)) == len(names)
+    for part in ("dq_", "dkdv_", *numba_cuda.DTYPES, *(f"_{m}" for m in numba_cuda.MASK_KINDS),
+                 "_mods", *(f"head{b}_" for b in numba_cuda.HEAD_DIM_BUCKETS)):
+        assert any(part in name for name in names), part
+
+
+# --------------------------------------------------------------------------- #
+# The tensor-core kernels: every one
+# --------------------------------------------------------------------------- #
+
+TC = numba_cuda_tc.specializations()
+MMA_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+           "bf16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+           "3xtf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"}
+HMMA_SASS = {"f16": re.compile(r"\bHMMA\.16816\.F32\b"),
+             "bf16": re.compile(r"\bHMMA\.16816\.F32\.BF16\b"),
+             "3xtf32": re.compile(r"\bHMMA\.1688\.F32\.TF32\b")}
+
+
+@pytest.mark.parametrize("index", range(len(TC)), ids=[fn.__name__ for fn, _ in TC])
+def test_tensor_core_kernel(index):
+    """The right ``mma.sync`` and no float64 in the PTX; for sm_80 and sm_90, each
+    16-key step issues exactly the expected HMMA instructions (three per product
+    for 3xTF32) and ldmatrix instructions, no double-precision instruction, and
+    in the float16 and bfloat16 kernels no spills and no local memory at all (the
+    warp's scores, Q fragments and accumulators stay in registers)."""
+    fn, sig = TC[index]
+    name = fn.__name__
+    arith = name.split("_")[1]
     bucket = int(name.split("_head")[1].split("_")[0])
-    hmma = [line for line in sass.splitlines() if "HMMA" in line]
-    assert all(HMMA_SASS[arith].search(line) for line in hmma), hmma[:3]
-    assert len(hmma) == numba_cuda_tc.hmma_per_step(arith, bucket), (name, len(hmma))
-    f64 = [line for line in sass.splitlines() if F64_SASS.search(line)]
-    assert not f64, f"{name} runs float64 instructions:\n" + "\n".join(f64[:10])
-    ldsm = [line for line in sass.splitlines() if "LDSM" in line]
-    assert all("LDSM.16.M88.4" in line for line in ldsm), ldsm[:3]
-    assert len(ldsm) == numba_cuda_tc.ldmatrix_per_step(arith, bucket), (name, len(ldsm))
-    used = re.search(r"Used (\d+) registers", report)
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                      r"(\d+) bytes spill loads", report)
-    local = len([line for line in sass.splitlines() if LOCAL_SASS.search(line)])
-    if arith != "3xtf32":  # opt-in: at head size 64 its doubled Q fragments spill 8 bytes
-        assert frame and frame.groups() == ("0", "0", "0"), report
-        assert local == 0, name
-    print(f"{name} sm_{cc[0]}{cc[1]}: registers {used.group(1) if used else '?'}, "
-          f"stack {frame.group(1) if frame else '?'} B, spills "
-          f"{frame.group(2) if frame else '?'}/{frame.group(3) if frame else '?'} B, "
-          f"local loads/stores {local}, HMMA {len(hmma)}")
+    ptx = compile_ptx(fn, sig)
+    body = assert_ptx_basics(name, ptx, "_mods" in name)
+    mma = [line for line in body if line.startswith("mma.sync")]
+    assert mma and all(MMA_PTX[arith] in line for line in mma), mma[:3]
+    if not HAVE_SASS_TOOLS:
+        pytest.skip("ptxas and cuobjdump are not installed")
+    for cc, (report, sass) in assembled(ptx).items():
+        lines = sass.splitlines()
+        hmma = [line for line in lines if "HMMA" in line]
+        assert all(HMMA_SASS[arith].search(line) for line in hmma), hmma[:3]
+        assert len(hmma) == numba_cuda_tc.hmma_per_step(arith, bucket), (name, len(hmma))
+        f64 = [line for line in lines if F64_SASS.search(line)]
+        assert not f64, f"{name} runs float64 instructions:\n" + "\n".join(f64[:10])
+        ldsm = [line for line in lines if "LDSM" in line]
+        assert all("LDSM.16.M88.4" in line for line in ldsm), ldsm[:3]
+        assert len(ldsm) == numba_cuda_tc.ldmatrix_per_step(arith, bucket), (name, len(ldsm))
+        registers, stack, spills = usage(report)
+        local = len([line for line in lines if LOCAL_SASS.search(line)])
+        if arith != "3xtf32":  # opt-in: at head size 64 its doubled Q fragments spill 8 bytes
+            assert (stack, spills, local) == (0, 0, 0), (name, cc, report)
+        print(f"{name} sm_{cc[0]}{cc[1]}: registers {registers}, stack {stack} B, spill "
+              f"stores {spills} B, local loads/stores {local}, HMMA {len(hmma)}")
 
 
 # --------------------------------------------------------------------------- #
-# The register-tiled exact kernel (opt-in): a sample of its specialisations
+# The register-tiled exact kernels: every one, forward and backward
 # --------------------------------------------------------------------------- #
 
-from polyattn.implementations import numba_cuda_tiled  # noqa: E402
-
-# Each takes 15-30 s to compile: one per dtype, mask kind and modifier setting.
-# Every float32 specialisation up to head size 128 (the register budget is theirs),
-# and a float64 sample.
-TILED_SPECS = [("float32", bucket, mask_kind, mods)
-               for bucket in numba_cuda.HEAD_DIM_BUCKETS if bucket <= 128
-               for mask_kind in numba_cuda.MASK_KINDS for mods in (False, True)]
-TILED_SPECS += [("float64", 32, "float", False), ("float64", 128, "bool", True)]
 FFMA = re.compile(r"\b(FFMA|DFMA)(\.\w+)*\s+(R\d+),\s*(-?\|?R\d+\|?)(\.reuse)?,\s*"
                   r"(-?R\d+|[-\w.+]+)(\.reuse)?,\s*(-?R\d+)")
 
@@ -443,39 +382,133 @@ def test_dependent_run_counts_back_to_back_chains():
     assert longest_dependent_run("\n".join(rewritten)) == 1
 
 
-@pytest.mark.parametrize("spec", TILED_SPECS, ids=lambda s: "_".join(map(str, s)))
-def test_tiled_kernel_ptx_and_sass(spec):
-    """PTX and SASS of the register-tiled kernel, with the launch bounds it is
-    compiled with: no float64 in float32, no serial FMA chain, at most 128
-    registers per thread in float32 up to head size 128, and no local memory in
-    its inner loops."""
+
+TILED = [(dtype, bucket, mask_kind, mods) for dtype in numba_cuda.DTYPES
+         for bucket in numba_cuda.HEAD_DIM_BUCKETS for mask_kind in numba_cuda.MASK_KINDS
+         for mods in (False, True)]
+# Loads of 16 bytes (float32 ×4, float64 ×2), read-only path: the vector loads of rows.
+VECTOR_LOAD = re.compile(r"\bLDG\.E\.128\.CONSTANT\b")
+
+
+def _spec_id(spec) -> str:
+    return "_".join(map(str, spec))
+
+
+def assert_exact_kernel_sass(name: str, dtype: str, bucket: int, ptx: str) -> dict:
+    """What every register-tiled kernel's SASS shows, for sm_80 and sm_90: no float64
+    in float32, no serial FMA chain, and in float32 up to head size 128 at most 128
+    registers and no local memory in an innermost loop. {architecture: (registers,
+    stack, spill stores)}."""
+    found = {}
+    for cc, (report, sass) in assembled(ptx).items():
+        registers, stack, spills = usage(report)
+        run = longest_dependent_run(sass)
+        inner = local_accesses_in_inner_loops(sass)
+        print(f"{name} sm_{cc[0]}{cc[1]}: registers {registers}, stack {stack} B, spill "
+              f"stores {spills} B, longest dependent FMA run {run}, local accesses in "
+              f"inner loops {len(inner)}")
+        assert F64_SASS.search(sass) is None or dtype == "float64", (name, cc)
+        assert run <= 8, (name, cc)
+        if dtype == "float32" and bucket <= 128:
+            assert registers <= 128, (name, cc, report)
+            assert inner == [], (name, cc, inner[:5])
+        found[cc] = (registers, stack, spills, sass)
+    return found
+
+
+@pytest.mark.parametrize("spec", TILED, ids=_spec_id)
+def test_tiled_kernel(spec):
+    """The register-tiled forward kernel, compiled with its launch bounds: the checks
+    of :func:`assert_exact_kernel_sass`, no spills at all in float32 up to head size
+    128, and rows read by 16-byte loads."""
     dtype, bucket, mask_kind, mods = spec
     fn = numba_cuda_tiled.make_kernel_function(dtype, bucket, mask_kind, mods)
-    ptx, _ = cuda.compile_ptx(fn, numba_cuda_tiled._signature(dtype, mask_kind), cc=(9, 0),
-                              launch_bounds=numba_cuda_tiled.launch_bounds(dtype, bucket))
-    body = _instructions(ptx)
-    assert any(".target sm_90" in line for line in body)
-    assert_float64_only_where_asked(f"{fn.__name__}", body, (9, 0))
-    assert has_philox(body)
-    assert any(INT_TO_FLOAT.search(line) for line in body) == mods
-    if _nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None:
+    ptx = compile_ptx(fn, numba_cuda_tiled._signature(dtype, mask_kind),
+                      numba_cuda_tiled.launch_bounds(dtype, bucket))
+    body = assert_ptx_basics(fn.__name__, ptx, mods)
+    assert any(re.match(r"ld\.global\.nc\.v[24]\.f(32|64)", line) for line in body)
+    if not HAVE_SASS_TOOLS:
         pytest.skip("ptxas and cuobjdump are not installed")
-    report, sass = ptxas_and_sass(ptx, (9, 0))
-    used = re.search(r"Used (\d+) registers", report)
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", report)
-    print(f"{fn.__name__} sm_90: registers {used.group(1) if used else '?'}, stack "
-          f"{frame.group(1) if frame else '?'} B, spill stores "
-          f"{frame.group(2) if frame else '?'} B, longest dependent FMA run "
-          f"{longest_dependent_run(sass)}")
-    assert F64_SASS.search(sass) is None or dtype == "float64"
-    assert longest_dependent_run(sass) <= 8
-    assert local_accesses_in_inner_loops(sass) == []
-    if dtype == "float32":
-        assert used and int(used.group(1)) <= 128, report
-        # At most one 4-byte value spilled, stored before the key loop and reloaded
-        # once per key tile, never in an inner loop (asserted above): sm_90, two
-        # specialisations of 30 (head size 64 with a mask, no modifiers).
-        assert frame and int(frame.group(2)) <= 4, report
+    for cc, (_, stack, spills, sass) in assert_exact_kernel_sass(
+            fn.__name__, dtype, bucket, ptx).items():
+        assert VECTOR_LOAD.search(sass), (fn.__name__, cc)
+        if dtype == "float32" and bucket <= 128:
+            assert (stack, spills) == (0, 0), (fn.__name__, cc)
+            assert not LOCAL_SASS.search(sass), (fn.__name__, cc)
+
+
+def _tiled_backward_specs() -> list[tuple[str, str, int, str, bool]]:
+    """(kernel, dtype, head bucket, mask kind, modifiers): every float32 specialisation
+    up to head size 128 (the register budget is theirs); each other (dtype, head
+    size) once per kernel, the mask kind and modifier setting rotating so that
+    each appears (each of these takes 15-25 s to compile: all of them would add
+    ten minutes to the session)."""
+    buckets, kinds = numba_cuda.HEAD_DIM_BUCKETS, numba_cuda.MASK_KINDS
+    specs = [(kernel, "float32", bucket, mask_kind, mods) for kernel in ("dq", "dkdv")
+             for bucket in buckets if bucket <= 128 for mask_kind in kinds
+             for mods in (False, True)]
+    others = [(dtype, bucket) for dtype in numba_cuda.DTYPES for bucket in buckets
+              if dtype == "float64" or bucket > 128]
+    for n, (dtype, bucket) in enumerate(others):
+        specs += [(kernel, dtype, bucket, kinds[n % 3], n % 2 == 1) for kernel in ("dq", "dkdv")]
+    return specs
+
+
+TILED_BACKWARD = _tiled_backward_specs()
+
+
+def test_tiled_backward_sample_covers_every_axis():
+    for n, axis in enumerate((("dq", "dkdv"), numba_cuda.DTYPES, numba_cuda.HEAD_DIM_BUCKETS,
+                              numba_cuda.MASK_KINDS, (False, True))):
+        assert {spec[n] for spec in TILED_BACKWARD} == set(axis)
+    assert {(d, b) for _, d, b, _, _ in TILED_BACKWARD} == {
+        (d, b) for d in numba_cuda.DTYPES for b in numba_cuda.HEAD_DIM_BUCKETS}
+
+
+@pytest.mark.parametrize("spec", TILED_BACKWARD, ids=_spec_id)
+def test_tiled_backward_kernel(spec):
+    """The register-tiled dQ and dK/dV kernels, compiled with their launch bounds: the
+    checks of :func:`assert_exact_kernel_sass`, and rows read by 16-byte loads."""
+    kernel, dtype, bucket, mask_kind, mods = spec
+    module = numba_cuda_tiled_backward
+    make, threads, outputs = ((module.make_dq_function, module.dq_threads, 1)
+                              if kernel == "dq" else
+                              (module.make_dkdv_function, module.dkdv_threads, 2))
+    fn = make(dtype, bucket, mask_kind, mods)
+    ptx = compile_ptx(fn, module._signature(dtype, mask_kind, outputs),
+                      module.launch_bounds(dtype, threads(bucket)))
+    body = assert_ptx_basics(fn.__name__, ptx, mods)
+    assert any(re.match(r"ld\.global\.nc\.v[24]\.f(32|64)", line) for line in body)
+    if not HAVE_SASS_TOOLS:
+        pytest.skip("ptxas and cuobjdump are not installed")
+    for cc, found in assert_exact_kernel_sass(fn.__name__, dtype, bucket, ptx).items():
+        assert VECTOR_LOAD.search(found[3]), (fn.__name__, cc)
+
+
+@pytest.mark.parametrize("family", ["rows", "rows_backward", "tensor_core", "tiled",
+                                    "tiled_dq", "tiled_dkdv"])
+def test_one_ptx_serves_both_architectures(family):
+    """NVVM's PTX for sm_90 is its PTX for sm_80 but for the target line (and the
+    names and numbering a new compilation gets), so that assembling the sm_80 PTX
+    for sm_90 is what compiling for sm_90 gives."""
+    module = numba_cuda_tiled_backward
+    fn, sig, bounds = {
+        "rows": (*ROWS[len(ROWS) // 2], None),
+        "rows_backward": (*ROW_BACKWARD[7], None),
+        "tensor_core": (*TC[len(TC) - 1], None),
+        "tiled": (numba_cuda_tiled.make_kernel_function("float32", 16, "bool", True),
+                  numba_cuda_tiled._signature("float32", "bool"),
+                  numba_cuda_tiled.launch_bounds("float32", 16)),
+        "tiled_dq": (module.make_dq_function("float64", 8, "float", False),
+                     module._signature("float64", "float", 1),
+                     module.launch_bounds("float64", module.dq_threads(8))),
+        "tiled_dkdv": (module.make_dkdv_function("float32", 8, "none", True),
+                       module._signature("float32", "none", 2),
+                       module.launch_bounds("float32", module.dkdv_threads(8))),
+    }[family]
+    sm80, sm90 = (compile_ptx(fn, sig, bounds, cc=cc) for cc in ARCHS)
+    assert ".target sm_80" in sm80 and ".target sm_90" in sm90
+    assert _normalised(sm80) == _normalised(sm90)
 
 
 @pytest.mark.skipif(_nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None,
@@ -496,67 +529,3 @@ def test_dependent_run_finds_the_row_kernels_serial_dot_product():
     run = longest_dependent_run(sass)
     print(f"{fn.__name__} sm_90: longest dependent FMA run {run}")
     assert run >= 32
-
-
-# --------------------------------------------------------------------------- #
-# The register-tiled backward kernels
-# --------------------------------------------------------------------------- #
-
-from polyattn.implementations import numba_cuda_tiled_backward  # noqa: E402
-
-TILED_BACKWARD_SPECS = [(kernel, dtype, bucket, mask_kind, mods)
-                        for kernel in ("dq", "dkdv")
-                        for dtype, bucket in (("float32", 64), ("float32", 128),
-                                              ("float64", 64))
-                        for mask_kind, mods in (("none", False), ("bool", True))]
-
-
-@pytest.mark.parametrize("spec", TILED_BACKWARD_SPECS, ids=lambda s: "_".join(map(str, s)))
-def test_tiled_backward_ptx_and_sass(spec):
-    """The register-tiled dQ and dK/dV kernels, compiled with their launch bounds:
-    no float64 in float32, no serial FMA chain, at most 128 registers per thread
-    in float32, no local memory in their inner loops."""
-    kernel, dtype, bucket, mask_kind, mods = spec
-    module = numba_cuda_tiled_backward
-    make, threads, outputs = ((module.make_dq_function, module.dq_threads, 1)
-                              if kernel == "dq" else
-                              (module.make_dkdv_function, module.dkdv_threads, 2))
-    fn = make(dtype, bucket, mask_kind, mods)
-    ptx, _ = cuda.compile_ptx(fn, numba_cuda_backward._signature(dtype, mask_kind, outputs),
-                              cc=(9, 0), launch_bounds=module.launch_bounds(dtype, threads(bucket)))
-    assert_float64_only_where_asked(fn.__name__, _instructions(ptx), (9, 0))
-    assert has_philox(_instructions(ptx))
-    if _nvidia_tool("ptxas") is None or _nvidia_tool("cuobjdump") is None:
-        pytest.skip("ptxas and cuobjdump are not installed")
-    report, sass = ptxas_and_sass(ptx, (9, 0))
-    used = re.search(r"Used (\d+) registers", report)
-    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", report)
-    print(f"{fn.__name__} sm_90: registers {used.group(1) if used else '?'}, spill stores "
-          f"{frame.group(2) if frame else '?'} B, longest dependent FMA run "
-          f"{longest_dependent_run(sass)}, local accesses in inner loops "
-          f"{len(local_accesses_in_inner_loops(sass))}")
-    assert F64_SASS.search(sass) is None or dtype == "float64"
-    assert longest_dependent_run(sass) <= 8
-    if dtype == "float32":
-        assert used and int(used.group(1)) <= 128, report
-        assert local_accesses_in_inner_loops(sass) == []
-
-
-@pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv"])
-@pytest.mark.parametrize("spec", [("float32", 64, "none", False), ("float64", 128, "bool", True)],
-                         ids=lambda s: "_".join(map(str, s)))
-def test_tiled_kernels_compile_for_sm80(kernel, spec):
-    """The register-tiled kernels use nothing beyond sm_80 (warp shuffles, barriers)."""
-    dtype, bucket, mask_kind, mods = spec
-    if kernel == "forward":
-        fn = numba_cuda_tiled.make_kernel_function(dtype, bucket, mask_kind, mods)
-        sig = numba_cuda_tiled._signature(dtype, mask_kind)
-    else:
-        module = numba_cuda_tiled_backward
-        make = module.make_dq_function if kernel == "dq" else module.make_dkdv_function
-        fn = make(dtype, bucket, mask_kind, mods)
-        sig = numba_cuda_backward._signature(dtype, mask_kind, 1 if kernel == "dq" else 2)
-    ptx, _ = cuda.compile_ptx(fn, sig, cc=(8, 0))
-    body = _instructions(ptx)
-    assert any(".target sm_80" in line for line in body)
-    assert_float64_only_where_asked(fn.__name__, body, (8, 0))

@@ -122,6 +122,60 @@ def test_nan_rows():
     assert not np.isnan(np.delete(out, 3, axis=2)).any()
 
 
+def _aligned_copy(a, skip=0):
+    """``a``'s values in new memory that starts ``skip`` elements past a 16-byte
+    boundary."""
+    buf = np.empty(a.size + 16 + skip, a.dtype)
+    start = (-buf.ctypes.data % 16) // a.itemsize + skip
+    view = buf[start:start + a.size].reshape(a.shape)
+    view[...] = a
+    return view
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_vector_and_element_loads_agree(dtype, monkeypatch):
+    """Inputs that allow vector loads (aligned rows of whole 16-byte groups, in
+    (B, H, T, E) or a (B, T, H, E) view) and inputs that do not (one element off
+    a 16-byte boundary) take the two load paths of the kernel: the same bits."""
+    rng = np.random.default_rng(16)
+    q, k, v = (a.astype(dtype) for a in make_inputs(rng, (2,), 2, 1, 70, 90, 16, 8))
+    decisions = []
+    fit = numba_cuda.vector_loads_fit
+    monkeypatch.setattr(numba_cuda, "vector_loads_fit",
+                        lambda *arrays: decisions.append(fit(*arrays)) or decisions[-1])
+
+    def run(q, k, v):
+        out, lse = numba_cuda_tiled.attention(*(to_library(a) for a in (q, k, v)), mask=None,
+                                              causal_offset=0, scale=0.25, xp=namespace())
+        return to_numpy(out), to_numpy(lse)
+
+    aligned = run(*(_aligned_copy(a) for a in (q, k, v)))
+    shifted = run(_aligned_copy(q), _aligned_copy(k, skip=1), _aligned_copy(v))
+    time_major = run(*(np.swapaxes(_aligned_copy(np.swapaxes(a, 1, 2)), 1, 2)
+                       for a in (q, k, v)))
+    if SIMULATOR:  # on a GPU the arrays are copied to the device, aligned again
+        assert decisions == [True, False, True]
+    for got in (shifted, time_major):
+        np.testing.assert_array_equal(got[0], aligned[0])
+        np.testing.assert_array_equal(got[1], aligned[1])
+
+
+def test_vector_loads_fit():
+    x = _aligned_copy(np.zeros((2, 3, 5, 8), np.float32))
+    fit = numba_cuda.vector_loads_fit
+    memory = numba_cuda._memory
+    assert fit(memory(x), memory(np.swapaxes(_aligned_copy(np.zeros((2, 5, 3, 8))), 1, 2)))
+    assert fit(memory(x[:, :1]), memory(x[..., 4:]))  # strides of whole 16-byte groups
+    assert not fit(memory(x[..., :6]))  # rows of 24 bytes
+    assert not fit(memory(x[..., 1:5]))  # a row start 4 bytes past a boundary
+    assert not fit(memory(x[:, :, ::-1]))  # a negative stride
+    assert not fit(memory(x[..., ::2]))  # elements not consecutive
+    assert not fit(memory(x), memory(x[..., :6]))  # one array that does not fit
+    huge = (16, (2, 1, 2**20, 256), (2**31, 2**30, 1024, 4), 4)
+    assert not fit(huge)  # byte offsets beyond 2**31 - 1
+    assert fit((16, (1, 1, 2**20, 256), (2**30, 2**30, 1024, 4), 4))
+
+
 def test_chosen_by_name_and_explained(monkeypatch):
     rng = np.random.default_rng(16)
     q, k, v = (to_library(a.astype(np.float32)) for a in

@@ -224,3 +224,45 @@ def test_specializations_cover_every_combination():
                   * len(numba_cuda.MASK_KINDS) * 2)
     assert len(specs) == 2 * per_kernel
     assert len({fn.__name__ for fn, _ in specs}) == 2 * per_kernel
+
+
+def _aligned_copy(a, skip=0):
+    """``a``'s values in new memory that starts ``skip`` elements past a 16-byte
+    boundary."""
+    buf = np.empty(a.size + 16 + skip, a.dtype)
+    start = (-buf.ctypes.data % 16) // a.itemsize + skip
+    view = buf[start:start + a.size].reshape(a.shape)
+    view[...] = a
+    return view
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_vector_and_element_loads_agree(dtype, monkeypatch):
+    """Inputs that allow vector loads and inputs that do not (dO one element off a
+    16-byte boundary) take the two load paths of both kernels: the same bits."""
+    rng = np.random.default_rng(31)
+    q, k, v = (a.astype(dtype) for a in make_inputs(rng, (1,), 2, 1, 70, 75, 16, 8))
+    grad_out = rng.standard_normal((1, 2, 70, 8)).astype(dtype)
+    out, lse = (np.asarray(a, dtype=dtype) for a in reference_implementation.attention(
+        q, k, v, mask=None, causal_offset=0, scale=0.25, xp=namespace()))
+    decisions = []
+    fit = numba_cuda.vector_loads_fit
+    monkeypatch.setattr(numba_cuda, "vector_loads_fit",
+                        lambda *arrays: decisions.append(fit(*arrays)) or decisions[-1])
+
+    def run(grad_out):
+        grads = tiled_backward.backward(
+            *(to_library(_aligned_copy(a)) for a in (q, k, v)), to_library(out),
+            to_library(lse), to_library(grad_out), mask=None, causal_offset=0, scale=0.25,
+            xp=namespace())
+        return [to_numpy(g) for g in grads]
+
+    aligned = run(_aligned_copy(grad_out))
+    shifted = run(_aligned_copy(grad_out, skip=1))
+    if SIMULATOR:  # on a GPU the arrays are copied to the device, aligned again
+        # q, k, v then dO, per call
+        assert decisions == [True, True, True, False]
+    for got, want in zip(shifted, aligned, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert all(np.isfinite(g).all() for g in aligned)

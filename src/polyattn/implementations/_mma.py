@@ -213,7 +213,7 @@ def unpack(word: Any) -> tuple[int, int]:
 
 OPS = ("mma_f16", "mma_bf16", "mma_tf32", "pack_f16x2", "pack_bf16x2", "tf32_bits",
        "bits_to_f32", "quad_max", "quad_sum", "octet_max", "octet_sum", "ldmatrix_x4",
-       "opaque_zero")
+       "opaque_zero", "load_vector1", "load_vector2", "load_vector4")
 
 
 class _Warp:
@@ -360,7 +360,17 @@ def simulated_ops() -> pytypes.SimpleNamespace:
         octet_sum=_butterfly(lambda x, y: x + y, 8, cast=lambda x: x),
         ldmatrix_x4=_simulated_ldmatrix,
         opaque_zero=lambda: 0,
+        load_vector1=_simulated_load(1),
+        load_vector2=_simulated_load(2),
+        load_vector4=_simulated_load(4),
     )
+
+
+def _simulated_load(width: int) -> Any:
+    def load(array: Any, i0: Any, i1: Any, i2: Any, i3: Any) -> tuple[Any, ...]:
+        return tuple(array[i0, i1, i2, i3 + w] for w in range(width))
+
+    return load
 
 
 def _intrinsic(name: str, result: str, operands: str, text: str, constraints: str,
@@ -496,7 +506,62 @@ def gpu_ops() -> pytypes.SimpleNamespace:
         # in a loop are computed there, not hoisted as 64-bit addresses.
         opaque_zero=_intrinsic("opaque_zero", "int32", "", "mov.u32 $0, 0;", "=r",
                                side_effect=True),
+        load_vector1=_vector_load(1),
+        load_vector2=_vector_load(2),
+        load_vector4=_vector_load(4),
     )
+
+
+def _vector_load(width: int) -> Any:
+    """``load_vector{width}(a, i, j, k, l)``: ``a[i, j, k, l : l + width]`` of a 4-D
+    float32 or float64 array in global memory, as one load (``ld.global.nc``; a
+    vector of 8 or 16 bytes for ``width`` > 1) whose address is computed in 32-bit
+    integers.
+
+    The caller guarantees what makes that valid (see
+    :func:`.numba_cuda.vector_loads_fit`): the elements are consecutive in memory,
+    the address is aligned to ``width`` elements, the array is not written by the
+    kernel, and every byte offset in it fits in a signed 32-bit integer.
+    """
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils  # type: ignore[attr-defined]
+    from numba.cuda.extending import intrinsic
+
+    def typer(typingctx: Any, array: Any, i0: Any, i1: Any, i2: Any, i3: Any) -> Any:
+        if not (isinstance(array, types.Array) and array.ndim == 4
+                and array.dtype in (types.float32, types.float64)
+                and width * array.dtype.bitwidth // 8 <= 16
+                and all(isinstance(i, types.Integer) for i in (i0, i1, i2, i3))):
+            return None
+        sig = types.UniTuple(array.dtype, width)(array, i0, i1, i2, i3)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            arrty = signature.args[0]
+            ary = context.make_array(arrty)(context, builder, args[0])
+            i32 = ir.IntType(32)
+            offset = ir.Constant(i32, 0)
+            strides = cgutils.unpack_tuple(builder, ary.strides, 4)
+            for value, ty, stride in zip(args[1:], signature.args[1:], strides, strict=True):
+                index = builder.trunc(context.cast(builder, value, ty, types.int64), i32)
+                step = builder.mul(index, builder.trunc(stride, i32), flags=["nsw"])
+                offset = builder.add(offset, step, flags=["nsw"])
+            base = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+            address = builder.gep(base, [builder.sext(offset, ir.IntType(64))])
+            element = context.get_value_type(arrty.dtype)
+            loaded = ir.VectorType(element, width) if width > 1 else element
+            pointer = builder.addrspacecast(builder.bitcast(address, loaded.as_pointer()),
+                                            ir.PointerType(loaded, 1))
+            value = builder.load(pointer, align=width * arrty.dtype.bitwidth // 8)
+            value.set_metadata("invariant.load", builder.module.add_metadata([]))
+            items = ([builder.extract_element(value, ir.Constant(i32, w)) for w in range(width)]
+                     if width > 1 else [value])
+            return context.make_tuple(builder, signature.return_type, items)
+
+        return sig, codegen
+
+    typer.__name__ = f"load_vector{width}"
+    return intrinsic(typer)
 
 
 def _ldmatrix_intrinsic() -> Any:

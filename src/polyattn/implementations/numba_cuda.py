@@ -996,12 +996,14 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
 
 def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None,
                  causal_offset: int | None, scale: float, xp: Any, rules: Rules | None,
-                 kernel_for: Any, rows: int, threads: int) -> tuple[Array, Array]:
+                 kernel_for: Any, rows: int, threads: int,
+                 vector_flag: bool = False) -> tuple[Array, Array]:
     """``(out, lse)`` from one launch of a kernel whose blocks own ``rows`` query rows
     of one (batch, head) pair each, with ``threads`` threads, and take the arrays
     and scalars of :func:`kernel_inputs` then ``out`` and ``lse``: the tensor-core
     and register-tiled kernels. ``kernel_for(mask_kind, mods)`` gives the compiled
-    kernel."""
+    kernel; with ``vector_flag`` it takes one more scalar, 1 where q, k and v may be
+    read by vector loads (:func:`vector_loads_fit`), else 0."""
     *batch, n_heads, tq, _ = q.shape
     ev = v.shape[-1]
     dev = _Device(q)
@@ -1015,7 +1017,9 @@ def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None,
         check_grid(n_blocks, f"B·H·ceil(Tq/{rows})", q)
         out_d, lse_d = dev.view(out), dev.view(lse)
         with launching(dev) as stream:
-            kernel[n_blocks, threads, stream](*inputs.arrays, out_d, lse_d, *inputs.scalars)
+            flag = (np.int64(inputs.vector_loads),) if vector_flag else ()
+            kernel[n_blocks, threads, stream](*inputs.arrays, out_d, lse_d, *inputs.scalars,
+                                              *flag)
         if dev.simulated:
             out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
     out = xp.reshape(out, (*batch, n_heads, tq, ev))  # (B…, H, Tq, Ev)
@@ -1094,13 +1098,15 @@ class KernelInputs:
     (Bm, Hm, Tqm, Tkm) (a never-read placeholder without one), its batch table,
     the key lengths and the ALiBi slopes. ``scalars``: scale, softcap (0: none),
     the dropout arguments of :func:`dropout_arguments`, the position offset, the
-    shift flag and the left and right reach.
+    shift flag and the left and right reach. ``vector_loads``: whether q, k and v
+    may be read by vector loads (:func:`vector_loads_fit`).
     """
 
     mask_kind: str
     mods: bool
     arrays: tuple[Any, ...]
     scalars: tuple[Any, ...]
+    vector_loads: bool = False
 
 
 def kernel_inputs(q: Array, k: Array, v: Array, mask: Array | None,
@@ -1137,7 +1143,41 @@ def kernel_inputs(q: Array, k: Array, v: Array, mask: Array | None,
                                          slopes))
     scalars = (np_t(scale), softcap, *dropout_arguments(rules, dtype), offset, shift, left,
                right)
-    return KernelInputs(mask_kind, mods, arrays, scalars)
+    sources = (q4, k4, v4) if dev.simulated else arrays[:3]
+    return KernelInputs(mask_kind, mods, arrays, scalars,
+                        vector_loads_fit(*(_memory(x) for x in sources)))
+
+
+def _memory(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """(address, shape, byte strides, item size) of a NumPy array or a Numba device
+    array."""
+    if isinstance(x, np.ndarray):
+        return x.ctypes.data, x.shape, x.strides, x.itemsize
+    return x.device_ctypes_pointer.value or 0, x.shape, x.strides, x.dtype.itemsize
+
+
+def vector_loads_fit(*arrays: tuple[int, tuple[int, ...], tuple[int, ...], int]) -> bool:
+    """Whether the register-tiled kernel may read every one of these 4-D arrays
+    (given by :func:`_memory`) 16 bytes at a time, addressed in 32-bit integers:
+    rows of consecutive elements whose length is a multiple of 16 bytes, the other
+    strides non-negative multiples of 16 bytes, a 16-byte aligned start, and every
+    byte offset below 2³¹. Any (B, H, T, E) or (B, T, H, E) array of its own
+    memory with E a multiple of 4 (float32) or 2 (float64), below 2 GiB, qualifies;
+    other arrays are read one element at a time with 64-bit indices.
+
+    >>> x = np.zeros((2, 3, 5, 8), np.float32)
+    >>> vector_loads_fit(_memory(x)), vector_loads_fit(_memory(x[..., :6]))
+    (True, False)
+    """
+    for address, shape, strides, itemsize in arrays:
+        if address % 16 or shape[-1] * itemsize % 16 or strides[-1] != itemsize:
+            return False
+        outer = zip(shape[:-1], strides[:-1], strict=True)
+        if any(n > 1 and (st < 0 or st % 16) for n, st in outer):
+            return False
+        if sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if n > 0) + 16 >= 2**31:
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ score modifiers); dropout is the run-time threshold of the forward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -542,7 +543,8 @@ def launch_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_o
     − dlse`` with the input library, the kernels' inputs, the gradients' arrays
     (zeros where there is no score), and shapes back. ``launch(dtype, bucket,
     inputs, (dO, lse, D), dq, (dk, dv), stream)`` launches the kernels, the
-    arrays flattened to (B, H, …) device views."""
+    arrays flattened to (B, H, …) device views; ``inputs.vector_loads`` covers dO
+    too."""
     *batch_list, n_heads, tq, e = q.shape
     *_, n_kv_heads, tk, ev = v.shape
     batch = tuple(batch_list)
@@ -570,6 +572,10 @@ def launch_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_o
         do4 = xp.reshape(grad_out, (n_batch, n_heads, tq, ev))  # (B, H, Tq, Ev)
         inputs = fwd.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
         extra = tuple(dev.view(a) for a in (do4, lse3, delta))
+        # vector loads where dO allows them too
+        do_memory = fwd._memory(do4 if dev.simulated else extra[0])
+        inputs = dataclasses.replace(
+            inputs, vector_loads=inputs.vector_loads and fwd.vector_loads_fit(do_memory))
         dq_d, dk_d, dv_d = dev.view(dq), dev.view(dk), dev.view(dv)
         with fwd.launching(dev) as stream:
             launch(dtype, bucket, inputs, extra, dq_d, (dk_d, dv_d), stream)

@@ -21,16 +21,23 @@ one thread per query row:
   across the whole key loop; the mask's and the modifiers' parameters are
   read per tile. With launch bounds of 4 blocks of 128 threads (2 of 256) per
   multiprocessor, ptxas fits float32 up to head size 128 in 128 registers
-  (sm_90: 110-128; no spill, but for 4 bytes reloaded once per key tile in
-  two specialisations; ``test_kernel_ptx.py`` checks all 30);
+  without spilling (sm_80 and sm_90; ``test_kernel_ptx.py`` checks all 30);
 * a row's maximum and sum are combined over the eight threads that share it
   (neighbouring lanes: three warp shuffles);
 * where it fits (float32 up to head size 64, float64 up to 32), the block's
   scaled Qᵀ is loaded once and stays in shared memory for the whole key loop;
-  otherwise each key tile reads it again, a chunk at a time. K chunks are
-  double-buffered through registers: the next chunk's loads are issued
+  otherwise each key tile reads it again, a chunk at a time. K and V chunks
+  are double-buffered through registers: the next chunk's loads are issued
   before the current chunk's multiply-adds and stored to shared memory after
-  them;
+  them (a tile's first V chunk before its softmax);
+* where q, k and v allow it (:func:`.numba_cuda.vector_loads_fit`: rows of
+  whole 16-byte groups, 16-byte aligned, below 2 GiB, such as any
+  (B, H, T, E) or (B, T, H, E) array with E a multiple of 4 in float32, 2 in
+  float64), a thread reads up to 16 bytes of a row per load (``ld.global.nc``
+  of 4 float32 or 2 float64 values, :func:`._mma.gpu_ops`' ``load_vector``),
+  its address computed in 32-bit integers; other inputs are read an element at
+  a time with Numba's 64-bit indexing (a kernel argument picks the path; both
+  give the same bits);
 * the scores go through shared memory (Pᵀ, key-major). A mask (with the
   modifiers, which come before it) is applied there by all the threads
   together, key fastest, so that neighbouring threads read neighbouring mask
@@ -153,6 +160,7 @@ def _signature(dtype: str, mask_kind: str) -> Any:
         t, t,  # scale, softcap (0: none)
         t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
         i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
+        i64,  # 1: q, k and v may be read by vector loads (numba_cuda.vector_loads_fit)
     )
 
 
@@ -189,12 +197,18 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     # Shared tiles, rows padded by 4 values (16-byte aligned rows, fewer bank conflicts).
     Q_RESIDENT = q_resident(dtype, bucket)
     PRE = BK * D_CHUNK // NTHREADS  # K values of a chunk per thread
-    assert PRE * NTHREADS == BK * D_CHUNK
+    VPT = VK * HEAD // NTHREADS  # V values of a chunk per thread
+    assert PRE * NTHREADS == BK * D_CHUNK and VPT * NTHREADS == VK * HEAD
+    # Values per global load where the inputs allow vector loads (16 bytes at most;
+    # ``vec`` says whether they do): Q, K (PRE values a thread in WK-wide loads) and V.
+    W_MAX = 16 // np.dtype(dtype).itemsize
+    WQ, WK, WV = W_MAX, min(W_MAX, PRE), min(W_MAX, VPT)
+    load_q, load_k, load_v = (getattr(ops, f"load_vector{w}") for w in (WQ, WK, WV))
     Q_SHAPE, K_SHAPE = (HEAD if Q_RESIDENT else D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
     V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
 
     def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, softcap,
-                     drop_scale, threshold, key0, key1, offset, shift, left, right):
+                     drop_scale, threshold, key0, key1, offset, shift, left, right, vec):
         """Out and lse of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -235,6 +249,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         l = cuda.local.array(R, acc_t)
         a = cuda.local.array(R, acc_t)
         k_next = cuda.local.array(PRE, acc_t)  # the K chunk in flight
+        v_next = cuda.local.array(VPT, acc_t)  # the V chunk in flight
         for n in unroll(O_LEN):
             o[n] = ZERO
         for i in unroll(R):
@@ -244,13 +259,19 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         if Q_RESIDENT:
             # Qᵀ, scaled, once for the whole key loop (the loop's first barrier
             # comes before any read of it).
-            for idx in range(tid, BQ * HEAD, NTHREADS):
+            for idx in range(tid * WQ, BQ * HEAD, NTHREADS * WQ):
                 r = idx // HEAD
                 d = idx % HEAD
-                x = ZERO
-                if q0 + r < tq and d < e:
-                    x = q[b, h, q0 + r, d] * scale * LOG2E
-                q_chunk[d, r] = x
+                if vec and q0 + r < tq and d < e:
+                    xs = load_q(q, b, h, q0 + r, d)
+                    for w in unroll(WQ):
+                        q_chunk[d + w, r] = xs[w] * scale * LOG2E
+                else:
+                    for w in unroll(WQ):
+                        x = ZERO
+                        if q0 + r < tq and d + w < e:
+                            x = q[b, h, q0 + r, d + w] * scale * LOG2E
+                        q_chunk[d + w, r] = x
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
@@ -266,40 +287,59 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 z = opaque_zero()
                 tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
                 if dc == 0:  # the tile's first K chunk, to registers
-                    for n in unroll(PRE):
-                        r = (tid_c + n * NTHREADS) // D_CHUNK
-                        d = (tid_c + n * NTHREADS) % D_CHUNK
-                        x = ZERO
-                        if j0 + r < hi and d < e:
-                            x = k[b, hk, j0 + r, d]
-                        k_next[n] = x
+                    for n in unroll(PRE // WK):
+                        r = (tid_c + n * NTHREADS) * WK // D_CHUNK
+                        d = (tid_c + n * NTHREADS) * WK % D_CHUNK
+                        if vec and j0 + r < hi and d < e:
+                            xs = load_k(k, b, hk, j0 + r, d)
+                            for w in unroll(WK):
+                                k_next[n * WK + w] = xs[w]
+                        else:
+                            for w in unroll(WK):
+                                x = ZERO
+                                if j0 + r < hi and d + w < e:
+                                    x = k[b, hk, j0 + r, d + w]
+                                k_next[n * WK + w] = x
                 cuda.syncthreads()  # the previous chunk (or P·V) is read
                 dq0 = z
                 if Q_RESIDENT:
                     dq0 += dc  # this chunk's features in the resident Qᵀ
                 else:
-                    for idx in range(tid_c, BQ * D_CHUNK, NTHREADS):
+                    for idx in range(tid_c * WQ, BQ * D_CHUNK, NTHREADS * WQ):
                         r = idx // D_CHUNK
                         d = idx % D_CHUNK
-                        x = ZERO
-                        if q0 + r < tq and dc + d < e:
-                            x = q[b, h, q0 + r, dc + d] * scale * LOG2E
-                        q_chunk[d, r] = x
-                for n in unroll(PRE):
-                    r = (tid_c + n * NTHREADS) // D_CHUNK
-                    d = (tid_c + n * NTHREADS) % D_CHUNK
-                    k_chunk[d, r] = k_next[n]
+                        if vec and q0 + r < tq and dc + d < e:
+                            xs = load_q(q, b, h, q0 + r, dc + d)
+                            for w in unroll(WQ):
+                                q_chunk[d + w, r] = xs[w] * scale * LOG2E
+                        else:
+                            for w in unroll(WQ):
+                                x = ZERO
+                                if q0 + r < tq and dc + d + w < e:
+                                    x = q[b, h, q0 + r, dc + d + w] * scale * LOG2E
+                                q_chunk[d + w, r] = x
+                for n in unroll(PRE // WK):
+                    r = (tid_c + n * NTHREADS) * WK // D_CHUNK
+                    d = (tid_c + n * NTHREADS) * WK % D_CHUNK
+                    for w in unroll(WK):
+                        k_chunk[d + w, r] = k_next[n * WK + w]
                 cuda.syncthreads()
                 # The next K chunk's loads are issued now and land in registers
                 # while this chunk's multiply-adds run (a register double buffer).
                 if dc + D_CHUNK < HEAD:
-                    for n in unroll(PRE):
-                        r = (tid_c + n * NTHREADS) // D_CHUNK
-                        d = (tid_c + n * NTHREADS) % D_CHUNK
-                        x = ZERO
-                        if j0 + r < hi and dc + D_CHUNK + d < e:
-                            x = k[b, hk, j0 + r, dc + D_CHUNK + d]
-                        k_next[n] = x
+                    for n in unroll(PRE // WK):
+                        r = (tid_c + n * NTHREADS) * WK // D_CHUNK
+                        d = dc + D_CHUNK + (tid_c + n * NTHREADS) * WK % D_CHUNK
+                        if vec and j0 + r < hi and d < e:
+                            xs = load_k(k, b, hk, j0 + r, d)
+                            for w in unroll(WK):
+                                k_next[n * WK + w] = xs[w]
+                        else:
+                            for w in unroll(WK):
+                                x = ZERO
+                                if j0 + r < hi and d + w < e:
+                                    x = k[b, hk, j0 + r, d + w]
+                                k_next[n * WK + w] = x
                 for d in range(D_CHUNK):
                     for i in unroll(R):
                         a[i] = q_chunk[dq0 + d, R * rg_c + i]
@@ -318,6 +358,21 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 for u in unroll(4):
                     for i in unroll(R):
                         p_tile[32 * c + 4 * kg_s + u, R * rg_s + i] = s[RS * c + 4 * i + u]
+            # The tile's first V chunk, to registers: its loads land while the
+            # softmax runs.
+            for n in unroll(VPT // WV):
+                r = (tid + z + n * NTHREADS) * WV // HEAD
+                d = (tid + z + n * NTHREADS) * WV % HEAD
+                if vec and j0 + r < hi and d < ev:
+                    xs = load_v(v, b, hk, j0 + r, d)
+                    for w in unroll(WV):
+                        v_next[n * WV + w] = xs[w]
+                else:
+                    for w in unroll(WV):
+                        x = ZERO
+                        if j0 + r < hi and d + w < ev:
+                            x = v[b, hk, j0 + r, d + w]
+                        v_next[n * WV + w] = x
 
             cap = ZERO
             inv_cap = ZERO
@@ -431,19 +486,32 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         else:
                             p_tile[jj, ii] = ZERO
 
-            # O += P V, V through shared memory VK keys at a time.
+            # O += P V, V through shared memory VK keys at a time, the next chunk's
+            # loads issued before this chunk's multiply-adds (as K's).
             for vc in range(0, BK, VK):
                 z = opaque_zero()
                 tid_v, rg_v, kg_v = tid + z, rg + z, kg + z
                 cuda.syncthreads()  # Pᵀ written; the previous V chunk read
-                for idx in range(tid_v, VK * HEAD, NTHREADS):
-                    r = idx // HEAD
-                    d = idx % HEAD
-                    x = ZERO
-                    if j0 + vc + r < hi and d < ev:
-                        x = v[b, hk, j0 + vc + r, d]
-                    v_chunk[r, d] = x
+                for n in unroll(VPT // WV):
+                    r = (tid_v + n * NTHREADS) * WV // HEAD
+                    d = (tid_v + n * NTHREADS) * WV % HEAD
+                    for w in unroll(WV):
+                        v_chunk[r, d + w] = v_next[n * WV + w]
                 cuda.syncthreads()
+                if vc + VK < BK:
+                    for n in unroll(VPT // WV):
+                        r = vc + VK + (tid_v + n * NTHREADS) * WV // HEAD
+                        d = (tid_v + n * NTHREADS) * WV % HEAD
+                        if vec and j0 + r < hi and d < ev:
+                            xs = load_v(v, b, hk, j0 + r, d)
+                            for w in unroll(WV):
+                                v_next[n * WV + w] = xs[w]
+                        else:
+                            for w in unroll(WV):
+                                x = ZERO
+                                if j0 + r < hi and d + w < ev:
+                                    x = v[b, hk, j0 + r, d + w]
+                                v_next[n * WV + w] = x
                 for jj in range(VK):
                     for i in unroll(R):
                         a[i] = p_tile[vc + jj + z, R * rg_v + i]
@@ -518,4 +586,4 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     return numba_cuda.launch_tiles(
         q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
         kernel_for=lambda mask_kind, mods: compiled_kernel(dtype, bucket, mask_kind, mods),
-        rows=BLOCK_Q, threads=threads(bucket))
+        rows=BLOCK_Q, threads=threads(bucket), vector_flag=True)

@@ -48,6 +48,11 @@ propagates, or 0, whose product is then 0 as in the row kernels). ``dV +=
 (P∘Z)ᵀ dO`` has no such guard: a non-finite ``dO`` row reaches every key of
 its tile. Keys past ``min(Tk, key_lengths[b])`` are never read.
 
+Where q, k, v and dO allow it (:func:`.numba_cuda.vector_loads_fit`), the
+chunks are read as in the forward, 16 bytes per load with 32-bit address
+arithmetic; other inputs element by element with 64-bit indices (a kernel
+argument picks the path; both give the same bits).
+
 Registers (sm_90, float32, the 128-register launch bound of the forward):
 dQ 124-128 at head sizes 64 and 128 without spills; dK/dV 128 at head size
 64 with 44-68 bytes of spill stores, 126-128 at 128 (none plain, 12 bytes with
@@ -147,7 +152,14 @@ def v_keys(dtype: str, bucket: int) -> int:
     raise ValueError(f"no chunk size fits {dtype} head size {bucket} in shared memory")
 
 
-_signature = numba_cuda_backward._signature
+def _signature(dtype: str, mask_kind: str, outputs: int) -> Any:
+    """The signature of :func:`.numba_cuda_backward._signature` and one more int64: 1
+    where q, k, v and dO may be read by vector loads
+    (:func:`.numba_cuda.vector_loads_fit`)."""
+    from numba import types
+
+    base = numba_cuda_backward._signature(dtype, mask_kind, outputs)
+    return types.void(*base.args, types.int64)
 
 
 def _constants(dtype: str, bucket: int, rows: int) -> dict[str, Any]:
@@ -177,7 +189,11 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     cuda = numba_cuda._cuda()
     from numba import types
 
-    opaque_zero = _mma.device_ops(numba_cuda.simulator_enabled()).opaque_zero
+    ops = _mma.device_ops(numba_cuda.simulator_enabled())
+    opaque_zero = ops.opaque_zero
+    # Values per global load where the inputs allow vector loads (``vec``): 16 bytes.
+    W = 16 // np.dtype(dtype).itemsize
+    load = getattr(ops, f"load_vector{W}")
     keep_word = numba_cuda.philox_function()
     acc_t = getattr(types, dtype)
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
@@ -194,7 +210,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
 
     def tiled_dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq,
                         scale, softcap, drop_scale, threshold, key0, key1, offset, shift,
-                        left, right):
+                        left, right, vec):
         """dq of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -257,26 +273,46 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                     z = opaque_zero()
                     tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
                     cuda.syncthreads()  # the previous chunk (or tile) is read
-                    for idx in range(tid_c, BQ * D_CHUNK, NTHREADS):
+                    for idx in range(tid_c * W, BQ * D_CHUNK, NTHREADS * W):
                         r = idx // D_CHUNK
                         d = idx % D_CHUNK
-                        x = ZERO
-                        if q0 + r < tq and dc + d < width:
+                        if vec and q0 + r < tq and dc + d < width:
                             if ph == 0:
-                                x = q[b, h, q0 + r, dc + d] * scale
+                                xs = load(q, b, h, q0 + r, dc + d)
+                                for w in unroll(W):
+                                    chunk[(d + w) * A_STRIDE + r] = xs[w] * scale
                             else:
-                                x = do[b, h, q0 + r, dc + d]
-                        chunk[d * A_STRIDE + r] = x
-                    for idx in range(tid_c, BK * D_CHUNK, NTHREADS):
+                                xs = load(do, b, h, q0 + r, dc + d)
+                                for w in unroll(W):
+                                    chunk[(d + w) * A_STRIDE + r] = xs[w]
+                        else:
+                            for w in unroll(W):
+                                x = ZERO
+                                if q0 + r < tq and dc + d + w < width:
+                                    if ph == 0:
+                                        x = q[b, h, q0 + r, dc + d + w] * scale
+                                    else:
+                                        x = do[b, h, q0 + r, dc + d + w]
+                                chunk[(d + w) * A_STRIDE + r] = x
+                    for idx in range(tid_c * W, BK * D_CHUNK, NTHREADS * W):
                         r = idx // D_CHUNK
                         d = idx % D_CHUNK
-                        x = ZERO
-                        if j0 + r < hi and dc + d < width:
+                        if vec and j0 + r < hi and dc + d < width:
                             if ph == 0:
-                                x = k[b, hk, j0 + r, dc + d]
+                                xs = load(k, b, hk, j0 + r, dc + d)
                             else:
-                                x = v[b, hk, j0 + r, dc + d]
-                        chunk[B_OFF + d * B_STRIDE + r] = x
+                                xs = load(v, b, hk, j0 + r, dc + d)
+                            for w in unroll(W):
+                                chunk[B_OFF + (d + w) * B_STRIDE + r] = xs[w]
+                        else:
+                            for w in unroll(W):
+                                x = ZERO
+                                if j0 + r < hi and dc + d + w < width:
+                                    if ph == 0:
+                                        x = k[b, hk, j0 + r, dc + d + w]
+                                    else:
+                                        x = v[b, hk, j0 + r, dc + d + w]
+                                chunk[B_OFF + (d + w) * B_STRIDE + r] = x
                     cuda.syncthreads()
                     for d in range(D_CHUNK):
                         for i in unroll(R):
@@ -371,15 +407,24 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                 z = opaque_zero()
                 tid_v, rg_v, kg_v = tid + z, rg + z, kg + z
                 cuda.syncthreads()  # dSᵀ written; the previous K chunk read
-                for idx in range(tid_v, VK * HEAD, NTHREADS):
+                for idx in range(tid_v * W, VK * HEAD, NTHREADS * W):
                     r = idx // HEAD
                     d = idx % HEAD
-                    x = ZERO
-                    if j0 + vc + r < hi and d < e:
-                        x = k[b, hk, j0 + vc + r, d]
-                        if not math.isfinite(x):
-                            x = ZERO  # its pairs' dS are NaN or 0: see the docstring
-                    chunk[r * ROW_STRIDE + d] = x
+                    if vec and j0 + vc + r < hi and d < e:
+                        xs = load(k, b, hk, j0 + vc + r, d)
+                        for w in unroll(W):
+                            x = xs[w]
+                            if not math.isfinite(x):
+                                x = ZERO  # its pairs' dS are NaN or 0: see the docstring
+                            chunk[r * ROW_STRIDE + d + w] = x
+                    else:
+                        for w in unroll(W):
+                            x = ZERO
+                            if j0 + vc + r < hi and d + w < e:
+                                x = k[b, hk, j0 + vc + r, d + w]
+                                if not math.isfinite(x):
+                                    x = ZERO
+                            chunk[r * ROW_STRIDE + d + w] = x
                 cuda.syncthreads()
                 for jj in range(VK):
                     for i in unroll(R):
@@ -414,7 +459,11 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     cuda = numba_cuda._cuda()
     from numba import types
 
-    opaque_zero = _mma.device_ops(numba_cuda.simulator_enabled()).opaque_zero
+    ops = _mma.device_ops(numba_cuda.simulator_enabled())
+    opaque_zero = ops.opaque_zero
+    # Values per global load where the inputs allow vector loads (``vec``): 16 bytes.
+    W = 16 // np.dtype(dtype).itemsize
+    load = getattr(ops, f"load_vector{W}")
     keep_word = numba_cuda.philox_function()
     acc_t = getattr(types, dtype)
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
@@ -431,7 +480,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
 
     def tiled_dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
                           scale, softcap, drop_scale, threshold, key0, key1, offset, shift,
-                          left, right):
+                          left, right, vec):
         """dk and dv of 64 keys of one (batch, key/value head) pair, summed over the
         query heads of its group."""
         _, n_heads, tq, e = q.shape
@@ -502,26 +551,46 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                         z = opaque_zero()
                         tid_c, rg_c, kg_c = tid + z, rg + z, kg + z
                         cuda.syncthreads()  # the previous chunk (or tile) is read
-                        for idx in range(tid_c, BKV * D_CHUNK, NTHREADS):
+                        for idx in range(tid_c * W, BKV * D_CHUNK, NTHREADS * W):
                             r = idx // D_CHUNK
                             d = idx % D_CHUNK
-                            x = ZERO
-                            if k0 + r < hi and dc + d < width:
+                            if vec and k0 + r < hi and dc + d < width:
                                 if ph == 0:
-                                    x = k[b, hk, k0 + r, dc + d]
+                                    xs = load(k, b, hk, k0 + r, dc + d)
                                 else:
-                                    x = v[b, hk, k0 + r, dc + d]
-                            chunk[d * A_STRIDE + r] = x
-                        for idx in range(tid_c, BQT * D_CHUNK, NTHREADS):
+                                    xs = load(v, b, hk, k0 + r, dc + d)
+                                for w in unroll(W):
+                                    chunk[(d + w) * A_STRIDE + r] = xs[w]
+                            else:
+                                for w in unroll(W):
+                                    x = ZERO
+                                    if k0 + r < hi and dc + d + w < width:
+                                        if ph == 0:
+                                            x = k[b, hk, k0 + r, dc + d + w]
+                                        else:
+                                            x = v[b, hk, k0 + r, dc + d + w]
+                                    chunk[(d + w) * A_STRIDE + r] = x
+                        for idx in range(tid_c * W, BQT * D_CHUNK, NTHREADS * W):
                             r = idx // D_CHUNK
                             d = idx % D_CHUNK
-                            x = ZERO
-                            if i0 + r < q_hi and dc + d < width:
+                            if vec and i0 + r < q_hi and dc + d < width:
                                 if ph == 0:
-                                    x = q[b, h, i0 + r, dc + d] * scale
+                                    xs = load(q, b, h, i0 + r, dc + d)
+                                    for w in unroll(W):
+                                        chunk[B_OFF + (d + w) * B_STRIDE + r] = xs[w] * scale
                                 else:
-                                    x = do[b, h, i0 + r, dc + d]
-                            chunk[B_OFF + d * B_STRIDE + r] = x
+                                    xs = load(do, b, h, i0 + r, dc + d)
+                                    for w in unroll(W):
+                                        chunk[B_OFF + (d + w) * B_STRIDE + r] = xs[w]
+                            else:
+                                for w in unroll(W):
+                                    x = ZERO
+                                    if i0 + r < q_hi and dc + d + w < width:
+                                        if ph == 0:
+                                            x = q[b, h, i0 + r, dc + d + w] * scale
+                                        else:
+                                            x = do[b, h, i0 + r, dc + d + w]
+                                    chunk[B_OFF + (d + w) * B_STRIDE + r] = x
                         cuda.syncthreads()
                         for d in range(D_CHUNK):
                             for i in unroll(R):
@@ -623,18 +692,30 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                         z = opaque_zero()
                         tid_v, rg_v, kg_v = tid + z, rg + z, kg + z
                         cuda.syncthreads()  # the weights written; the previous chunk read
-                        for idx in range(tid_v, VK * HEAD, NTHREADS):
+                        for idx in range(tid_v * W, VK * HEAD, NTHREADS * W):
                             r = idx // HEAD
                             d = idx % HEAD
-                            x = ZERO
-                            if i0 + vc + r < q_hi and d < width:
+                            if vec and i0 + vc + r < q_hi and d < width:
                                 if ps == 0:
-                                    x = do[b, h, i0 + vc + r, d]
+                                    xs = load(do, b, h, i0 + vc + r, d)
                                 else:
-                                    x = q[b, h, i0 + vc + r, d]
-                                    if not math.isfinite(x):
+                                    xs = load(q, b, h, i0 + vc + r, d)
+                                for w in unroll(W):
+                                    x = xs[w]
+                                    if ps == 1 and not math.isfinite(x):
                                         x = ZERO  # its pairs' dS are NaN or 0
-                            chunk[r * ROW_STRIDE + d] = x
+                                    chunk[r * ROW_STRIDE + d + w] = x
+                            else:
+                                for w in unroll(W):
+                                    x = ZERO
+                                    if i0 + vc + r < q_hi and d + w < width:
+                                        if ps == 0:
+                                            x = do[b, h, i0 + vc + r, d + w]
+                                        else:
+                                            x = q[b, h, i0 + vc + r, d + w]
+                                            if not math.isfinite(x):
+                                                x = ZERO
+                                    chunk[r * ROW_STRIDE + d + w] = x
                         cuda.syncthreads()
                         for ii in range(VK):
                             for i in unroll(R):
@@ -735,12 +816,13 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         kv_blocks = n_batch * n_kv_heads * -(-tk // BLOCK_KV)
         numba_cuda.check_grid(dq_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
         numba_cuda.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{BLOCK_KV})", q)
+        vec = np.int64(inputs.vector_loads)
         compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods)[
             dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *arrays, dq_d,
-                                                   *inputs.scalars)
+                                                   *inputs.scalars, vec)
         compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods)[
             kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *arrays, *dkdv_d,
-                                                     *inputs.scalars)
+                                                     *inputs.scalars, vec)
 
     return numba_cuda_backward.launch_backward(
         q, k, v, out, lse, grad_out, mask=mask, causal_offset=causal_offset, scale=scale,
