@@ -87,13 +87,27 @@ def kernel_sim(session: nox.Session) -> None:
 
 @nox.session(tags=["kernel"])
 def kernel_ptx(session: nox.Session) -> None:
-    """Compile every kernel specialisation to PTX for sm_80 and sm_90 (no GPU needed);
-    ptxas and cuobjdump (NVIDIA's wheels) check the tensor-core kernels' SASS."""
+    """Compile the kernels to PTX and assemble it for sm_80 and sm_90 (no GPU needed):
+    every forward specialisation but the register-tiled float64 and head-256 ones, a
+    sample of the backward ones (kernel_ptx_all: every one); ptxas and cuobjdump
+    (NVIDIA's wheels) check registers, spills and the SASS."""
     install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist", "nvidia-cuda-nvcc",
             "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm")
     args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
                                "tests/test_kernel_ptx.py"]
     session.run("python", "-m", "pytest", *args)
+
+
+@nox.session(default=False, tags=["kernel"])
+def kernel_ptx_all(session: nox.Session) -> None:
+    """kernel_ptx with every specialisation of the register-tiled kernels, forward and
+    backward, rather than kernel_ptx's sample of those ptxas has no budget for
+    (about 45 minutes on 2 cores)."""
+    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist", "nvidia-cuda-nvcc",
+            "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm")
+    session.env["POLYATTN_PTX_SWEEP"] = "all"
+    session.run("python", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
+                *(session.posargs or ["tests/test_kernel_ptx.py"]))
 
 
 @nox.session(tags=["cpu"])

@@ -1,16 +1,17 @@
 """Compile every kernel specialisation for sm_80 and sm_90, without a GPU, and read
 what ptxas makes of it.
 
-Every kernel the launchers may compile: the one-thread-per-row forward kernels
-(dtype × head bucket × mask kind × plain or with score modifiers) and their
-split merge, the tensor-core kernels (float16, bfloat16, 3xTF32), the
-register-tiled forward kernels and the register-tiled dQ and dK/dV kernels,
-each for every dtype, head bucket, mask kind and modifier setting; the
-register-tiled dQ and dK/dV kernels for every float32 specialisation up to
-head size 128 and for every other (dtype, head size) with a rotating mask
-kind and modifier setting; the one-thread-per-row backward kernels (which
-only decoding shapes use) at head size 64 in full and once per other head
-size.
+Every one-thread-per-row forward kernel (dtype × head bucket × mask kind ×
+plain or with score modifiers) and split merge, every tensor-core kernel
+(float16, bfloat16, 3xTF32); the register-tiled forward kernels for every
+float32 specialisation up to head size 128 (the ones with a register
+budget), and the register-tiled dQ and
+dK/dV kernels for every float32 specialisation at head sizes 64 and 128,
+each other (dtype, head size) once with a rotating mask kind and modifier
+setting (``POLYATTN_PTX_SWEEP=all``, the ``kernel_ptx_all`` session, compiles
+every one: about 45 minutes on 2 cores); the one-thread-per-row backward
+kernels (which only decoding shapes use) at head size 64 in full and once per
+other head size.
 
 Numba's NVVM emits the same PTX for sm_80 and sm_90 but for its ``.target``
 line (checked on a sample of every family: ``test_one_ptx_serves_both``), so
@@ -123,8 +124,9 @@ def compile_ptx(fn, sig, bounds=None, cc=PTX_CC) -> str:
     return cuda.compile_ptx(fn, sig, cc=cc, **options)[0]
 
 
-def ptxas_and_sass(ptx: str, cc: tuple[int, int]) -> tuple[str, str]:
-    """(ptxas -v report, cuobjdump -sass text) of one kernel's PTX for sm_XY."""
+def ptxas_and_sass(ptx: str, cc: tuple[int, int], sass: bool = True) -> tuple[str, str]:
+    """(ptxas -v report, cuobjdump -sass text, or "" without ``sass``) of one kernel's
+    PTX for sm_XY."""
     import tempfile
 
     ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
@@ -133,14 +135,14 @@ def ptxas_and_sass(ptx: str, cc: tuple[int, int]) -> tuple[str, str]:
         cubin = os.path.join(tmp, "k.cubin")
         run = subprocess.run([ptxas, "-v", f"-arch=sm_{cc[0]}{cc[1]}", "-", "-o", cubin],
                              input=ptx, capture_output=True, text=True, check=True)
-        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    return run.stderr, sass
+        text = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout if sass else ""
+    return run.stderr, text
 
 
-def assembled(ptx: str) -> dict[tuple[int, int], tuple[str, str]]:
-    """{architecture: (ptxas report, SASS)} of one PTX for every one of ARCHS."""
-    return {cc: ptxas_and_sass(ptx, cc) for cc in ARCHS}
+def assembled(ptx: str, sass: bool = True) -> dict[tuple[int, int], tuple[str, str]]:
+    """{architecture: (ptxas report, SASS or "")} of one PTX for every one of ARCHS."""
+    return {cc: ptxas_and_sass(ptx, cc, sass) for cc in ARCHS}
 
 
 def usage(report: str) -> tuple[int, int, int]:
@@ -196,7 +198,7 @@ def test_row_kernel(index):
     ptx = compile_ptx(fn, sig)
     assert_ptx_basics(name, ptx, "_mods" in name, dropout=name.startswith("attention_"))
     if HAVE_SASS_TOOLS:
-        for cc, (report, _) in assembled(ptx).items():
+        for cc, (report, _) in assembled(ptx, sass=False).items():
             print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores {usage(report)}")
 
 
@@ -238,7 +240,7 @@ def test_row_backward_kernel(index):
     ptx = compile_ptx(fn, sig)
     assert_ptx_basics(name, ptx, "_mods" in name)  # dropout's keep-mask, recomputed
     if HAVE_SASS_TOOLS:
-        for cc, (report, _) in assembled(ptx).items():
+        for cc, (report, _) in assembled(ptx, sass=False).items():
             print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores {usage(report)}")
 
 
@@ -383,9 +385,32 @@ def test_dependent_run_counts_back_to_back_chains():
 
 
 
-TILED = [(dtype, bucket, mask_kind, mods) for dtype in numba_cuda.DTYPES
-         for bucket in numba_cuda.HEAD_DIM_BUCKETS for mask_kind in numba_cuda.MASK_KINDS
-         for mods in (False, True)]
+#: ``POLYATTN_PTX_SWEEP=all`` (the ``kernel_ptx_all`` session): every specialisation of
+#: the register-tiled kernels, forward and backward (about 45 minutes on 2 cores).
+SWEEP_ALL = os.environ.get("POLYATTN_PTX_SWEEP", "") == "all"
+
+
+def _rotating_sample(kernels, full) -> list[tuple]:
+    """(kernel, dtype, head bucket, mask kind, modifiers) of ``kernels``: the full
+    product for the (dtype, head bucket) pairs in ``full``; one specialisation per
+    kernel for each other pair, the mask kind and modifier setting rotating so
+    that each appears. Each tiled kernel takes 10-25 s to compile."""
+    kinds = numba_cuda.MASK_KINDS
+    pairs = [(d, b) for d in numba_cuda.DTYPES for b in numba_cuda.HEAD_DIM_BUCKETS]
+    specs = []
+    for n, (dtype, bucket) in enumerate(p for p in pairs if p not in full):
+        specs += [(kernel, dtype, bucket, kinds[n % 3], n % 2 == 1) for kernel in kernels]
+    specs += [(kernel, dtype, bucket, mask_kind, mods) for kernel in kernels
+              for dtype, bucket in pairs if (dtype, bucket) in full or SWEEP_ALL
+              for mask_kind in kinds for mods in (False, True)
+              if (kernel, dtype, bucket, mask_kind, mods) not in specs]
+    return specs
+
+
+# Every float32 specialisation up to head size 128 (the register and spill budget
+# is theirs); each other (dtype, head size) once.
+TILED = [spec[1:] for spec in _rotating_sample(
+    ("forward",), [("float32", b) for b in numba_cuda.HEAD_DIM_BUCKETS if b <= 128])]
 # Loads of 16 bytes (float32 ×4, float64 ×2), read-only path: the vector loads of rows.
 VECTOR_LOAD = re.compile(r"\bLDG\.E\.128\.CONSTANT\b")
 
@@ -437,32 +462,21 @@ def test_tiled_kernel(spec):
             assert not LOCAL_SASS.search(sass), (fn.__name__, cc)
 
 
-def _tiled_backward_specs() -> list[tuple[str, str, int, str, bool]]:
-    """(kernel, dtype, head bucket, mask kind, modifiers): every float32 specialisation
-    up to head size 128 (the register budget is theirs); each other (dtype, head
-    size) once per kernel, the mask kind and modifier setting rotating so that
-    each appears (each of these takes 15-25 s to compile: all of them would add
-    ten minutes to the session)."""
-    buckets, kinds = numba_cuda.HEAD_DIM_BUCKETS, numba_cuda.MASK_KINDS
-    specs = [(kernel, "float32", bucket, mask_kind, mods) for kernel in ("dq", "dkdv")
-             for bucket in buckets if bucket <= 128 for mask_kind in kinds
-             for mods in (False, True)]
-    others = [(dtype, bucket) for dtype in numba_cuda.DTYPES for bucket in buckets
-              if dtype == "float64" or bucket > 128]
-    for n, (dtype, bucket) in enumerate(others):
-        specs += [(kernel, dtype, bucket, kinds[n % 3], n % 2 == 1) for kernel in ("dq", "dkdv")]
-    return specs
+# Every float32 specialisation at head sizes 64 and 128 (whose register patches are
+# the largest of those with a 128-register budget); each other (dtype, head size)
+# once per kernel.
+TILED_BACKWARD = _rotating_sample(("dq", "dkdv"), [("float32", 64), ("float32", 128)])
 
 
-TILED_BACKWARD = _tiled_backward_specs()
-
-
-def test_tiled_backward_sample_covers_every_axis():
-    for n, axis in enumerate((("dq", "dkdv"), numba_cuda.DTYPES, numba_cuda.HEAD_DIM_BUCKETS,
-                              numba_cuda.MASK_KINDS, (False, True))):
-        assert {spec[n] for spec in TILED_BACKWARD} == set(axis)
-    assert {(d, b) for _, d, b, _, _ in TILED_BACKWARD} == {
-        (d, b) for d in numba_cuda.DTYPES for b in numba_cuda.HEAD_DIM_BUCKETS}
+def test_tiled_samples_cover_every_axis():
+    pairs = {(d, b) for d in numba_cuda.DTYPES for b in numba_cuda.HEAD_DIM_BUCKETS}
+    for specs in (TILED_BACKWARD, [("forward", *spec) for spec in TILED]):
+        assert len(set(specs)) == len(specs)
+        for n, axis in enumerate((numba_cuda.DTYPES, numba_cuda.HEAD_DIM_BUCKETS,
+                                  numba_cuda.MASK_KINDS, (False, True))):
+            assert {spec[n + 1] for spec in specs} == set(axis)
+        assert {(spec[1], spec[2]) for spec in specs} == pairs
+    assert (len(TILED), len(TILED_BACKWARD)) == ((72, 144) if SWEEP_ALL else (37, 44))
 
 
 @pytest.mark.parametrize("spec", TILED_BACKWARD, ids=_spec_id)

@@ -73,6 +73,7 @@ SHAPES = {  # (batch, H, Hkv, Tq, Tk, E, Ev)
     "odd_sizes": ((1,), 1, 1, 67, 45, 13, 9),
     "head40": ((), 1, 1, 20, 70, 40, 33),  # float32: Qᵀ resident; float64: in chunks
     "head100": ((), 1, 1, 20, 40, 100, 72),  # 2-row patches, 256 threads, Qᵀ in chunks
+    "head200": ((), 1, 1, 20, 40, 200, 136),  # head bucket 256 (float64: 8-key V chunks)
 }
 
 
@@ -173,6 +174,12 @@ def test_vector_loads_fit():
     assert not fit(memory(x), memory(x[..., :6]))  # one array that does not fit
     huge = (16, (2, 1, 2**20, 256), (2**31, 2**30, 1024, 4), 4)
     assert not fit(huge)  # byte offsets beyond 2**31 - 1
+    problem = numba_cuda.vector_loads_problem
+    assert "2 GiB" in problem(huge)
+    assert "4 bytes past a 16-byte boundary" in problem(memory(x[..., 1:5]))
+    assert "not consecutive" in problem(memory(x[..., ::2]))
+    assert "strides" in problem(memory(x[:, :, ::-1]))
+    assert problem(memory(x)) is None
     assert fit((16, (1, 1, 2**20, 256), (2**30, 2**30, 1024, 4), 4))
 
 
@@ -182,7 +189,10 @@ def test_chosen_by_name_and_explained(monkeypatch):
                make_inputs(rng, (1,), 2, 2, 33, 40, 8, 8))
     monkeypatch.delenv(numba_cuda.KERNEL_VARIABLE, raising=False)  # the default
     why = polyattn.explain(q, k, v, is_causal=True, implementation="numba_cuda")
-    assert "register-tiled" in str(why)
+    assert "register-tiled kernel, rows read 16 bytes per load" in why.arithmetic
+    odd = polyattn.explain(q, k, v[..., :6], implementation="numba_cuda")
+    assert "element by element" in odd.arithmetic and "`value`: its rows are 24 bytes" in (
+        odd.arithmetic)
     monkeypatch.setenv(numba_cuda.KERNEL_VARIABLE, "tiled")
     assert "register-tiled" in str(polyattn.explain(q, k, v, implementation="numba_cuda"))
     out = polyattn.scaled_dot_product_attention(q, k, v, is_causal=True,

@@ -453,7 +453,9 @@ def cuda_arithmetic(problem: Problem) -> str:
     if arithmetic is not None:
         return how
     if numba_cuda.kernel_choice() == "tiled" and numba_cuda_tiled.unsupported(tq) is None:
-        return how + "; the register-tiled kernel"
+        named = {"query": problem.q, "key": problem.k, "value": problem.v}
+        loads = numba_cuda.row_loads(**{n: x for n, x in named.items() if x is not None})
+        return how + "; the register-tiled kernel, " + loads
     if numba_cuda.kernel_choice() == "rows":
         return how + "; the one-thread-per-row kernel (POLYATTN_CUDA_KERNEL=rows)"
     return how + "; the one-thread-per-row kernel (decoding shapes)"

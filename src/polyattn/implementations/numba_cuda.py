@@ -1148,36 +1148,74 @@ def kernel_inputs(q: Array, k: Array, v: Array, mask: Array | None,
                         vector_loads_fit(*(_memory(x) for x in sources)))
 
 
-def _memory(x: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
-    """(address, shape, byte strides, item size) of a NumPy array or a Numba device
-    array."""
-    if isinstance(x, np.ndarray):
-        return x.ctypes.data, x.shape, x.strides, x.itemsize
-    return x.device_ctypes_pointer.value or 0, x.shape, x.strides, x.dtype.itemsize
+Memory = tuple[int, tuple[int, ...], tuple[int, ...], int]
 
 
-def vector_loads_fit(*arrays: tuple[int, tuple[int, ...], tuple[int, ...], int]) -> bool:
-    """Whether the register-tiled kernel may read every one of these 4-D arrays
-    (given by :func:`_memory`) 16 bytes at a time, addressed in 32-bit integers:
-    rows of consecutive elements whose length is a multiple of 16 bytes, the other
-    strides non-negative multiples of 16 bytes, a 16-byte aligned start, and every
-    byte offset below 2³¹. Any (B, H, T, E) or (B, T, H, E) array of its own
-    memory with E a multiple of 4 (float32) or 2 (float64), below 2 GiB, qualifies;
-    other arrays are read one element at a time with 64-bit indices.
+def _memory(x: Any) -> Memory:
+    """(address, shape, byte strides, item size) of an array that describes its memory
+    (``__cuda_array_interface__``: CuPy, torch CUDA tensors, Numba device arrays;
+    ``__array_interface__``: NumPy) or a torch tensor."""
+    if callable(getattr(x, "data_ptr", None)) and callable(getattr(x, "stride", None)):
+        size = x.element_size()  # torch (whose interface refuses tensors needing grad)
+        return x.data_ptr(), tuple(x.shape), tuple(st * size for st in x.stride()), size
+    face = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+    shape = tuple(face["shape"])
+    itemsize = np.dtype(face["typestr"]).itemsize
+    strides = face.get("strides")
+    if strides is None:  # C-contiguous
+        strides, step = [], itemsize
+        for n in reversed(shape):
+            strides.insert(0, step)
+            step *= n
+    return face["data"][0] or 0, shape, tuple(strides), itemsize
+
+
+def vector_loads_problem(x: Memory) -> str | None:
+    """Why the register-tiled kernel cannot read the array ``x`` (:func:`_memory`) 16
+    bytes at a time with 32-bit addresses; None when it can."""
+    address, shape, strides, itemsize = x
+    if shape[-1] * itemsize % 16:
+        return f"its rows are {shape[-1] * itemsize} bytes, not whole 16-byte groups"
+    if strides[-1] != itemsize:
+        return "the elements of a row are not consecutive in memory"
+    if address % 16:
+        return f"its first element is {address % 16} bytes past a 16-byte boundary"
+    outer = zip(shape[:-1], strides[:-1], strict=True)
+    if any(n > 1 and (st < 0 or st % 16) for n, st in outer):
+        return (f"its strides {strides} (bytes) are not all non-negative multiples of 16 "
+                "bytes")
+    if sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if n > 0) + 16 >= 2**31:
+        return "it spans 2 GiB or more (32-bit byte offsets)"
+    return None
+
+
+def vector_loads_fit(*arrays: Memory) -> bool:
+    """Whether the register-tiled kernel may read every one of these arrays (given
+    by :func:`_memory`) 16 bytes at a time, addressed in 32-bit integers: rows of
+    consecutive elements whose length is a multiple of 16 bytes, the other strides
+    non-negative multiples of 16 bytes, a 16-byte aligned start, and every byte
+    offset below 2³¹ (:func:`vector_loads_problem`). Any (B, H, T, E) or
+    (B, T, H, E) array of its own memory with E a multiple of 4 (float32) or 2
+    (float64), below 2 GiB, qualifies; other arrays are read one element at a time
+    with 64-bit indices.
 
     >>> x = np.zeros((2, 3, 5, 8), np.float32)
     >>> vector_loads_fit(_memory(x)), vector_loads_fit(_memory(x[..., :6]))
     (True, False)
     """
-    for address, shape, strides, itemsize in arrays:
-        if address % 16 or shape[-1] * itemsize % 16 or strides[-1] != itemsize:
-            return False
-        outer = zip(shape[:-1], strides[:-1], strict=True)
-        if any(n > 1 and (st < 0 or st % 16) for n, st in outer):
-            return False
-        if sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if n > 0) + 16 >= 2**31:
-            return False
-    return True
+    return all(vector_loads_problem(x) is None for x in arrays)
+
+
+def row_loads(**arrays: Any) -> str:
+    """How the register-tiled kernel reads the named arrays' rows, for people."""
+    for name, x in arrays.items():
+        try:
+            why = vector_loads_problem(_memory(x))
+        except (AttributeError, KeyError, TypeError):
+            return "rows read element by element unless the arrays' memory allows 16-byte loads"
+        if why is not None:
+            return f"rows read element by element, 64-bit indices (`{name}`: {why})"
+    return "rows read 16 bytes per load, 32-bit addresses"
 
 
 @contextlib.contextmanager

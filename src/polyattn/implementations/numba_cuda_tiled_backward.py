@@ -53,11 +53,14 @@ chunks are read as in the forward, 16 bytes per load with 32-bit address
 arithmetic; other inputs element by element with 64-bit indices (a kernel
 argument picks the path; both give the same bits).
 
-Registers (sm_90, float32, the 128-register launch bound of the forward):
-dQ 124-128 at head sizes 64 and 128 without spills; dK/dV 128 at head size
-64 with 44-68 bytes of spill stores, 126-128 at 128 (none plain, 12 bytes with
-a mask and modifiers). float64 at head size 256 spills heavily in dK/dV (one
-key per thread still holds 64 double accumulators).
+Registers (float32, the 128-register launch bound of the forward; sm_80 and
+sm_90 alike, ``test_kernel_ptx.py``): dQ 112-128 without spills (but 4 bytes in
+two head-64 specialisations on sm_90); dK/dV 124-128 with up to 108 bytes of
+spill stores (head size 64 with a mask and modifiers; none or a few dozen
+bytes elsewhere), none of them in an innermost loop. float64 at head size 256
+spills heavily in dK/dV (one key per thread still holds 64 double
+accumulators, with 64 registers a thread at 512 threads a block), and its
+small head sizes spill up to 196 bytes in some specialisations.
 
 Shared memory: one buffer serves the feature-major chunks and, later in a
 tile, the row-major ``VK``-row chunks; with the two 32 × 68 score tiles and
