@@ -1180,10 +1180,10 @@ def vector_loads_problem(x: Memory) -> str | None:
         return "the elements of a row are not consecutive in memory"
     if address % 16:
         return f"its first element is {address % 16} bytes past a 16-byte boundary"
-    outer = zip(shape[:-1], strides[:-1], strict=True)
-    if any(n > 1 and (st < 0 or st % 16) for n, st in outer):
-        return (f"its strides {strides} (bytes) are not all non-negative multiples of 16 "
-                "bytes")
+    for axis, (n, st) in enumerate(zip(shape[:-1], strides[:-1], strict=True)):
+        if n > 1 and (st < 0 or st % 16):
+            return (f"axis {axis} steps {st} bytes (of strides {strides}), not a "
+                    "non-negative multiple of 16")
     if sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if n > 0) + 16 >= 2**31:
         return "it spans 2 GiB or more (32-bit byte offsets)"
     return None
