@@ -6,7 +6,9 @@ Runs where Numba is installed (``nox -s numba_cpu``); skipped elsewhere with the
 
 from __future__ import annotations
 
+import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -230,12 +232,11 @@ def test_gradients_match_the_reference(case, dtype):
         assert np.abs(a - b).max() <= tol * scale, (name, np.abs(a - b).max())
 
 
-@pytest.mark.parametrize("blas_limit", [None, 1])
-def test_gradients_with_lse_dropout_broadcasts_and_many_blocks(blas_limit):
+@pytest.mark.parametrize("blas_mode", ["private", "whole", "slabs"])
+def test_gradients_with_lse_dropout_broadcasts_and_many_blocks(blas_mode, monkeypatch):
     """grad_lse, dropout, a key/value batch broadcast, BTHE, more queries than a work item
-    and keys than a block, a fully masked row and padding past key lengths; products cut
-    into slabs, and whole where BLAS runs one thread."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
+    and keys than a block, a fully masked row and padding past key lengths; products whole
+    on the private one-thread BLAS, whole where BLAS runs one thread, cut into slabs."""
     rng = np.random.default_rng(37)
     q = rng.standard_normal((2, 700, 4, 16))                 # (B, T, H, E)
     k = rng.standard_normal((1, 600, 2, 16))
@@ -246,9 +247,7 @@ def test_gradients_with_lse_dropout_broadcasts_and_many_blocks(blas_limit):
           "key_lengths": np.array([600, 333]), "dropout_p": 0.2, "dropout_seed": 11}
     g = rng.standard_normal((2, 700, 4, 8))
     g_lse = rng.standard_normal((2, 4, 700))
-    limit = (threadpoolctl.threadpool_limits(blas_limit, user_api="blas") if blas_limit
-             else threadpoolctl.threadpool_limits(None))
-    with limit:
+    with _blas_mode(blas_mode, monkeypatch):
         (out, lse), got = _grads("numba_cpu", q, k, v, g, g_lse, **kw)
     (want_out, want_lse), want = _grads("chunked", q, k, v, g, g_lse, **kw)
     np.testing.assert_allclose(out, want_out, rtol=1e-11, atol=1e-12)
@@ -316,11 +315,9 @@ def test_auto_takes_it_above_the_score_budget_where_blas_runs_one_thread(monkeyp
         assert polyattn.explain(big, big, big,
                                 implementation="numba_cpu").implementation == "numba_cpu"
     monkeypatch.delenv("POLYATTN_NUMBA_CPU")
-    if numba_cpu.blas_threads() != 1:
-        # with BLAS threads, products would be cut into slabs: measured on par, not chosen
-        cut = polyattn.explain(big, big, big)
-        assert cut.implementation == "chunked"
-        assert "slabs" in cut.candidates["numba_cpu"]
+    if numba_cpu.blas_mode()[0] == "private":
+        # BLAS may start threads, but the kernel has its private one-thread copy
+        assert polyattn.explain(big, big, big).implementation == "numba_cpu"
 
 
 def test_auto_gradients_stay_on_the_numpy_path(monkeypatch):
@@ -360,24 +357,116 @@ def test_auto_falls_back_when_the_kernel_cannot_compile(monkeypatch):
     assert "failed to compile" in chosen.candidates["numba_cpu"]
 
 
-@pytest.mark.parametrize("blas_limit", [None, 1])
-def test_strided_features_and_blas_threads(blas_limit):
+@pytest.mark.parametrize("blas_mode", ["private", "whole", "slabs"])
+def test_strided_features_and_blas_threads(blas_mode, monkeypatch):
     """Keys/values whose features are not contiguous are copied per block (the BLAS reads
-    the others in place); products are cut into slabs unless BLAS runs one thread anyway
-    (then they run whole); the BLAS thread count is the same after the call."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
+    the others in place), in each way of calling BLAS; the BLAS thread count is the same
+    after the call."""
     rng = np.random.default_rng(35)
     q, k, v = _inputs(rng, b=1, tq=600, tk=300, e=16, ev=16)
     k, v = k[..., ::2], v[..., ::2]                          # stride 2 along the features
     q = q[..., :8]
     want = sdpa(q, k, v, enable_gqa=True, implementation="reference")
-    limit = (threadpoolctl.threadpool_limits(blas_limit, user_api="blas") if blas_limit
-             else threadpoolctl.threadpool_limits(None))
-    with limit:
+    with _blas_mode(blas_mode, monkeypatch):
         before = numba_cpu.blas_threads()
         got = sdpa(q, k, v, enable_gqa=True, implementation="numba_cpu")
         assert numba_cpu.blas_threads() == before
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --- how it calls BLAS ------------------------------------------------------------------------
+
+@contextmanager
+def _blas_mode(mode, monkeypatch):
+    """Run the block with the kernel calling BLAS in ``mode``: "whole" (SciPy's BLAS held to
+    one thread), "private" (its private one-thread copy, as by default where BLAS may start
+    threads), "slabs" (no private copy, BLAS taken to start threads)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if mode == "whole":
+        with threadpoolctl.threadpool_limits(1, user_api="blas"):
+            assert numba_cpu.blas_mode()[0] == "whole"
+            yield
+        return
+    if mode == "private":
+        if numba_cpu.private_blas() is None:
+            pytest.skip(f"no private BLAS here: {numba_cpu.blas_mode()[1]}")
+    else:
+        monkeypatch.setattr(numba_cpu, "_private", ["OSError: turned off by the test"])
+    monkeypatch.setattr(numba_cpu, "blas_threads", lambda: 2)
+    assert numba_cpu.blas_mode()[0] == mode
+    yield
+
+
+def _openblas_linux():
+    return sys.platform.startswith("linux") and numba_cpu._openblas_getter()[0] is not None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd_create: Linux only")
+def test_private_blas_has_its_own_thread_count():
+    """The private copy runs one thread whatever SciPy's and NumPy's BLAS run, and a call
+    changes neither of those."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if not _openblas_linux():
+        pytest.skip("SciPy's BLAS is not OpenBLAS here")
+    private = numba_cpu.private_blas()
+    assert private is not None, numba_cpu.blas_mode()[1]
+    assert Path(private.source).name.startswith(("libopenblas", "libscipy_openblas"))
+    prefix = numba_cpu._openblas_getter()[1]
+    count = getattr(private.handle, f"{prefix}openblas_get_num_threads")
+    before = threadpoolctl.threadpool_info()
+    for limit in (2, 1, None):
+        with threadpoolctl.threadpool_limits(limit, user_api="blas"):
+            inside = threadpoolctl.threadpool_info()
+            x = np.random.default_rng(1).standard_normal((1, 2, 700, 32))
+            np.testing.assert_allclose(sdpa(x, x, x, implementation="numba_cpu"),
+                                       sdpa(x, x, x, implementation="reference"),
+                                       rtol=1e-12, atol=1e-12)
+            assert threadpoolctl.threadpool_info() == inside
+            assert count() == 1
+    assert threadpoolctl.threadpool_info() == before
+    assert numba_cpu.private_blas() is private                     # made once
+    chosen = polyattn.explain(x, x, x, implementation="numba_cpu")
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        if numba_cpu.blas_threads() != 1:
+            assert "private one-thread copy" in str(polyattn.explain(
+                x, x, x, implementation="numba_cpu"))
+    assert "numba_cpu BLAS:" in str(chosen)
+
+
+def test_no_private_blas_means_slabs_and_says_why(monkeypatch):
+    """Where the copy cannot be made (or fails its check) the kernel cuts its products into
+    slabs; explain() says why, and "auto" keeps the NumPy fast path (measured on par)."""
+    monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
+    monkeypatch.setattr(numba_cpu, "_private", [])
+    monkeypatch.setattr(numba_cpu, "blas_threads", lambda: 2)
+
+    def broken(address):
+        raise OSError("a product through the copy differs from NumPy's")
+
+    monkeypatch.setattr(numba_cpu, "_check_gemm", broken)
+    if _openblas_linux():
+        assert numba_cpu.private_blas() is None
+    else:
+        numba_cpu.private_blas()
+    mode, text = numba_cpu.blas_mode()
+    assert mode == "slabs" and "no private one-thread copy" in text
+    big = np.zeros((1, 4, 128, 16), dtype=np.float32)
+    chosen = polyattn.explain(big, big, big)
+    assert chosen.implementation == "chunked"
+    assert "slabs" in chosen.candidates["numba_cpu"]
+    assert "slabs" in str(polyattn.explain(big, big, big, implementation="numba_cpu"))
+    x = np.random.default_rng(2).standard_normal((1, 2, 300, 24))
+    np.testing.assert_allclose(sdpa(x, x, x, implementation="numba_cpu"),
+                               sdpa(x, x, x, implementation="reference"),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_check_gemm_catches_a_wrong_product():
+    """The check run on the private copy before it is used: it passes on SciPy's dgemm and
+    fails on sgemm (a function that takes other arguments)."""
+    numba_cpu._check_gemm(numba_cpu.blas(np.dtype(np.float64)))
+    with pytest.raises(OSError, match="differs"):
+        numba_cpu._check_gemm(numba_cpu.blas(np.dtype(np.float32)))
 
 
 def test_warmup_caches_the_kernel_where_the_package_is_read_only(tmp_path):

@@ -101,6 +101,8 @@ class Explanation:
     plan: str = ""
     #: For ``"numba_cpu"``: whether its compiled kernel is ready (in memory, cached, or not).
     compiled: str = ""
+    #: For ``"numba_cpu"``: which BLAS its products run on, and how (whole or in slabs).
+    blas: str = ""
     #: For ``"numba_cuda"``: the arithmetic of its products (exact, or which tensor-core mode).
     arithmetic: str = ""
 
@@ -124,6 +126,8 @@ class Explanation:
             lines.append(f"plan: {self.plan}")
         if self.compiled:
             lines.append(f"numba_cpu kernel: {self.compiled}")
+        if self.blas:
+            lines.append(f"numba_cpu BLAS: {self.blas}")
         if self.arithmetic:
             lines.append(f"arithmetic: {self.arithmetic}")
         if self.features:
@@ -366,9 +370,9 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
     elif budget_name == "chunked" and numpy and cpu_why is None:
         name, reason = "numba_cpu", (
             f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget for "
-            "NumPy arrays, and BLAS runs one thread, so the fused Numba kernel's products run "
-            "whole: measured faster than the NumPy fast path (numpy_chunked), 1.3x against "
-            "1.7-2.1x torch's time (medians)")
+            "NumPy arrays, and the fused Numba kernel's products run whole on a one-thread "
+            "BLAS (SciPy's, or the kernel's private copy of it): measured faster than the "
+            "NumPy fast path (numpy_chunked), 1.3x against 1.7-2.1x torch's time (medians)")
     else:
         name, reason = budget_name, budget_why
     if requested == "auto":
@@ -434,6 +438,7 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         features=_features(problem),
         plan=distributed_plan(problem) if name == "distributed" else "",
         compiled=numba_cpu_compiled() if name == "numba_cpu" else "",
+        blas=numba_cpu_blas() if name == "numba_cpu" else "",
         arithmetic=cuda_arithmetic(problem) if name == "numba_cuda" else "",
     )
 
@@ -476,13 +481,14 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
     if not by_name and is_numpy(problem.xp) and not for_vjp:
         from .implementations import numba_cpu
 
-        if numba_cpu.availability()[0] and numba_cpu.blas_threads() != 1:
-            return ("BLAS may start threads here, so the fused kernel would cut its products "
-                    "into single-thread slabs, and so cut it was measured on par with the NumPy "
-                    "fast path (2.00x against 2.08x torch's time, median, float32; slower at "
-                    "E = 128); with BLAS on one thread (OPENBLAS_NUM_THREADS=1, or inside "
-                    "threadpoolctl.threadpool_limits(1, 'blas')) 'auto' picks it: 1.3x "
-                    "torch's time, median; implementation='numba_cpu' runs it anyway")
+        if numba_cpu.availability()[0] and numba_cpu.blas_mode()[0] == "slabs":
+            return ("BLAS may start threads here and no private one-thread copy of it could "
+                    "be made, so the fused kernel would cut its products into single-thread "
+                    "slabs, and so cut it was measured on par with the NumPy fast path (2.00x "
+                    "against 2.08x torch's time, median, float32; slower at E = 128); with "
+                    "BLAS on one thread (OPENBLAS_NUM_THREADS=1, or inside "
+                    "threadpoolctl.threadpool_limits(1, 'blas')) 'auto' picks it; "
+                    "implementation='numba_cpu' runs it anyway")
     if not by_name and for_vjp and is_numpy(problem.xp):
         return ("its backward pass was measured slower than the NumPy fast path's at long "
                 "sequences (forward+backward 1.64x against 1.30x torch's time at "
@@ -501,6 +507,13 @@ def numba_cpu_compiled() -> str:
     from .implementations import numba_cpu
 
     return numba_cpu.cache_state()
+
+
+def numba_cpu_blas() -> str:
+    """Which BLAS the numba_cpu kernel's products run on, and whether whole or in slabs."""
+    from .implementations import numba_cpu
+
+    return numba_cpu.blas_mode()[1]
 
 
 def distributed_status(problem: Problem, for_vjp: bool = False) -> str | None:

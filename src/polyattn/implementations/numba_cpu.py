@@ -29,13 +29,16 @@ whether it can run.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import glob
 import math
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -277,8 +280,9 @@ def exp(x: np.ndarray) -> np.ndarray:
 
 #: Per dtype: the address of SciPy's ``?gemm``.
 _blas: dict[str, np.ndarray] = {}
-#: ``int openblas_get_num_threads(void)`` of the library behind it (None: not OpenBLAS).
-_blas_count: list[Any] = []
+#: [(``int openblas_get_num_threads(void)`` of the library behind it, its symbols' prefix)]
+#: once looked up ((None, ""): not OpenBLAS).
+_blas_count: list[tuple[Any, str]] = []
 
 
 def blas(dtype: np.dtype) -> np.ndarray:
@@ -294,33 +298,163 @@ def blas(dtype: np.dtype) -> np.ndarray:
         return _blas[name]
 
 
-def blas_threads() -> int:
-    """The thread count SciPy's BLAS would use for a large product (0: unknown).
-
-    When it is 1 (``OPENBLAS_NUM_THREADS=1``, or a threadpoolctl limit), the kernel's
-    products run whole; otherwise they are cut into slabs small enough that OpenBLAS runs
-    each on the calling thread (``SINGLE_THREAD_GEMM``), so that BLAS starts no threads of
-    its own inside the kernel's parallel loop. Nothing about BLAS threads is changed:
-    OpenBLAS has no thread-local setting (its ``openblas_set_num_threads_local`` sets the
-    process-wide count), so changing it would change it for every other thread too.
-    """
+def _openblas_getter() -> tuple[Any, str]:
+    """SciPy's OpenBLAS ``get_num_threads`` function and its symbols' prefix
+    (``"scipy_"`` for SciPy's wheels); ``(None, "")`` when SciPy's BLAS is not OpenBLAS."""
     with _lock:
         if not _blas_count:
             import scipy.linalg.cython_blas as cython_blas
 
-            getter = None
+            found: tuple[Any, str] = (None, "")
             try:
                 library = ctypes.CDLL(cython_blas.__file__)
-                for symbol in ("openblas_get_num_threads", "scipy_openblas_get_num_threads"):
-                    getter = getattr(library, symbol, None)
+                for prefix in ("", "scipy_"):
+                    getter = getattr(library, f"{prefix}openblas_get_num_threads", None)
                     if getter is not None:
                         getter.restype, getter.argtypes = ctypes.c_int, []
+                        found = (getter, prefix)
                         break
             except OSError:
-                getter = None
-            _blas_count.append(getter)
-    getter = _blas_count[0]
+                pass
+            _blas_count.append(found)
+    return _blas_count[0]
+
+
+def blas_threads() -> int:
+    """The thread count SciPy's BLAS would use for a large product (0: unknown).
+
+    When it is 1 (``OPENBLAS_NUM_THREADS=1``, or a threadpoolctl limit), the kernel calls
+    it with whole products. Otherwise it calls a private copy of the same OpenBLAS library
+    that runs on one thread (:func:`private_blas`), or, where no such copy can be made,
+    cuts its products into slabs small enough that OpenBLAS runs each on the calling thread
+    (``SINGLE_THREAD_GEMM``). Either way SciPy's and NumPy's BLAS threads are left as they
+    are: OpenBLAS has no thread-local setting (its ``openblas_set_num_threads_local`` sets
+    the process-wide count), so changing it would change it for every other thread too.
+    """
+    getter = _openblas_getter()[0]
     return int(getter()) if getter is not None else 0
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _file_of(address: int) -> str:
+    """The path of the shared library that holds ``address`` (``dladdr``)."""
+    libc = ctypes.CDLL(None)
+    dladdr = getattr(libc, "dladdr", None)
+    if dladdr is None:                       # glibc before 2.34 keeps it in libdl
+        dladdr = ctypes.CDLL(ctypes.util.find_library("dl") or "libdl.so.2").dladdr
+    dladdr.argtypes, dladdr.restype = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)], ctypes.c_int
+    info = _DlInfo()
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        raise OSError("dladdr found no library")
+    return os.fsdecode(info.dli_fname)
+
+
+@dataclass(frozen=True)
+class PrivateBlas:
+    """A second copy of SciPy's OpenBLAS, loaded from an anonymous in-memory file, set to
+    one thread; nothing else in the process calls it, so its thread count is the kernel's
+    own business."""
+
+    source: str                #: the library it copies
+    gemm: dict[str, np.ndarray]   #: "sgemm"/"dgemm" -> one-element int64 array of the address
+    handle: Any                #: keeps the copy loaded
+
+
+#: [PrivateBlas] or [reason it could not be made], once decided.
+_private: list[Any] = []
+
+
+def private_blas() -> PrivateBlas | None:
+    """The kernel's private one-thread copy of SciPy's OpenBLAS (None: none could be made;
+    :func:`blas_mode` says why).
+
+    OpenBLAS's thread count is one number per loaded library, shared by every thread that
+    calls it. Loading the same library file a second time (from a copy in an anonymous
+    in-memory file, ``memfd_create``, so the loader sees a different file and nothing is
+    written to disk) gives a library with its own count, which is set to 1 once: the
+    kernel's parallel work items each run their products whole on their own thread, while
+    NumPy's and SciPy's BLAS keep the threads they had. Made only on Linux, for OpenBLAS,
+    and only if the copy's count is independent of the original's and one product through
+    it matches SciPy's.
+    """
+    with _lock:
+        done = bool(_private)
+    if not done:
+        try:
+            made: Any = _make_private_blas()
+        except Exception as exc:  # any failure: say why and cut products into slabs
+            made = f"{type(exc).__name__}: {exc}"
+        with _lock:
+            if not _private:
+                _private.append(made)
+    found = _private[0]
+    return found if isinstance(found, PrivateBlas) else None
+
+
+def _make_private_blas() -> PrivateBlas:
+    getter, prefix = _openblas_getter()
+    if getter is None:
+        raise OSError("SciPy's BLAS is not OpenBLAS")
+    if not hasattr(os, "memfd_create"):
+        raise OSError("no memfd_create on this system")
+    source = _file_of(ctypes.cast(getter, ctypes.c_void_p).value or 0)
+    fd = os.memfd_create("polyattn-blas")
+    try:
+        with open(source, "rb") as f_in, os.fdopen(os.dup(fd), "wb") as f_out:
+            shutil.copyfileobj(f_in, f_out, 1 << 20)
+        handle = ctypes.CDLL(f"/proc/self/fd/{fd}", mode=os.RTLD_LOCAL | os.RTLD_NOW)
+    finally:
+        os.close(fd)                          # the mapping keeps the copy alive
+    get = getattr(handle, f"{prefix}openblas_get_num_threads")
+    put = getattr(handle, f"{prefix}openblas_set_num_threads")
+    get.restype, get.argtypes = ctypes.c_int, []
+    put.restype, put.argtypes = None, [ctypes.c_int]
+    before = getter()
+    put(1)
+    if get() != 1 or getter() != before:
+        raise OSError("the copy's thread count is not its own")
+    gemm = {name: np.array([ctypes.cast(getattr(handle, f"{prefix}{name}_"),
+                                        ctypes.c_void_p).value], dtype=np.int64)
+            for name in ("sgemm", "dgemm")}
+    _check_gemm(gemm["dgemm"])
+    return PrivateBlas(source, gemm, handle)
+
+
+def _check_gemm(address: np.ndarray) -> None:
+    """One small column-major product ``C = A B`` through the Fortran ``dgemm`` at
+    ``address``, against NumPy's (the copy must take the same arguments as SciPy's)."""
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_char_p] * 2 + [ctypes.c_void_p] * 11))(
+        int(address[0]))
+    a = np.asfortranarray(np.arange(6.0).reshape(2, 3))
+    b = np.asfortranarray(np.arange(12.0).reshape(3, 4) - 5)
+    c = np.zeros((2, 4), order="F")
+
+    def i32(n: int) -> ctypes.Array:
+        return (ctypes.c_int * 1)(n)
+
+    one, zero = (ctypes.c_double * 1)(1.0), (ctypes.c_double * 1)(0.0)
+    fn(b"N", b"N", i32(2), i32(4), i32(3), one, a.ctypes.data, i32(2), b.ctypes.data,
+       i32(3), zero, c.ctypes.data, i32(2))
+    if not np.array_equal(c, a @ b):
+        raise OSError("a product through the copy differs from NumPy's")
+
+
+def blas_mode() -> tuple[str, str]:
+    """(mode, description) of how the kernel calls BLAS in this process now:
+    ``"whole"`` (SciPy's BLAS runs one thread), ``"private"`` (a private one-thread copy,
+    products whole) or ``"slabs"`` (products cut to run single-threaded)."""
+    if blas_threads() == 1:
+        return "whole", "SciPy's BLAS on its one thread, products whole"
+    private = private_blas()
+    if private is not None:
+        return "private", (f"a private one-thread copy of {os.path.basename(private.source)}"
+                           f", products whole (SciPy's and NumPy's BLAS threads untouched)")
+    return "slabs", (f"SciPy's BLAS, products cut into single-thread slabs (no private "
+                     f"one-thread copy: {_private[0]})")
 
 
 # --- the call ----------------------------------------------------------------------------
@@ -399,8 +533,11 @@ class _Call:
         g = h // self.hkv
         #: query rows per head in a work item
         self.rows = rows = max(1, (BLOCK_ROWS * 4 // dtype.itemsize) // g)
-        self.library = blas(dtype)
-        whole = blas_threads() == 1
+        mode = blas_mode()[0]
+        private = private_blas() if mode == "private" else None
+        self.library = (private.gemm["sgemm" if dtype == np.float32 else "dgemm"]
+                        if private is not None else blas(dtype))
+        whole = mode != "slabs"
         block_k = BLOCK_K_WHOLE if whole else (BLOCK_K if max(self.e, self.ev) <= 64
                                                else BLOCK_K_WIDE)
         self.fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf,
