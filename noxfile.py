@@ -97,7 +97,9 @@ def tests(session: nox.Session, backend: str) -> None:
         session.skip("no CUDA GPU on this machine (nvidia-smi not found): cupy tests skipped")
     bin_dir = shared_venv(session, BACKEND_VENV[backend])
     session.env["POLYATTN_TEST_BACKENDS"] = backend
+    # the model's tests need its weights, installed beside torch: the model session runs them
     args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider",
+                               "--ignore=tests/test_smollm2.py",
                                *(PARALLEL if backend in PARALLEL_BACKENDS else ())]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
