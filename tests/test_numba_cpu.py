@@ -433,6 +433,40 @@ def test_private_blas_has_its_own_thread_count():
     assert "numba_cpu BLAS:" in str(chosen)
 
 
+def test_first_calls_from_many_threads_make_one_private_copy(monkeypatch):
+    """Eight threads that all call before the private copy exists: one copy is made, and
+    every result is bitwise the sequential one."""
+    if not _openblas_linux():
+        pytest.skip("no private BLAS here (SciPy's BLAS is not OpenBLAS, or not Linux)")
+    monkeypatch.setattr(numba_cpu, "blas_threads", lambda: 2)
+    x = np.random.default_rng(3).standard_normal((2, 2, 500, 16))
+    want = sdpa(x, x, x, is_causal=True, implementation="numba_cpu")
+    monkeypatch.setattr(numba_cpu, "_private", [])
+    made = []
+    real = numba_cpu._make_private_blas
+
+    def counted():
+        made.append(1)
+        return real()
+
+    monkeypatch.setattr(numba_cpu, "_make_private_blas", counted)
+    start = threading.Barrier(8)
+    results: list = [None] * 8
+
+    def call(i):
+        start.wait()
+        results[i] = sdpa(x, x, x, is_causal=True, implementation="numba_cpu")
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and numba_cpu.blas_mode()[0] == "private"
+    for got in results:
+        np.testing.assert_array_equal(got, want)
+
+
 def test_no_private_blas_means_slabs_and_says_why(monkeypatch):
     """Where the copy cannot be made (or fails its check) the kernel cuts its products into
     slabs; explain() says why, and "auto" keeps the NumPy fast path (measured on par)."""

@@ -366,6 +366,7 @@ class PrivateBlas:
 
 #: [PrivateBlas] or [reason it could not be made], once decided.
 _private: list[Any] = []
+_private_lock = threading.Lock()
 
 
 def private_blas() -> PrivateBlas | None:
@@ -381,16 +382,13 @@ def private_blas() -> PrivateBlas | None:
     and only if the copy's count is independent of the original's and one product through
     it matches SciPy's.
     """
-    with _lock:
-        done = bool(_private)
-    if not done:
-        try:
-            made: Any = _make_private_blas()
-        except Exception as exc:  # any failure: say why and cut products into slabs
-            made = f"{type(exc).__name__}: {exc}"
-        with _lock:
-            if not _private:
-                _private.append(made)
+    with _private_lock:                       # one copy, however many threads ask at once
+        if not _private:
+            try:
+                made: Any = _make_private_blas()
+            except Exception as exc:  # any failure: say why and cut products into slabs
+                made = f"{type(exc).__name__}: {exc}"
+            _private.append(made)
     found = _private[0]
     return found if isinstance(found, PrivateBlas) else None
 
