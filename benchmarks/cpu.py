@@ -187,10 +187,38 @@ def environment() -> dict[str, Any]:
         "torch_parallel_info": torch.__config__.parallel_info().strip().splitlines()[:6],
         "polyattn_numpy_threads": _polyattn_threads(),
         "polyattn_numpy_threading": _polyattn_threading(),
+        "numba_cpu_blas": _numba_cpu_blas(),
+        "simd": simd_level(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": {name: os.environ.get(name) for name in
                 ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
                  "OMP_NUM_THREADS", "POLYATTN_SCORE_BUDGET")},
     }
+
+
+def simd_level() -> str:
+    """The widest x86 vector extension in /proc/cpuinfo's flags ("avx512f", "avx2", ...)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            for level in ("avx512f", "avx2", "avx", "sse4_2", "asimd", "neon"):
+                if level in flags:
+                    return level
+            return "none of avx512f, avx2, avx, sse4_2, asimd, neon"
+    return "unknown"
+
+
+def _numba_cpu_blas() -> str:
+    """Which BLAS the numba_cpu kernel's products run on in this process, and how."""
+    if not numba_cpu_usable():
+        return "numba_cpu not usable"
+    from polyattn.implementations import numba_cpu
+
+    return numba_cpu.blas_mode()[1]
 
 
 def numba_cpu_usable() -> bool:
@@ -310,12 +338,15 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         f"# CPU benchmark, {env['date']}",
         "",
         f"- Command: `{command}`",
-        f"- CPU: {env['cpu']} ({env['cpu_count']} logical CPUs); load average at start "
+        f"- CPU: {env['cpu']} ({env['cpu_count']} logical CPUs), SIMD: "
+        f"{env.get('simd', 'not recorded')} (torch dispatches to "
+        f"{env.get('torch_cpu_capability', '?')}); load average at start "
         f"{env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f}",
         f"- NumPy {env['versions']['numpy']} BLAS: {blas}; polyattn NumPy path threads: "
         f"{env['polyattn_numpy_threads']}",
         f"- torch {env['versions']['torch']} with {env['torch_threads']} threads; "
         f"polyattn {env['versions']['polyattn']}; Python {env['python']}",
+        f"- numba_cpu BLAS: {env.get('numba_cpu_blas', 'not recorded')}",
         "- Environment variables: "
         + (", ".join(f"{k}={v}" for k, v in env["env"].items() if v) or "none of "
            + ", ".join(env["env"]) + " set"),

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cpu import RESULTS, environment, peak_extra_bytes, time_interleaved
+from cpu import RESULTS, environment, peak_extra_bytes, simd_level, time_interleaved
 
 import polyattn
 from polyattn.implementations import numpy_chunked
@@ -70,22 +70,6 @@ def visible_pairs(t: int, left: int | None) -> int:
         return t * (t + 1) // 2
     full = min(t, left + 1)                          # rows before the window is full
     return full * (full + 1) // 2 + (t - full) * (left + 1)
-
-
-def simd_level() -> str:
-    """The widest x86 vector extension in /proc/cpuinfo's flags ("avx512f", "avx2", ...)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags = set(line.split(":", 1)[1].split())
-            for level in ("avx512f", "avx2", "avx", "sse4_2", "asimd", "neon"):
-                if level in flags:
-                    return level
-            return "none of avx512f, avx2, avx, sse4_2, asimd, neon"
-    return "unknown"
 
 
 def dense_window_mask(t: int, left: int, right: int) -> np.ndarray:
