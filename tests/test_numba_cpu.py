@@ -495,6 +495,14 @@ def test_no_private_blas_means_slabs_and_says_why(monkeypatch):
                                rtol=1e-12, atol=1e-12)
 
 
+def test_info_says_which_blas_the_kernel_calls(capsys):
+    from polyattn import cli
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"numba_cpu BLAS: {numba_cpu.blas_mode()[1]}" in out
+
+
 def test_check_gemm_catches_a_wrong_product():
     """The check run on the private copy before it is used: it passes on SciPy's dgemm and
     fails on sgemm (a function that takes other arguments)."""

@@ -8,9 +8,11 @@ gradients, through a ``torch.autograd.Function`` whose backward pass is the
 kernel's, unless ``attn_mask`` or ``alibi_slopes`` require one too);
 otherwise ``"reference"`` while the score matrix fits the score budget, else
 ``"chunked"`` — on NumPy arrays ``"numba_cpu"`` (the fused Numba kernel) in
-its place where Numba is installed, BLAS runs one thread (so that the
-kernel's products run whole; measured faster than the NumPy fast path there,
-and on par with it otherwise) and the kernel can run the call
+its place where Numba is installed, the kernel's products can run whole on a
+one-thread BLAS (SciPy's when BLAS runs one thread, else the kernel's private
+copy of it; measured faster than the NumPy fast path there, and on par with it
+when the products must be cut into single-thread slabs) and the kernel can run
+the call
 (``POLYATTN_NUMBA_CPU=0`` turns that off). On torch CPU tensors
 ``"chunked"`` runs the NumPy fast path over NumPy views of them
 (differentiable the same way), except while ``torch.compile`` traces.
@@ -293,7 +295,7 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
 
     ``"auto"`` walks the preference list native → numba_cuda → distributed →
     reference / numba_cpu / chunked (by the score budget; numba_cpu in place of
-    chunked on NumPy arrays where it can run and BLAS runs one thread) and
+    chunked on NumPy arrays where it can run and its products run whole) and
     takes the first that can run the call;
     every candidate's verdict is kept in :attr:`Explanation.candidates`.
     ``for_vjp``: the choice for :func:`polyattn.attention_vjp`, which runs the
@@ -483,11 +485,13 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
 
         if numba_cpu.availability()[0] and numba_cpu.blas_mode()[0] == "slabs":
             return ("BLAS may start threads here and no private one-thread copy of it could "
-                    "be made, so the fused kernel would cut its products into single-thread "
-                    "slabs, and so cut it was measured on par with the NumPy fast path (2.00x "
-                    "against 2.08x torch's time, median, float32; slower at E = 128); with "
-                    "BLAS on one thread (OPENBLAS_NUM_THREADS=1, or inside "
-                    "threadpoolctl.threadpool_limits(1, 'blas')) 'auto' picks it; "
+                    f"be made ({numba_cpu.private_blas_problem()}"
+                    "), so the fused kernel would cut its products into single-thread slabs; "
+                    "with its products cut that way the kernel measured on par with the "
+                    "NumPy fast path (median time 2.00x torch SDPA's against 2.08x, "
+                    "float32; slower at E = 128); with BLAS on one thread "
+                    "(OPENBLAS_NUM_THREADS=1, or inside threadpoolctl.threadpool_limits(1, "
+                    "'blas') entered after SciPy is imported) 'auto' picks it; "
                     "implementation='numba_cpu' runs it anyway")
     if not by_name and for_vjp and is_numpy(problem.xp):
         return ("its backward pass was measured slower than the NumPy fast path's at long "

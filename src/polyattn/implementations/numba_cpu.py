@@ -380,7 +380,7 @@ def private_blas() -> PrivateBlas | None:
     kernel's parallel work items each run their products whole on their own thread, while
     NumPy's and SciPy's BLAS keep the threads they had. Made only on Linux, for OpenBLAS,
     and only if the copy's count is independent of the original's and one product through
-    it matches SciPy's.
+    it matches NumPy's.
     """
     with _private_lock:                       # one copy, however many threads ask at once
         if not _private:
@@ -391,6 +391,12 @@ def private_blas() -> PrivateBlas | None:
             _private.append(made)
     found = _private[0]
     return found if isinstance(found, PrivateBlas) else None
+
+
+def private_blas_problem() -> str | None:
+    """Why the kernel has no private one-thread BLAS (None: it has one)."""
+    found = private_blas()
+    return None if found is not None else str(_private[0])
 
 
 def _make_private_blas() -> PrivateBlas:
@@ -452,7 +458,7 @@ def blas_mode() -> tuple[str, str]:
         return "private", (f"a private one-thread copy of {os.path.basename(private.source)}"
                            f", products whole (SciPy's and NumPy's BLAS threads untouched)")
     return "slabs", (f"SciPy's BLAS, products cut into single-thread slabs (no private "
-                     f"one-thread copy: {_private[0]})")
+                     f"one-thread copy: {private_blas_problem()})")
 
 
 # --- the call ----------------------------------------------------------------------------
