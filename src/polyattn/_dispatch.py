@@ -495,7 +495,7 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
                     "implementation='numba_cpu' runs it anyway")
     if not by_name and for_vjp and is_numpy(problem.xp):
         return ("its backward pass was measured slower than the NumPy fast path's at long "
-                "sequences (forward+backward 1.64x against 1.30x torch's time at "
+                "sequences (forward+backward 1.60x against 1.33x torch's time at "
                 "(1, 8, 4096, 64) float32), so attention_vjp runs the NumPy fast path unless "
                 "implementation='numba_cpu' is asked for")
     if not is_numpy(problem.xp):
