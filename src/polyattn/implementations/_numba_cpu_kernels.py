@@ -7,39 +7,30 @@ again in the next process.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
-from numba.core import cgutils, types
+from numba.core import types
 from numba.extending import intrinsic, overload
 
-LN2_HI = 0.693145751953125              # ln 2 to 16 bits: n·LN2_HI is exact for |n| < 2¹¹
-LN2_LO = 1.4286068203094172321e-06      # ln 2 - LN2_HI
-LOG2E = 1.4426950408889634
+from ._numba_cpu_tiles import (
+    TILE_ROWS,
+    TILE_VECTORS,
+    VECTOR_BYTES,
+    exp_sum,
+    softmax_step,
+    tile_1,
+    tile_2,
+    tile_4,
+    tile_8,
+    tile_rows,
+)
 
-# --- LLVM-level helpers: reinterpreting integer bits as a float, IEEE maxNum, and calling a
-# C function whose address is a run-time argument (so that compiled code stays cacheable)
-
-def _float_from_bits(typingctx: Any, bits: Any) -> Any:
-    """The float whose bits are ``bits`` (int32 -> float32, int64 -> float64)."""
-    if bits == types.int32:
-        sig, llty = types.float32(types.int32), ir.FloatType()
-    elif bits == types.int64:
-        sig, llty = types.float64(types.int64), ir.DoubleType()
-    else:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], llty)
-
-    return sig, codegen
-
-
-float_from_bits: Any = intrinsic(_float_from_bits)
+# --- LLVM-level helper: calling a C function whose address is a run-time argument (so
+# that compiled code stays cacheable)
 
 def _call_gemm(typingctx: Any, address: Any, pointers: Any) -> Any:
     """The BLAS ``?gemm`` at ``address``, called with 13 pointers (Fortran convention,
@@ -63,76 +54,12 @@ def _call_gemm(typingctx: Any, address: Any, pointers: Any) -> Any:
 
 call_gemm: Any = intrinsic(_call_gemm)
 
-def _maxnum(typingctx: Any, a: Any, b: Any) -> Any:
-    """IEEE maxNum of two floats of one type: a NaN operand gives the other one (LLVM
-    vectorises reductions of it, which it cannot do for ``max`` without assuming no
-    NaN)."""
-    if a != b or a not in (types.float32, types.float64):
-        return None
-    sig = a(a, b)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        llty = args[0].type
-        name = "llvm.maxnum.f32" if a == types.float32 else "llvm.maxnum.f64"
-        fn = cgutils.get_or_insert_function(builder.module,
-                                            ir.FunctionType(llty, [llty, llty]), name)
-        return builder.call(fn, args)
-
-    return sig, codegen
-
-
-maxnum: Any = intrinsic(_maxnum)
-
-
 # --- the exponential, the dropout counters, the BLAS call, the kernel
 
 fastmath = {"contract", "reassoc", "nsz", "arcp"}
 # the exponential keeps its evaluation order: reassociating (t - k·ln2_hi) - k·ln2_lo
 # into t - k·ln2 would lose the range reduction's extra bits
 exact = {"contract", "nsz", "arcp"}
-
-@njit(nogil=True, fastmath=exact, cache=True, inline="always")
-def exp_f32(v: Any) -> Any:
-    """e^v for one float32 (see the module)."""
-    lo = np.float32(-87.33654)
-    t = max(v, lo)
-    k = np.floor(t * np.float32(LOG2E) + np.float32(0.5))
-    r = (t - k * np.float32(LN2_HI)) - k * np.float32(LN2_LO)
-    p = np.float32(1.0 / 5040)
-    p = p * r + np.float32(1.0 / 720)
-    p = p * r + np.float32(1.0 / 120)
-    p = p * r + np.float32(1.0 / 24)
-    p = p * r + np.float32(1.0 / 6)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
-    # (Numba widens int32 arithmetic to int64: narrow back before reading the bits)
-    p = p * float_from_bits(np.int32((np.int32(k) + np.int32(127)) << np.int32(23)))
-    return p if v >= lo else (v if v != v else np.float32(0.0))
-
-@njit(nogil=True, fastmath=exact, cache=True, inline="always")
-def exp_f64(v: Any) -> Any:
-    """e^v for one float64 (see the module)."""
-    lo = -708.3964185322641
-    t = max(v, lo)
-    k = np.floor(t * LOG2E + 0.5)
-    r = (t - k * LN2_HI) - k * LN2_LO
-    p = 1.0 / 6227020800.0
-    p = p * r + 1.0 / 479001600.0
-    p = p * r + 1.0 / 39916800.0
-    p = p * r + 1.0 / 3628800.0
-    p = p * r + 1.0 / 362880.0
-    p = p * r + 1.0 / 40320.0
-    p = p * r + 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
-    p = p * float_from_bits((np.int64(k) + np.int64(1023)) << np.int64(52))
-    return p if v >= lo else (v if v != v else 0.0)
 
 # (loops below run over views from index 0: with an index that might be negative,
 # Numba's wraparound check on every access keeps LLVM from vectorising)
@@ -162,15 +89,13 @@ def apply_mask(seg: Any, mrow: Any, key0: int, hide: bool, ninf: Any) -> None:
 
 @njit(nogil=True, fastmath=exact, cache=True)
 def exp32(x: Any, shift: Any) -> None:
-    """``x[j] = e^(x[j] - shift)``, float32, in place."""
-    for j in range(x.shape[0]):
-        x[j] = exp_f32(x[j] - shift)
+    """``x[j] = e^(x[j] - shift)``, float32, in place (``x`` contiguous)."""
+    exp_sum(x.ctypes.data, x.shape[0], shift)
 
 @njit(nogil=True, fastmath=exact, cache=True)
 def exp64(x: Any, shift: Any) -> None:
-    """``x[j] = e^(x[j] - shift)``, float64, in place."""
-    for j in range(x.shape[0]):
-        x[j] = exp_f64(x[j] - shift)
+    """``x[j] = e^(x[j] - shift)``, float64, in place (``x`` contiguous)."""
+    exp_sum(x.ctypes.data, x.shape[0], shift)
 
 # one name for both dtypes inside compiled code (Numba's overloads are unannotated)
 def exp_shifted(x, shift):  # type: ignore[no-untyped-def]  # pragma: no cover
@@ -214,27 +139,55 @@ def gemm(blas: Any, args: Any, ta: int, tb: int, m: int, n: int, k: int, alpha: 
     call_gemm(blas[0], (c0 + ta, c0 + tb, i0, i0 + 4, i0 + 8, s0, a, i0 + 12, b,
                         i0 + 16, s0 + size, c, i0 + 20))
 
+@njit(nogil=True, cache=True, inline="always")
+def tile_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c: int,
+                 ldc: int, depth: int, alpha: Any, accumulate: bool, size: int) -> None:
+    """``C[rows × W] = alpha · A · B (+ C)``, W = TILE_VECTORS vectors, in tiles of
+    TILE_ROWS rows and the rest in tiles of 8, 4, 2, 1 rows (addresses and strides as in
+    :mod:`._numba_cpu_tiles`)."""
+    r = 0
+    while r + TILE_ROWS <= rows:
+        tile_rows(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+                  alpha, accumulate)
+        r += TILE_ROWS
+    if TILE_ROWS > 8 and r + 8 <= rows:
+        tile_8(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+        r += 8
+    if r + 4 <= rows:
+        tile_4(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+        r += 4
+    if r + 2 <= rows:
+        tile_2(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+        r += 2
+    if r < rows:
+        tile_1(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+
+
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                mmap: Any, lengths: Any, offsets: Any, slopes: Any, item: Any,
-                fparams: Any, iparams: Any, blas: Any, out: Any, lse: Any) -> None:
-    """One work item: the G heads of key/value head ``hk`` of batch row ``b``, query
-    rows ``[q0, q1)``, keys ``[k_lo, k_hi)``."""
+                mmap: Any, lengths: Any, offsets: Any, slopes: Any, item: Any, fparams: Any,
+                iparams: Any, out: Any, lse: Any) -> None:
+    """:func:`attend_item` with every step in SIMD vectors across query rows: the item's
+    query rows in panels of W = TILE_VECTORS vectors (one column per row); per block of
+    keys and panel, the transposed scores ``Sᵀ = K·Qᵀ`` (keys × W), their online softmax
+    column by column, and ``Oᵀ += Vᵀ·Pᵀ``, the products in register tiles
+    (:mod:`._numba_cpu_tiles`) reading K and V in place."""
     b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
     bq = q1 - q0
     rows = g_heads * bq
     dt = q.dtype
-    # constants of the compute dtype (a bare 0.0 would make float32 maths float64)
-    scale, softcap, zero, one, ninf = fparams[0], fparams[1], fparams[2], fparams[3], \
-        fparams[4]
+    scale, softcap, zero, ninf = fparams[0], fparams[1], fparams[2], fparams[4]
     left, right = iparams[1], iparams[2]
     has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
-    block_k, sub = iparams[6], iparams[7]
-    # dropout (DESIGN §4.1, the counters of ``_dropout``): kept iff Philox's x0 >= cut
     has_dropout = iparams[8]
     cut, key0, key1 = np.uint64(iparams[9]), np.uint64(iparams[10]), np.uint64(iparams[11])
+    block_k = iparams[15]
     keep_scale = fparams[5]
     length = lengths[b]
     offset = offsets[b]
@@ -242,25 +195,31 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
     mb = mmap[b]
     mh_full, mi_full = mask.shape[1] > 1, mask.shape[2] > 1
     size = q.itemsize
-    # start threads of its own inside the parallel loop
-    args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
-            np.empty(2, dtype=dt))
+    width = VECTOR_BYTES // size * TILE_VECTORS            # query rows per panel
+    panels = (rows + width - 1) // width
+    cols = panels * width
+    transform = has_cap or has_alibi or has_mask
 
-    qs = np.empty((rows, e), dtype=dt)
+    # Qᵀ (features × query rows, zero columns pad the last panel); per panel: the
+    # running maximum and sum and Oᵀ; the scores of one block and panel
+    qt = np.zeros((e, cols), dtype=dt)
     for g in range(g_heads):
         for i in range(bq):
             for f in range(e):
-                qs[g * bq + i, f] = q[qb, hk * g_heads + g, q0 + i, f]
-    m = np.full(rows, ninf, dtype=dt)
-    l = np.zeros(rows, dtype=dt)
-    acc = np.zeros((rows, ev), dtype=dt)
-    s = np.empty((rows, block_k), dtype=dt)
-    # key and value blocks are read in place when their rows are evenly spaced and
-    # their features contiguous; otherwise copied
-    k_direct = k.strides[3] == size and k.strides[2] % size == 0 and \
-        k.strides[2] >= e * size
-    v_direct = v.strides[3] == size and v.strides[2] % size == 0 and \
-        v.strides[2] >= ev * size
+                qt[f, g * bq + i] = q[qb, hk * g_heads + g, q0 + i, f]
+    m = np.full(cols, ninf, dtype=dt)
+    l = np.zeros(cols, dtype=dt)
+    acc = np.zeros((panels, ev, width), dtype=dt)
+    st = np.empty((block_k, width), dtype=dt)
+    # per column of a panel: its head, query row and position; the keys it may see
+    heads = np.empty(width, dtype=np.int64)
+    qrow = np.empty(width, dtype=np.int64)
+    first = np.empty(width, dtype=np.int64)
+    last = np.empty(width, dtype=np.int64)
+    # key and value rows read in place when their features are contiguous and the rows
+    # evenly spaced; otherwise copied
+    k_direct = k.strides[3] == size and k.strides[2] % size == 0
+    v_direct = v.strides[3] == size and v.strides[2] % size == 0
     kblk = np.empty((0 if k_direct else block_k, e), dtype=dt)
     vblk = np.empty((0 if v_direct else block_k, ev), dtype=dt)
     hi_key = min(k_hi, length)
@@ -281,90 +240,97 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                 for f in range(ev):
                     vblk[j, f] = v[vb, hk, k0 + j, f]
             v_ptr, ldv = vblk.ctypes.data, ev
-        # s[r, j] = scale · q_r · k_j  (row-major s is column-major sᵀ = K · Qᵀ)
-        for r0 in range(0, rows, sub):
-            r1 = min(r0 + sub, rows)
-            gemm(blas, args, 1, 0, n, r1 - r0, e, scale, k_ptr, ldk,
-                 qs[r0:].ctypes.data, e, zero, s[r0:].ctypes.data, block_k)
-        for r in range(rows):
-            g = r // bq
-            i = q0 + r - g * bq
-            h = hk * g_heads + g
-            pos = i + offset
-            row = s[r]
-            # the keys this row may see at all (causal, window): [j0, j1)
-            j0, j1 = 0, n
-            if left >= 0:
-                j0 = min(n, max(0, pos - left - k0))
-            if right >= 0:
-                j1 = max(j0, min(n, pos + right + 1 - k0))
-            seg = row[j0:j1]
-            width = seg.shape[0]
-            if has_cap:
-                for j in range(width):
-                    seg[j] = softcap * np.tanh(seg[j] / softcap)
-            if has_alibi:
-                slope = slopes[b, h]
-                first = pos - (k0 + j0)             # pos - key at j = 0
-                for j in range(width):
-                    seg[j] -= slope * abs(first - j)
-            if has_mask:
-                apply_mask(seg, mask[mb, h if mh_full else 0, i if mi_full else 0], k0 + j0,
-                           has_mask == 2, ninf)
-            # the largest score that is not NaN: a NaN score needs no help to propagate
-            # (its weight e^(NaN - m) is NaN, and so are the row's sum and output)
-            bmax = ninf
-            for j in range(width):
-                bmax = maxnum(bmax, seg[j])
-            row[:j0] = zero
-            row[j1:n] = zero
-            m_old = m[r]
-            m_new = max(m_old, bmax)
-            shift = m_new if m_new != ninf else zero
-            exp_shifted(seg, shift)
-            total = zero
-            for j in range(width):
-                total += seg[j]
-            if m_new != m_old:
-                alpha = zero if m_old == ninf else math.exp(m_old - shift)
-                l[r] *= alpha
-                for f in range(ev):
-                    acc[r, f] *= alpha
-                m[r] = m_new
-            l[r] += total
+        for p in range(panels):
+            c0 = p * width
+            # Sᵀ[j, c] = scale · k_j · q_c
+            tile_product(k_ptr, ldk, 1, n, qt[:, c0:].ctypes.data, cols, st.ctypes.data,
+                         width, e, scale, False, size)
+            whole = True        # every column sees every key of the block untransformed
+            for c in range(width):
+                r = c0 + c
+                if r >= rows:
+                    first[c], last[c] = 0, 0         # padding: sees nothing
+                    whole = False
+                    continue
+                g = r // bq
+                i = q0 + r - g * bq
+                heads[c], qrow[c] = hk * g_heads + g, i
+                pos = i + offset
+                j0, j1 = 0, n
+                if left >= 0:
+                    j0 = min(n, max(0, pos - left - k0))
+                if right >= 0:
+                    j1 = max(j0, min(n, pos + right + 1 - k0))
+                first[c], last[c] = j0, j1
+                if j0 > 0 or j1 < n:
+                    whole = False
+            if transform or not whole:
+                for c in range(width):
+                    j0, j1 = first[c], last[c]
+                    for j in range(j0):
+                        st[j, c] = ninf
+                    for j in range(j1, n):
+                        st[j, c] = ninf
+                    if j0 >= j1 or not transform:
+                        continue
+                    h, i = heads[c], qrow[c]
+                    if has_cap:
+                        for j in range(j0, j1):
+                            st[j, c] = softcap * np.tanh(st[j, c] / softcap)
+                    if has_alibi:
+                        slope = slopes[b, h]
+                        pos = i + offset
+                        for j in range(j0, j1):
+                            st[j, c] -= slope * abs(pos - (k0 + j))
+                    if has_mask:
+                        mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
+                        per_key = mrow.shape[0] > 1
+                        for j in range(j0, j1):
+                            mval = mrow[k0 + j] if per_key else mrow[0]
+                            if has_mask == 2:
+                                if mval == ninf:
+                                    st[j, c] = ninf
+                            else:
+                                st[j, c] += mval
+            softmax_step(st.ctypes.data, n, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
+                         acc[p].ctypes.data, ev, width, zero)
             if has_dropout:
-                # the weights' flat indices in (B…, H, Tq, Tk): n = row · Tk + key
-                n0 = np.uint64(((b * q.shape[1] + h) * q.shape[2] + i) * k.shape[2] + k0 + j0)
-                for j in range(width):
-                    x0 = philox_x0(n0 + np.uint64(j), key0, key1)
-                    seg[j] = seg[j] * keep_scale if x0 >= cut else zero
-        # acc += p · v  (column-major accᵀ += Vᵀ · Pᵀ)
-        for r0 in range(0, rows, sub):
-            r1 = min(r0 + sub, rows)
-            gemm(blas, args, 0, 0, ev, r1 - r0, n, one, v_ptr, ldv,
-                 s[r0:].ctypes.data, block_k, one, acc[r0:].ctypes.data, ev)
+                for c in range(width):
+                    j0, j1 = first[c], last[c]
+                    if j0 >= j1:
+                        continue
+                    # the weights' flat indices in (B…, H, Tq, Tk): n = row · Tk + key
+                    n0 = np.uint64(((b * q.shape[1] + heads[c]) * q.shape[2] + qrow[c]) *
+                                   k.shape[2] + k0 + j0)
+                    for j in range(j0, j1):
+                        x0 = philox_x0(n0 + np.uint64(j - j0), key0, key1)
+                        st[j, c] = st[j, c] * keep_scale if x0 >= cut else zero
+            # Oᵀ += Vᵀ · Pᵀ
+            tile_product(v_ptr, 1, ldv, ev, st.ctypes.data, width, acc[p].ctypes.data,
+                         width, n, fparams[3], True, size)
     for r in range(rows):
         g = r // bq
         i = q0 + r - g * bq
         h = hk * g_heads + g
+        p, c = r // width, r % width
         if l[r] == zero:
             for f in range(ev):
                 out[b, h, i, f] = zero
             lse[b, h, i] = ninf
         else:
-            inv = one / l[r]
+            inv = fparams[3] / l[r]
             for f in range(ev):
-                out[b, h, i, f] = acc[r, f] * inv
+                out[b, h, i, f] = acc[p, f, c] * inv
             lse[b, h, i] = m[r] + np.log(l[r])
 
 # compiled for the signatures of :func:`signature` by ``numba_cpu.kernels``
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def forward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
             mmap: Any, lengths: Any, offsets: Any, slopes: Any, items: Any,
-            fparams: Any, iparams: Any, blas: Any, out: Any, lse: Any) -> None:
+            fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
     for t in prange(items.shape[0]):
-        attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                    items[t], fparams, iparams, blas, out, lse)
+        attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, items[t],
+                    fparams, iparams, out, lse)
 
 
 def signature(dt: Any) -> Any:
@@ -379,7 +345,7 @@ def signature(dt: Any) -> Any:
 
     i1 = arr(t.int64, 1)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
-                  arr(dt, 2), arr(t.int64, 2), arr(dt, 1), i1, i1, arr(dt, 4, False),
+                  arr(dt, 2), arr(t.int64, 2), arr(dt, 1), i1, arr(dt, 4, False),
                   arr(dt, 3, False))
 
 

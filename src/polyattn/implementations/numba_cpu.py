@@ -56,6 +56,9 @@ BLOCK_K = 128
 BLOCK_K_WIDE = 64
 #: Keys per block when the BLAS runs on one thread anyway and products run whole.
 BLOCK_K_WHOLE = 256
+#: Keys per block of the forward kernel (its scores for one panel of query rows:
+#: 256 × 32 float32, 32 KiB, within the L1 cache).
+FORWARD_BLOCK_K = 256
 #: OpenBLAS runs a product ``(m, k) @ (k, n)`` on the calling thread alone when
 #: ``m·n·k`` is at most this (65536 × its GEMM_MULTITHREAD_THRESHOLD of 4): the kernel's
 #: products are cut into slabs that small, so that BLAS starts no threads of its own
@@ -553,6 +556,7 @@ class _Call:
             int(rules.softcap is not None), block_k, sub, int(rules.dropout),
             threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, h, rows,
             0 if whole else SINGLE_THREAD_GEMM,   # largest product (m·n·k) of one BLAS call
+            FORWARD_BLOCK_K,
         ], dtype=np.int64)
 
     def query_items(self) -> np.ndarray:
@@ -614,7 +618,7 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     items = call.query_items()
     if items.size:
         call.run(kernels()["forward"], *call.common(), items, call.fparams, call.iparams,
-                 call.library, out, lse)
+                 out, lse)
     return out.reshape((*call.batch, h, tq, call.ev)), lse.reshape((*call.batch, h, tq))
 
 
