@@ -202,11 +202,13 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
 
     # Qᵀ (features × query rows, zero columns pad the last panel); per panel: the
     # running maximum and sum and Oᵀ; the scores of one block and panel
-    qt = np.zeros((e, cols), dtype=dt)
+    qt = np.zeros((panels, e, width), dtype=dt)
     for g in range(g_heads):
+        qh = q[qb, hk * g_heads + g]
         for i in range(bq):
+            r = g * bq + i
             for f in range(e):
-                qt[f, g * bq + i] = q[qb, hk * g_heads + g, q0 + i, f]
+                qt[r // width, f, r % width] = qh[q0 + i, f]
     m = np.full(cols, ninf, dtype=dt)
     l = np.zeros(cols, dtype=dt)
     acc = np.zeros((panels, ev, width), dtype=dt)
@@ -242,15 +244,13 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
             v_ptr, ldv = vblk.ctypes.data, ev
         for p in range(panels):
             c0 = p * width
-            # Sᵀ[j, c] = scale · k_j · q_c
-            tile_product(k_ptr, ldk, 1, n, qt[:, c0:].ctypes.data, cols, st.ctypes.data,
-                         width, e, scale, False, size)
-            whole = True        # every column sees every key of the block untransformed
+            # per column: the keys [j0, j1) of the block its row may see (causal, window);
+            # the panel's keys [lo, hi) cover them all, keys outside are not computed
+            lo, hi = n, 0
             for c in range(width):
                 r = c0 + c
+                first[c], last[c] = 0, 0             # padding: sees nothing
                 if r >= rows:
-                    first[c], last[c] = 0, 0         # padding: sees nothing
-                    whole = False
                     continue
                 g = r // bq
                 i = q0 + r - g * bq
@@ -261,15 +261,29 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                     j0 = min(n, max(0, pos - left - k0))
                 if right >= 0:
                     j1 = max(j0, min(n, pos + right + 1 - k0))
-                first[c], last[c] = j0, j1
-                if j0 > 0 or j1 < n:
+                if j0 < j1:
+                    first[c], last[c] = j0, j1
+                    lo, hi = min(lo, j0), max(hi, j1)
+            if lo >= hi:
+                continue                             # no row of the panel sees these keys
+            width_k = hi - lo
+            s_lo = st.ctypes.data + lo * width * size
+            # Sᵀ[j, c] = scale · k_j · q_c for the keys [lo, hi)
+            if iparams[16] != 3:
+                tile_product(k_ptr + lo * ldk * size, ldk, 1, width_k, qt[p].ctypes.data,
+                             width, s_lo, width, e, scale, False, size)
+            whole = True        # every column sees every key of [lo, hi) untransformed
+            for c in range(width):
+                if first[c] > lo or last[c] < hi:
                     whole = False
             if transform or not whole:
                 for c in range(width):
                     j0, j1 = first[c], last[c]
-                    for j in range(j0):
+                    if j0 >= j1:
+                        j0, j1 = lo, lo
+                    for j in range(lo, j0):
                         st[j, c] = ninf
-                    for j in range(j1, n):
+                    for j in range(j1, hi):
                         st[j, c] = ninf
                     if j0 >= j1 or not transform:
                         continue
@@ -292,7 +306,8 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                                     st[j, c] = ninf
                             else:
                                 st[j, c] += mval
-            softmax_step(st.ctypes.data, n, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
+            if iparams[16] != 1:
+                softmax_step(s_lo, width_k, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
                          acc[p].ctypes.data, ev, width, zero)
             if has_dropout:
                 for c in range(width):
@@ -306,8 +321,9 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                         x0 = philox_x0(n0 + np.uint64(j - j0), key0, key1)
                         st[j, c] = st[j, c] * keep_scale if x0 >= cut else zero
             # Oᵀ += Vᵀ · Pᵀ
-            tile_product(v_ptr, 1, ldv, ev, st.ctypes.data, width, acc[p].ctypes.data,
-                         width, n, fparams[3], True, size)
+            if iparams[16] != 2:
+                tile_product(v_ptr + lo * ldv * size, 1, ldv, ev, s_lo, width,
+                             acc[p].ctypes.data, width, width_k, fparams[3], True, size)
     for r in range(rows):
         g = r // bq
         i = q0 + r - g * bq

@@ -41,9 +41,10 @@ def vector_bytes() -> int:
 
 VECTOR_BYTES = vector_bytes()
 #: Rows of A per tile (the tile has TILE_ROWS × 2 vector accumulators).
-TILE_ROWS = 12 if VECTOR_BYTES == 64 else 6
+import os
+TILE_ROWS = int(os.environ.get("TR", "12")) if VECTOR_BYTES == 64 else 6
 #: Vectors of B per tile.
-TILE_VECTORS = 2
+TILE_VECTORS = int(os.environ.get("TV", "2"))
 
 
 def lanes(itemsize: int) -> int:

@@ -58,7 +58,7 @@ BLOCK_K_WIDE = 64
 BLOCK_K_WHOLE = 256
 #: Keys per block of the forward kernel (its scores for one panel of query rows:
 #: 256 × 32 float32, 32 KiB, within the L1 cache).
-FORWARD_BLOCK_K = 256
+FORWARD_BLOCK_K = int(os.environ.get("TILEK", "256"))
 #: OpenBLAS runs a product ``(m, k) @ (k, n)`` on the calling thread alone when
 #: ``m·n·k`` is at most this (65536 × its GEMM_MULTITHREAD_THRESHOLD of 4): the kernel's
 #: products are cut into slabs that small, so that BLAS starts no threads of its own
@@ -556,7 +556,7 @@ class _Call:
             int(rules.softcap is not None), block_k, sub, int(rules.dropout),
             threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, h, rows,
             0 if whole else SINGLE_THREAD_GEMM,   # largest product (m·n·k) of one BLAS call
-            FORWARD_BLOCK_K,
+            FORWARD_BLOCK_K, int(os.environ.get("SKIP", "0")),
         ], dtype=np.int64)
 
     def query_items(self) -> np.ndarray:
