@@ -202,7 +202,10 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
 
     # Qᵀ (features × query rows, zero columns pad the last panel); per panel: the
     # running maximum and sum and Oᵀ; the scores of one block and panel
-    qt = np.zeros((panels, e, width), dtype=dt)
+    qt = np.empty((panels, e, width), dtype=dt)
+    for r in range(rows, cols):
+        for f in range(e):
+            qt[panels - 1, f, r - (panels - 1) * width] = zero
     for g in range(g_heads):
         qh = q[qb, hk * g_heads + g]
         for i in range(bq):
@@ -269,7 +272,7 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
             width_k = hi - lo
             s_lo = st.ctypes.data + lo * width * size
             # Sᵀ[j, c] = scale · k_j · q_c for the keys [lo, hi)
-            if iparams[16] != 3:
+            if iparams[16] != 3 and iparams[16] != 4:
                 tile_product(k_ptr + lo * ldk * size, ldk, 1, width_k, qt[p].ctypes.data,
                              width, s_lo, width, e, scale, False, size)
             whole = True        # every column sees every key of [lo, hi) untransformed
@@ -306,7 +309,7 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                                     st[j, c] = ninf
                             else:
                                 st[j, c] += mval
-            if iparams[16] != 1:
+            if iparams[16] != 1 and iparams[16] != 4:
                 softmax_step(s_lo, width_k, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
                          acc[p].ctypes.data, ev, width, zero)
             if has_dropout:
@@ -321,7 +324,7 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                         x0 = philox_x0(n0 + np.uint64(j - j0), key0, key1)
                         st[j, c] = st[j, c] * keep_scale if x0 >= cut else zero
             # Oᵀ += Vᵀ · Pᵀ
-            if iparams[16] != 2:
+            if iparams[16] != 2 and iparams[16] != 4:
                 tile_product(v_ptr + lo * ldv * size, 1, ldv, ev, s_lo, width,
                              acc[p].ctypes.data, width, width_k, fparams[3], True, size)
     for r in range(rows):
@@ -329,14 +332,15 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
         i = q0 + r - g * bq
         h = hk * g_heads + g
         p, c = r // width, r % width
+        orow = out[b, h, i]
         if l[r] == zero:
-            for f in range(ev):
-                out[b, h, i, f] = zero
+            orow[:] = zero
             lse[b, h, i] = ninf
         else:
             inv = fparams[3] / l[r]
+            ap = acc[p]
             for f in range(ev):
-                out[b, h, i, f] = acc[p, f, c] * inv
+                orow[f] = ap[f, c] * inv
             lse[b, h, i] = m[r] + np.log(l[r])
 
 # compiled for the signatures of :func:`signature` by ``numba_cpu.kernels``
