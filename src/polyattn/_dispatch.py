@@ -7,13 +7,10 @@ CUDA kernel go to ``"numba_cuda"`` (for torch tensors that require
 gradients, through a ``torch.autograd.Function`` whose backward pass is the
 kernel's, unless ``attn_mask`` or ``alibi_slopes`` require one too);
 otherwise ``"reference"`` while the score matrix fits the score budget, else
-``"chunked"`` — on NumPy arrays ``"numba_cpu"`` (the fused Numba kernel) in
-its place where Numba is installed, the kernel's products can run whole on a
-one-thread BLAS (SciPy's when BLAS runs one thread, else the kernel's private
-copy of it; measured faster than the NumPy fast path there, and on par with it
-when the products must be cut into single-thread slabs) and the kernel can run
-the call
-(``POLYATTN_NUMBA_CPU=0`` turns that off). On torch CPU tensors
+``"chunked"`` — on NumPy arrays ``"numba_cpu"`` (the fused Numba kernel,
+measured faster than the NumPy fast path) in its place where Numba is
+installed and the kernel can run the call (``POLYATTN_NUMBA_CPU=0`` turns
+that off). On torch CPU tensors
 ``"chunked"`` runs the NumPy fast path over NumPy views of them
 (differentiable the same way), except while ``torch.compile`` traces.
 
@@ -103,8 +100,8 @@ class Explanation:
     plan: str = ""
     #: For ``"numba_cpu"``: whether its compiled kernel is ready (in memory, cached, or not).
     compiled: str = ""
-    #: For ``"numba_cpu"``: which BLAS its products run on, and how (whole or in slabs).
-    blas: str = ""
+    #: For ``"numba_cpu"``: the SIMD vectors and register tiles its products run in.
+    tiles: str = ""
     #: For ``"numba_cuda"``: the arithmetic of its products (exact, or which tensor-core mode).
     arithmetic: str = ""
 
@@ -128,8 +125,8 @@ class Explanation:
             lines.append(f"plan: {self.plan}")
         if self.compiled:
             lines.append(f"numba_cpu kernel: {self.compiled}")
-        if self.blas:
-            lines.append(f"numba_cpu BLAS: {self.blas}")
+        if self.tiles:
+            lines.append(f"numba_cpu tiles: {self.tiles}")
         if self.arithmetic:
             lines.append(f"arithmetic: {self.arithmetic}")
         if self.features:
@@ -372,9 +369,8 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
     elif budget_name == "chunked" and numpy and cpu_why is None:
         name, reason = "numba_cpu", (
             f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget for "
-            "NumPy arrays, and the fused Numba kernel's products run whole on a one-thread "
-            "BLAS (SciPy's, or the kernel's private copy of it): measured faster than the "
-            "NumPy fast path (numpy_chunked), 1.3x against 1.7-2.1x torch's time (medians)")
+            "NumPy arrays, and the fused Numba kernel runs the call: measured faster than "
+            "the NumPy fast path (numpy_chunked) and than torch's CPU attention (TIMING)")
     else:
         name, reason = budget_name, budget_why
     if requested == "auto":
@@ -440,7 +436,7 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         features=_features(problem),
         plan=distributed_plan(problem) if name == "distributed" else "",
         compiled=numba_cpu_compiled() if name == "numba_cpu" else "",
-        blas=numba_cpu_blas() if name == "numba_cpu" else "",
+        tiles=numba_cpu_tiles() if name == "numba_cpu" else "",
         arithmetic=cuda_arithmetic(problem) if name == "numba_cuda" else "",
     )
 
@@ -480,19 +476,6 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
                          f"implementation='auto') or 1/true/on/yes; got {setting!r}")
     if not by_name and setting.lower() in ("0", "false", "off", "no"):
         return f"turned off for implementation='auto' by POLYATTN_NUMBA_CPU={setting}"
-    if not by_name and is_numpy(problem.xp) and not for_vjp:
-        from .implementations import numba_cpu
-
-        if numba_cpu.availability()[0] and numba_cpu.blas_mode()[0] == "slabs":
-            return ("BLAS may start threads here and no private one-thread copy of it could "
-                    f"be made ({numba_cpu.private_blas_problem()}"
-                    "), so the fused kernel would cut its products into single-thread slabs; "
-                    "with its products cut that way the kernel measured on par with the "
-                    "NumPy fast path (median time 2.00x torch SDPA's against 2.08x, "
-                    "float32; slower at E = 128); with BLAS on one thread "
-                    "(OPENBLAS_NUM_THREADS=1, or inside threadpoolctl.threadpool_limits(1, "
-                    "'blas') entered after SciPy is imported) 'auto' picks it; "
-                    "implementation='numba_cpu' runs it anyway")
     if not by_name and for_vjp and is_numpy(problem.xp):
         return ("its backward pass was measured slower than the NumPy fast path's at long "
                 "sequences (forward+backward 1.60x against 1.33x torch's time at "
@@ -513,11 +496,11 @@ def numba_cpu_compiled() -> str:
     return numba_cpu.cache_state()
 
 
-def numba_cpu_blas() -> str:
-    """Which BLAS the numba_cpu kernel's products run on, and whether whole or in slabs."""
+def numba_cpu_tiles() -> str:
+    """The SIMD vectors and register tiles of the numba_cpu kernel on this CPU."""
     from .implementations import numba_cpu
 
-    return numba_cpu.blas_mode()[1]
+    return numba_cpu.tiles()
 
 
 def distributed_status(problem: Problem, for_vjp: bool = False) -> str | None:

@@ -196,7 +196,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         from .implementations import numba_cpu
 
         print(f"numba_cpu kernel: {numba_cpu.cache_state()}")
-        print(f"numba_cpu BLAS: {numba_cpu.blas_mode()[1]}")
+        print(f"numba_cpu tiles: {numba_cpu.tiles()}")
     else:
         print(f"numba_cpu kernel: not usable ({why})")
     return 0

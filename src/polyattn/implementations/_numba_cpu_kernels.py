@@ -11,15 +11,13 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange
-from numba.core import types
-from numba.extending import intrinsic, overload
 
 from ._numba_cpu_tiles import (
     TILE_ROWS,
     TILE_VECTORS,
     VECTOR_BYTES,
+    exp_columns,
     exp_sum,
     softmax_step,
     tile_1,
@@ -29,63 +27,12 @@ from ._numba_cpu_tiles import (
     tile_rows,
 )
 
-# --- LLVM-level helper: calling a C function whose address is a run-time argument (so
-# that compiled code stays cacheable)
-
-def _call_gemm(typingctx: Any, address: Any, pointers: Any) -> Any:
-    """The BLAS ``?gemm`` at ``address``, called with 13 pointers (Fortran convention,
-    every argument by reference), given as a tuple of 64-bit integer addresses."""
-    members: list[Any] = list(getattr(pointers, "types", ()))
-    if len(members) != 13 or not all(isinstance(x, types.Integer) and
-                                     getattr(x, "bitwidth", 0) == 64 for x in members):
-        return None
-    sig = types.void(types.int64, pointers)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [ptr] * 13)
-        fn = builder.inttoptr(args[0], fnty.as_pointer())
-        builder.call(fn, [builder.inttoptr(builder.extract_value(args[1], i), ptr)
-                          for i in range(13)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-call_gemm: Any = intrinsic(_call_gemm)
-
-# --- the exponential, the dropout counters, the BLAS call, the kernel
+# --- the exponential, the dropout counters
 
 fastmath = {"contract", "reassoc", "nsz", "arcp"}
 # the exponential keeps its evaluation order: reassociating (t - k·ln2_hi) - k·ln2_lo
 # into t - k·ln2 would lose the range reduction's extra bits
 exact = {"contract", "nsz", "arcp"}
-
-# (loops below run over views from index 0: with an index that might be negative,
-# Numba's wraparound check on every access keeps LLVM from vectorising)
-@njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
-def apply_mask(seg: Any, mrow: Any, key0: int, hide: bool, ninf: Any) -> None:
-    """The mask's row ``mrow`` (one entry, or one per key) on the scores ``seg`` of keys
-    ``key0, key0 + 1, …``: added (a float mask), or, for a boolean mask (``hide``; its
-    False entries arrive as -inf), the hidden scores replaced by -inf, so that a NaN or
-    inf score of a key the mask hides cannot reach the result (as in the other paths)."""
-    width = seg.shape[0]
-    per_key = mrow.shape[0] > 1
-    mseg = mrow[key0:key0 + width] if per_key else mrow[:1]
-    if hide:
-        if per_key:
-            for j in range(width):
-                seg[j] = ninf if mseg[j] == ninf else seg[j]
-        elif mseg[0] == ninf:
-            seg[:] = ninf
-    elif per_key:
-        for j in range(width):
-            seg[j] += mseg[j]
-    else:
-        mval = mseg[0]
-        for j in range(width):
-            seg[j] += mval
-
 
 @njit(nogil=True, fastmath=exact, cache=True)
 def exp32(x: Any, shift: Any) -> None:
@@ -96,16 +43,6 @@ def exp32(x: Any, shift: Any) -> None:
 def exp64(x: Any, shift: Any) -> None:
     """``x[j] = e^(x[j] - shift)``, float64, in place (``x`` contiguous)."""
     exp_sum(x.ctypes.data, x.shape[0], shift)
-
-# one name for both dtypes inside compiled code (Numba's overloads are unannotated)
-def exp_shifted(x, shift):  # type: ignore[no-untyped-def]  # pragma: no cover
-    raise NotImplementedError
-
-@overload(exp_shifted, jit_options={"nogil": True, "fastmath": exact})
-def _exp_shifted(x, shift):  # type: ignore[no-untyped-def]
-    if x.dtype == numba.float32:
-        return lambda x, shift: exp32(x, shift)
-    return lambda x, shift: exp64(x, shift)
 
 @njit(nogil=True, cache=True, inline="always")
 def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
@@ -125,19 +62,16 @@ def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
     return c0
 
 
-@njit(nogil=True, cache=True)
-def gemm(blas: Any, args: Any, ta: int, tb: int, m: int, n: int, k: int, alpha: Any,
-         a: int, lda: int, b: int, ldb: int, beta: Any, c: int, ldc: int) -> None:
-    """Column-major ``C = alpha·op(A)·op(B) + beta·C`` through the BLAS at ``blas[0]``;
-    ``a``, ``b``, ``c`` are addresses, ``ta``/``tb`` 0 ("N") or 1 ("T"). ``args`` is
-    scratch: (2 chars, 6 int32, 2 scalars) for the by-reference arguments."""
-    chars, ints, scal = args[0], args[1], args[2]
-    ints[0], ints[1], ints[2], ints[3], ints[4], ints[5] = m, n, k, lda, ldb, ldc
-    scal[0], scal[1] = alpha, beta
-    c0, i0, s0 = chars.ctypes.data, ints.ctypes.data, scal.ctypes.data
-    size = scal.itemsize
-    call_gemm(blas[0], (c0 + ta, c0 + tb, i0, i0 + 4, i0 + 8, s0, a, i0 + 12, b,
-                        i0 + 16, s0 + size, c, i0 + 20))
+
+# --- products in register tiles, and what every kernel does to one panel of scores -------
+#
+# The scores of a block of n keys against a panel of W query rows (W = TILE_VECTORS
+# vectors) are held transposed, keys × W (one column per query row), so that every step
+# across query rows is a SIMD vector operation. Integer parameters (``iparams``):
+# 0 causal, 1/2 how far left/right of its position a row sees (-1: unbounded), 3 the mask
+# (0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
+# 8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per item.
+# Float parameters (``fparams``): scale, softcap, 0, 1, -inf, the dropout keep scale.
 
 @njit(nogil=True, cache=True, inline="always")
 def tile_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c: int,
@@ -167,181 +101,219 @@ def tile_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c:
                alpha, accumulate)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def wide_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c: int,
+                 ldc: int, depth: int, cols: int, alpha: Any, size: int) -> None:
+    """``C[rows × cols] += alpha · A · B`` for ``cols`` a multiple of W, W columns at a
+    time."""
+    width = VECTOR_BYTES // size * TILE_VECTORS
+    for c0 in range(0, cols, width):
+        tile_product(a, a_row, a_col, rows, b + c0 * size, ldb, c + c0 * size, ldc, depth,
+                     alpha, True, size)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offset: int,
+               k0: int, n: int, iparams: Any, lse: Any, b: int, seen_only: bool,
+               heads: Any, qrow: Any, first: Any, last: Any) -> tuple[int, int]:
+    """For each column ``c`` of the panel of query rows ``[c0, c0 + W)`` of an item (row
+    ``r`` is query ``q0 + r mod bq`` of its ``r div bq``-th head): its head, its query, and
+    the keys ``[first, last)`` of the block ``[k0, k0 + n)`` its row may see (causal,
+    window; none for padding columns, nor, with ``seen_only``, for rows whose ``lse`` is
+    ``-inf``). Returns ``(lo, hi)``, the keys some column sees (``lo >= hi``: none)."""
+    left, right = iparams[1], iparams[2]
+    ninf = lse.dtype.type(-np.inf)
+    lo, hi = n, 0
+    for c in range(first.shape[0]):
+        r = c0 + c
+        first[c], last[c] = 0, 0
+        if r >= rows:
+            continue
+        g = r // bq
+        i = q0 + r - g * bq
+        h = hk * g_heads + g
+        heads[c], qrow[c] = h, i
+        if seen_only and lse[b, h, i] == ninf:
+            continue
+        pos = i + offset
+        j0, j1 = 0, n
+        if left >= 0:
+            j0 = min(n, max(0, pos - left - k0))
+        if right >= 0:
+            j1 = max(j0, min(n, pos + right + 1 - k0))
+        if j0 < j1:
+            first[c], last[c] = j0, j1
+            lo, hi = min(lo, j0), max(hi, j1)
+    return lo, hi
+
+
+@njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
+def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any,
+                    qrow: Any, k0: int, offset: int, b: int, mb: int, mask: Any,
+                    slopes: Any, fparams: Any, iparams: Any, tt: Any,
+                    keep_tanh: bool) -> None:
+    """DESIGN §4.1's transform of the scores ``st[lo:hi]`` column by column on the keys
+    each column sees (soft-capping, its tanh kept in ``tt`` for the backward pass; ALiBi;
+    the mask, a boolean one replacing hidden scores by -inf, so that a NaN or inf score of
+    a hidden key cannot reach the result), and -inf on the keys it does not see."""
+    softcap, ninf = fparams[1], fparams[4]
+    has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
+    transform = has_cap or has_alibi or has_mask
+    whole = True
+    for c in range(first.shape[0]):
+        if first[c] > lo or last[c] < hi:
+            whole = False
+    if whole and not transform:
+        return
+    mh_full, mi_full = mask.shape[1] > 1, mask.shape[2] > 1
+    for c in range(first.shape[0]):
+        j0, j1 = first[c], last[c]
+        if j0 >= j1:
+            j0, j1 = lo, lo
+        for j in range(lo, j0):
+            st[j, c] = ninf
+        for j in range(j1, hi):
+            st[j, c] = ninf
+        if j0 >= j1 or not transform:
+            continue
+        h, i = heads[c], qrow[c]
+        if has_cap:
+            for j in range(j0, j1):
+                t = np.tanh(st[j, c] / softcap)
+                if keep_tanh:
+                    tt[j, c] = t
+                st[j, c] = softcap * t
+        if has_alibi:
+            slope = slopes[b, h]
+            pos = i + offset
+            for j in range(j0, j1):
+                st[j, c] -= slope * abs(pos - (k0 + j))
+        if has_mask:
+            mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
+            per_key = mrow.shape[0] > 1
+            for j in range(j0, j1):
+                mval = mrow[k0 + j] if per_key else mrow[0]
+                if has_mask == 2:
+                    if mval == ninf:
+                        st[j, c] = ninf
+                else:
+                    st[j, c] += mval
+
+
+@njit(nogil=True, cache=True, inline="always")
+def kept(b: int, h: int, i: int, key: int, iparams: Any, tq: int, tk: int, keep: Any,
+         zero: Any) -> Any:
+    """Dropout's factor for the weight of query ``i`` of head ``h`` on ``key``: ``keep``
+    (1 / (1 - p)) where Philox's word for its flat index in (B…, H, Tq, Tk) reaches the
+    threshold, else 0 (DESIGN §4.1, the counters of ``_dropout``)."""
+    n = np.uint64(((b * iparams[11] + h) * tq + i) * tk + key)
+    x0 = philox_x0(n, np.uint64(iparams[9]), np.uint64(iparams[10]))
+    return keep if x0 >= np.uint64(iparams[8]) else zero
+
+
+@njit(nogil=True, cache=True, inline="always")
+def block_rows(x: Any, xb: int, hk: int, k0: int, n: int, copy: Any) -> tuple[int, int]:
+    """(address, row stride) of rows ``[k0, k0 + n)`` of ``x[xb, hk]``: in place where its
+    features are contiguous and its rows evenly spaced, else copied into ``copy``."""
+    size = x.itemsize
+    if x.strides[3] == size and x.strides[2] % size == 0:
+        return x[xb, hk, k0:].ctypes.data, x.strides[2] // size
+    for j in range(n):
+        for f in range(x.shape[3]):
+            copy[j, f] = x[xb, hk, k0 + j, f]
+    return copy.ctypes.data, x.shape[3]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def pack_columns(x: Any, xb: int, hk: int, g_heads: int, q0: int, bq: int, rows: int,
+                 dst: Any) -> None:
+    """``dst[p, f, c]`` = feature ``f`` of item row ``p·W + c`` of ``x`` (row ``r``:
+    query ``q0 + r mod bq`` of head ``hk·G + r div bq``); 0 past the last row."""
+    panels, feats, width = dst.shape
+    for r in range(rows, panels * width):
+        for f in range(feats):
+            dst[panels - 1, f, r - (panels - 1) * width] = 0
+    for g in range(g_heads):
+        xh = x[xb, hk * g_heads + g]
+        for i in range(bq):
+            r = g * bq + i
+            for f in range(feats):
+                dst[r // width, f, r % width] = xh[q0 + i, f]
+
+
+# --- the forward pass ----------------------------------------------------------------------
+
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                 mmap: Any, lengths: Any, offsets: Any, slopes: Any, item: Any, fparams: Any,
                 iparams: Any, out: Any, lse: Any) -> None:
-    """:func:`attend_item` with every step in SIMD vectors across query rows: the item's
-    query rows in panels of W = TILE_VECTORS vectors (one column per row); per block of
-    keys and panel, the transposed scores ``Sᵀ = K·Qᵀ`` (keys × W), their online softmax
-    column by column, and ``Oᵀ += Vᵀ·Pᵀ``, the products in register tiles
-    (:mod:`._numba_cpu_tiles`) reading K and V in place."""
+    """One work item: the G heads of key/value head ``hk`` of batch row ``b``, query rows
+    ``[q0, q1)``, keys ``[k_lo, k_hi)``, in panels of W query rows; per block of keys and
+    panel, ``Sᵀ = scale·K·Qᵀ`` for the keys the panel sees, their transform, the online
+    softmax column by column (:func:`softmax_step`), dropout, and ``Oᵀ += Vᵀ·Pᵀ``."""
     b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
     bq = q1 - q0
     rows = g_heads * bq
     dt = q.dtype
-    scale, softcap, zero, ninf = fparams[0], fparams[1], fparams[2], fparams[4]
-    left, right = iparams[1], iparams[2]
-    has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
-    has_dropout = iparams[8]
-    cut, key0, key1 = np.uint64(iparams[9]), np.uint64(iparams[10]), np.uint64(iparams[11])
-    block_k = iparams[15]
-    keep_scale = fparams[5]
-    length = lengths[b]
+    scale, zero, one, ninf, keep = fparams[0], fparams[2], fparams[3], fparams[4], \
+        fparams[5]
+    block_k, has_dropout = iparams[6], iparams[7]
+    tq, tk = q.shape[2], k.shape[2]
     offset = offsets[b]
-    qb, kb, vb = qmap[b], kmap[b], vmap[b]
-    mb = mmap[b]
-    mh_full, mi_full = mask.shape[1] > 1, mask.shape[2] > 1
     size = q.itemsize
-    width = VECTOR_BYTES // size * TILE_VECTORS            # query rows per panel
+    width = VECTOR_BYTES // size * TILE_VECTORS
     panels = (rows + width - 1) // width
-    cols = panels * width
-    transform = has_cap or has_alibi or has_mask
 
-    # Qᵀ (features × query rows, zero columns pad the last panel); per panel: the
-    # running maximum and sum and Oᵀ; the scores of one block and panel
-    qt = np.empty((panels, e, width), dtype=dt)
-    for r in range(rows, cols):
-        for f in range(e):
-            qt[panels - 1, f, r - (panels - 1) * width] = zero
-    for g in range(g_heads):
-        qh = q[qb, hk * g_heads + g]
-        for i in range(bq):
-            r = g * bq + i
-            for f in range(e):
-                qt[r // width, f, r % width] = qh[q0 + i, f]
-    m = np.full(cols, ninf, dtype=dt)
-    l = np.zeros(cols, dtype=dt)
-    acc = np.zeros((panels, ev, width), dtype=dt)
+    qt = np.empty((panels, e, width), dtype=dt)             # Qᵀ per panel
+    pack_columns(q, qmap[b], hk, g_heads, q0, bq, rows, qt)
+    m = np.full(panels * width, ninf, dtype=dt)             # running maximum
+    l = np.zeros(panels * width, dtype=dt)                  # running sum
+    acc = np.zeros((panels, ev, width), dtype=dt)           # Oᵀ per panel
     st = np.empty((block_k, width), dtype=dt)
-    # per column of a panel: its head, query row and position; the keys it may see
-    heads = np.empty(width, dtype=np.int64)
-    qrow = np.empty(width, dtype=np.int64)
-    first = np.empty(width, dtype=np.int64)
-    last = np.empty(width, dtype=np.int64)
-    # key and value rows read in place when their features are contiguous and the rows
-    # evenly spaced; otherwise copied
-    k_direct = k.strides[3] == size and k.strides[2] % size == 0
-    v_direct = v.strides[3] == size and v.strides[2] % size == 0
-    kblk = np.empty((0 if k_direct else block_k, e), dtype=dt)
-    vblk = np.empty((0 if v_direct else block_k, ev), dtype=dt)
-    hi_key = min(k_hi, length)
+    heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
+    first, last = np.empty(width, np.int64), np.empty(width, np.int64)
+    kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
+    hi_key = min(k_hi, lengths[b])
     for k0 in range(k_lo, hi_key, block_k):
-        k1 = min(k0 + block_k, hi_key)
-        n = k1 - k0
-        if k_direct:
-            k_ptr, ldk = k[kb, hk, k0:].ctypes.data, k.strides[2] // size
-        else:
-            for j in range(n):
-                for f in range(e):
-                    kblk[j, f] = k[kb, hk, k0 + j, f]
-            k_ptr, ldk = kblk.ctypes.data, e
-        if v_direct:
-            v_ptr, ldv = v[vb, hk, k0:].ctypes.data, v.strides[2] // size
-        else:
-            for j in range(n):
-                for f in range(ev):
-                    vblk[j, f] = v[vb, hk, k0 + j, f]
-            v_ptr, ldv = vblk.ctypes.data, ev
+        n = min(k0 + block_k, hi_key) - k0
+        k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
+        v_ptr, ldv = block_rows(v, vmap[b], hk, k0, n, vblk)
         for p in range(panels):
             c0 = p * width
-            # per column: the keys [j0, j1) of the block its row may see (causal, window);
-            # the panel's keys [lo, hi) cover them all, keys outside are not computed
-            lo, hi = n, 0
-            for c in range(width):
-                r = c0 + c
-                first[c], last[c] = 0, 0             # padding: sees nothing
-                if r >= rows:
-                    continue
-                g = r // bq
-                i = q0 + r - g * bq
-                heads[c], qrow[c] = hk * g_heads + g, i
-                pos = i + offset
-                j0, j1 = 0, n
-                if left >= 0:
-                    j0 = min(n, max(0, pos - left - k0))
-                if right >= 0:
-                    j1 = max(j0, min(n, pos + right + 1 - k0))
-                if j0 < j1:
-                    first[c], last[c] = j0, j1
-                    lo, hi = min(lo, j0), max(hi, j1)
+            lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
+                                b, False, heads, qrow, first, last)
             if lo >= hi:
-                continue                             # no row of the panel sees these keys
-            width_k = hi - lo
+                continue                         # no row of the panel sees these keys
             s_lo = st.ctypes.data + lo * width * size
-            # Sᵀ[j, c] = scale · k_j · q_c for the keys [lo, hi)
-            if iparams[16] != 3 and iparams[16] != 4:
-                tile_product(k_ptr + lo * ldk * size, ldk, 1, width_k, qt[p].ctypes.data,
-                             width, s_lo, width, e, scale, False, size)
-            whole = True        # every column sees every key of [lo, hi) untransformed
-            for c in range(width):
-                if first[c] > lo or last[c] < hi:
-                    whole = False
-            if transform or not whole:
-                for c in range(width):
-                    j0, j1 = first[c], last[c]
-                    if j0 >= j1:
-                        j0, j1 = lo, lo
-                    for j in range(lo, j0):
-                        st[j, c] = ninf
-                    for j in range(j1, hi):
-                        st[j, c] = ninf
-                    if j0 >= j1 or not transform:
-                        continue
-                    h, i = heads[c], qrow[c]
-                    if has_cap:
-                        for j in range(j0, j1):
-                            st[j, c] = softcap * np.tanh(st[j, c] / softcap)
-                    if has_alibi:
-                        slope = slopes[b, h]
-                        pos = i + offset
-                        for j in range(j0, j1):
-                            st[j, c] -= slope * abs(pos - (k0 + j))
-                    if has_mask:
-                        mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
-                        per_key = mrow.shape[0] > 1
-                        for j in range(j0, j1):
-                            mval = mrow[k0 + j] if per_key else mrow[0]
-                            if has_mask == 2:
-                                if mval == ninf:
-                                    st[j, c] = ninf
-                            else:
-                                st[j, c] += mval
-            if iparams[16] != 1 and iparams[16] != 4:
-                softmax_step(s_lo, width_k, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
+            tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[p].ctypes.data, width,
+                         s_lo, width, e, scale, False, size)
+            transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
+                            mask, slopes, fparams, iparams, st, False)
+            softmax_step(s_lo, hi - lo, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
                          acc[p].ctypes.data, ev, width, zero)
             if has_dropout:
                 for c in range(width):
-                    j0, j1 = first[c], last[c]
-                    if j0 >= j1:
-                        continue
-                    # the weights' flat indices in (B…, H, Tq, Tk): n = row · Tk + key
-                    n0 = np.uint64(((b * q.shape[1] + heads[c]) * q.shape[2] + qrow[c]) *
-                                   k.shape[2] + k0 + j0)
-                    for j in range(j0, j1):
-                        x0 = philox_x0(n0 + np.uint64(j - j0), key0, key1)
-                        st[j, c] = st[j, c] * keep_scale if x0 >= cut else zero
-            # Oᵀ += Vᵀ · Pᵀ
-            if iparams[16] != 2 and iparams[16] != 4:
-                tile_product(v_ptr + lo * ldv * size, 1, ldv, ev, s_lo, width,
-                             acc[p].ctypes.data, width, width_k, fparams[3], True, size)
+                    for j in range(first[c], last[c]):
+                        st[j, c] *= kept(b, heads[c], qrow[c], k0 + j, iparams, tq, tk,
+                                         keep, zero)
+            tile_product(v_ptr + lo * ldv * size, 1, ldv, ev, s_lo, width,
+                         acc[p].ctypes.data, width, hi - lo, one, True, size)
     for r in range(rows):
         g = r // bq
         i = q0 + r - g * bq
         h = hk * g_heads + g
-        p, c = r // width, r % width
-        orow = out[b, h, i]
+        orow, ap, c = out[b, h, i], acc[r // width], r % width
         if l[r] == zero:
             orow[:] = zero
             lse[b, h, i] = ninf
         else:
-            inv = fparams[3] / l[r]
-            ap = acc[p]
+            inv = one / l[r]
             for f in range(ev):
                 orow[f] = ap[f, c] * inv
             lse[b, h, i] = m[r] + np.log(l[r])
+
 
 # compiled for the signatures of :func:`signature` by ``numba_cpu.kernels``
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
@@ -371,252 +343,210 @@ def signature(dt: Any) -> Any:
 
 # --- the backward pass (FlashAttention-2: scores recomputed from q, k and the saved lse) ---
 
-@njit(nogil=True, cache=True)
-def mm(blas: Any, args: Any, limit: int, m: int, n: int, k: int, alpha: Any, a: int,
-       lda: int, ta: int, b: int, ldb: int, tb: int, beta: Any, c: int, ldc: int) -> None:
-    """Row-major ``C[m×n] = alpha·op(A)·op(B) + beta·C`` (``op(X)`` is ``X``, or ``Xᵀ`` when
-    ``t`` is 1; addresses and row strides in elements). Above ``limit`` multiply-adds
-    (0: no limit) the product is cut, so that OpenBLAS runs each piece on the calling
-    thread: along ``m``, or along ``k`` when that leaves larger pieces and the call
-    accumulates (``beta == 1``)."""
-    size = args[2].itemsize
-    along_m = m if limit == 0 else max(1, limit // max(1, n * k))
-    along_k = k if limit == 0 else max(1, limit // max(1, m * n))
-    if along_k > along_m and along_k < k and beta == 1:
-        for k0 in range(0, k, along_k):
-            depth = min(along_k, k - k0)
-            a0 = a + (k0 if ta == 0 else k0 * lda) * size
-            b0 = b + (k0 * ldb if tb == 0 else k0) * size
-            gemm(blas, args, tb, ta, n, m, depth, alpha, b0, ldb, a0, lda, beta, c, ldc)
-        return
-    for m0 in range(0, m, along_m):
-        rows = min(along_m, m - m0)
-        a0 = a + (m0 * lda if ta == 0 else m0) * size
-        # row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ
-        gemm(blas, args, tb, ta, n, rows, k, alpha, b, ldb, a0, lda, beta,
-             c + m0 * ldc * size, ldc)
+@njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
+def dropout_panel(st: Any, dpt: Any, pd: Any, lo: int, hi: int, first: Any, last: Any,
+                  heads: Any, qrow: Any, k0: int, b: int, tq: int, tk: int, fparams: Any,
+                  iparams: Any, weights: bool) -> None:
+    """Dropout's factors on ``dpt = dO·Vᵀ`` (transposed, keys ``[lo, hi)``) and, with
+    ``weights``, the dropped weights ``P·factor`` into ``pd``."""
+    zero, keep = fparams[2], fparams[5]
+    for c in range(first.shape[0]):
+        if weights:
+            for j in range(lo, hi):
+                pd[j, c] = st[j, c]
+        for j in range(first[c], last[c]):
+            f = kept(b, heads[c], qrow[c], k0 + j, iparams, tq, tk, keep, zero)
+            dpt[j, c] *= f
+            if weights:
+                pd[j, c] *= f
 
 
 @njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
-def gradient_row(srow: Any, dprow: Any, pdrow: Any, trow: Any, n: int, k0: int, pos: int,
-                 b: int, h: int, i: int, lse_i: Any, d_i: Any, mask: Any, mb: int,
-                 slopes: Any, fparams: Any, iparams: Any, tq: int, tk: int) -> bool:
-    """One query row against keys ``[k0, k0 + n)``: ``srow`` holds its scaled scores and
-    leaves with ``dS``, ``pdrow`` gets the (dropped) weights, ``dprow`` holds ``dO·vⱼ``.
-    Returns whether the row sees any of these keys."""
-    softcap, zero, ninf, keep_scale = fparams[1], fparams[2], fparams[4], fparams[5]
-    left, right = iparams[1], iparams[2]
-    has_mask, has_alibi, has_cap, has_dropout = iparams[3], iparams[4], iparams[5], \
-        iparams[8]
-    j0, j1 = 0, n
-    if left >= 0:
-        j0 = min(n, max(0, pos - left - k0))
-    if right >= 0:
-        j1 = max(j0, min(n, pos + right + 1 - k0))
-    if j0 >= j1 or lse_i == ninf:
-        srow[:n] = zero
-        pdrow[:n] = zero
-        return False
-    srow[:j0] = zero
-    srow[j1:n] = zero
-    pdrow[:j0] = zero
-    pdrow[j1:n] = zero
-    seg, dseg, pseg, tseg = srow[j0:j1], dprow[j0:j1], pdrow[j0:j1], trow[j0:j1]
-    width = j1 - j0
-    if has_cap:
-        for j in range(width):
-            t = np.tanh(seg[j] / softcap)
-            tseg[j] = t
-            seg[j] = softcap * t
-    if has_alibi:
-        slope = slopes[b, h]
-        first = pos - (k0 + j0)
-        for j in range(width):
-            seg[j] -= slope * abs(first - j)
-    if has_mask:
-        apply_mask(seg, mask[mb, h if mask.shape[1] > 1 else 0, i if mask.shape[2] > 1 else 0],
-                   k0 + j0, has_mask == 2, ninf)
-    exp_shifted(seg, lse_i)                     # the weights P, before dropout
-    if has_dropout:
-        cut, key0, key1 = np.uint64(iparams[9]), np.uint64(iparams[10]), \
-            np.uint64(iparams[11])
-        # the weights' flat indices in (B…, H, Tq, Tk), H = iparams[12]
-        n0 = np.uint64(((b * iparams[12] + h) * tq + i) * tk + k0 + j0)
-        for j in range(width):
-            f = keep_scale if philox_x0(n0 + np.uint64(j), key0, key1) >= cut else zero
-            pseg[j] = seg[j] * f
-            dseg[j] *= f
-    else:
-        for j in range(width):
-            pseg[j] = seg[j]
-    for j in range(width):
-        seg[j] = seg[j] * (dseg[j] - d_i)
-    if has_cap:
-        one = fparams[3]
-        for j in range(width):
-            seg[j] *= one - tseg[j] * tseg[j]
-    return True
-
-
-@njit(nogil=True, fastmath=fastmath, cache=True)
-def _gather_rows(src: Any, sb: int, hk: int, g_heads: int, q0: int, q1: int,
-                 dst: Any) -> None:
-    """Rows ``[q0, q1)`` of the G query heads of group ``hk`` of ``src[sb]`` into ``dst``
-    (head-major: row ``g·(q1 - q0) + i``)."""
-    bq = q1 - q0
-    for g in range(g_heads):
-        for i in range(bq):
-            for f in range(src.shape[3]):
-                dst[g * bq + i, f] = src[sb, hk * g_heads + g, q0 + i, f]
-
-
-@njit(nogil=True, fastmath=fastmath, cache=True)
-def _gather_keys(src: Any, sb: int, hk: int, k0: int, k1: int, dst: Any) -> None:
-    for j in range(k1 - k0):
-        for f in range(src.shape[3]):
-            dst[j, f] = src[sb, hk, k0 + j, f]
+def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, last: Any,
+                   dcol: Any, fparams: Any, iparams: Any) -> None:
+    """``dS = P ∘ (dP - D)`` into ``st`` (which holds ``P``) for keys ``[lo, hi)``, then
+    soft-capping's chain rule (``tt`` holds the tanh of each score)."""
+    one = fparams[3]
+    for j in range(lo, hi):
+        for c in range(first.shape[0]):
+            st[j, c] = st[j, c] * (dpt[j, c] - dcol[c])
+    if iparams[5]:
+        for c in range(first.shape[0]):
+            for j in range(first[c], last[c]):
+                st[j, c] *= one - tt[j, c] * tt[j, c]
 
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                     mmap: Any, lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any,
-                    dd: Any, item: Any, fparams: Any, iparams: Any, blas: Any,
-                    dq: Any) -> None:
-    """dQ of one work item (as in the forward pass): ``dQ = scale · dS · K`` over the
-    item's key blocks."""
+                    dd: Any, item: Any, fparams: Any, iparams: Any, dq: Any) -> None:
+    """dQ of one work item (as in the forward pass): per block of keys and panel of query
+    rows, ``Sᵀ`` and ``P`` recomputed from the saved ``lse``, ``dPᵀ = V·dOᵀ``, ``dS``, and
+    ``dQᵀ += scale·Kᵀ·dSᵀ``."""
     b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
     bq = q1 - q0
     rows = g_heads * bq
     dt = q.dtype
-    scale, zero, one = fparams[0], fparams[2], fparams[3]
-    block_k, limit = iparams[6], iparams[14]
+    scale, zero, ninf = fparams[0], fparams[2], fparams[4]
+    block_k = iparams[6]
     tq, tk = q.shape[2], k.shape[2]
     offset = offsets[b]
-    args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
-            np.empty(2, dtype=dt))
-    qs = np.empty((rows, e), dtype=dt)
-    dos = np.empty((rows, ev), dtype=dt)
-    _gather_rows(q, qmap[b], hk, g_heads, q0, q1, qs)
-    _gather_rows(go, b, hk, g_heads, q0, q1, dos)
-    acc = np.zeros((rows, e), dtype=dt)
-    s = np.empty((rows, block_k), dtype=dt)
-    dp = np.empty((rows, block_k), dtype=dt)
-    pd = np.empty((rows, block_k), dtype=dt)
-    tc = np.empty((rows, block_k), dtype=dt)
-    kblk = np.empty((block_k, e), dtype=dt)
-    vblk = np.empty((block_k, ev), dtype=dt)
-    hi_key = min(k_hi, lengths[b])
-    for k0 in range(k_lo, hi_key, block_k):
-        k1 = min(k0 + block_k, hi_key)
-        n = k1 - k0
-        _gather_keys(k, kmap[b], hk, k0, k1, kblk)
-        _gather_keys(v, vmap[b], hk, k0, k1, vblk)
-        mm(blas, args, limit, rows, n, e, scale, qs.ctypes.data, e, 0, kblk.ctypes.data, e,
-           1, zero, s.ctypes.data, block_k)
-        mm(blas, args, limit, rows, n, ev, one, dos.ctypes.data, ev, 0, vblk.ctypes.data, ev,
-           1, zero, dp.ctypes.data, block_k)
-        for r in range(rows):
-            g = r // bq
-            i = q0 + r - g * bq
-            h = hk * g_heads + g
-            gradient_row(s[r], dp[r], pd[r], tc[r], n, k0, i + offset, b, h, i,
-                         lse[b, h, i], dd[b, h, i], mask, mmap[b], slopes, fparams, iparams,
-                         tq, tk)
-        mm(blas, args, limit, rows, e, n, scale, s.ctypes.data, block_k, 0,
-           kblk.ctypes.data, e, 0, one, acc.ctypes.data, e)
+    size = q.itemsize
+    width = VECTOR_BYTES // size * TILE_VECTORS
+    panels = (rows + width - 1) // width
+
+    qt = np.empty((panels, e, width), dtype=dt)
+    pack_columns(q, qmap[b], hk, g_heads, q0, bq, rows, qt)
+    dot = np.empty((panels, ev, width), dtype=dt)
+    pack_columns(go, b, hk, g_heads, q0, bq, rows, dot)
+    shift = np.zeros(panels * width, dtype=dt)              # lse per column (0 if -inf)
+    dcol = np.zeros(panels * width, dtype=dt)               # D per column
     for r in range(rows):
         g = r // bq
+        h, i = hk * g_heads + g, q0 + r - g * bq
+        shift[r] = lse[b, h, i] if lse[b, h, i] != ninf else zero
+        dcol[r] = dd[b, h, i]
+    dqt = np.zeros((panels, e, width), dtype=dt)
+    st, dpt = np.empty((block_k, width), dtype=dt), np.empty((block_k, width), dtype=dt)
+    tt = np.empty((block_k if iparams[5] else 0, width), dtype=dt)
+    heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
+    first, last = np.empty(width, np.int64), np.empty(width, np.int64)
+    kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
+    hi_key = min(k_hi, lengths[b])
+    for k0 in range(k_lo, hi_key, block_k):
+        n = min(k0 + block_k, hi_key) - k0
+        k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
+        v_ptr, ldv = block_rows(v, vmap[b], hk, k0, n, vblk)
+        for p in range(panels):
+            c0 = p * width
+            lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
+                                b, True, heads, qrow, first, last)
+            if lo >= hi:
+                continue
+            s_lo = st.ctypes.data + lo * width * size
+            tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[p].ctypes.data, width,
+                         s_lo, width, e, scale, False, size)
+            transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
+                            mask, slopes, fparams, iparams, tt, True)
+            exp_columns(s_lo, hi - lo, width, shift[c0:].ctypes.data, zero)
+            tile_product(v_ptr + lo * ldv * size, ldv, 1, hi - lo, dot[p].ctypes.data,
+                         width, dpt.ctypes.data + lo * width * size, width, ev, fparams[3],
+                         False, size)
+            if iparams[7]:
+                dropout_panel(st, dpt, st, lo, hi, first, last, heads, qrow, k0, b, tq, tk,
+                              fparams, iparams, False)
+            score_gradient(st, dpt, tt, lo, hi, first, last, dcol[c0:], fparams, iparams)
+            tile_product(k_ptr + lo * ldk * size, 1, ldk, e, s_lo, width,
+                         dqt[p].ctypes.data, width, hi - lo, scale, True, size)
+    for r in range(rows):
+        g = r // bq
+        drow, dp_, c = dq[b, hk * g_heads + g, q0 + r - g * bq], dqt[r // width], r % width
         for f in range(e):
-            dq[b, hk * g_heads + g, q0 + r - g * bq, f] = acc[r, f]
+            drow[f] = dp_[f, c]
 
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                   mmap: Any, lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any,
-                  dd: Any, item: Any, fparams: Any, iparams: Any, blas: Any, dk: Any,
-                  dv: Any) -> None:
-    """dK and dV of keys ``[k0, k1)`` of head ``hk``, batch row ``b``: ``dV = Pdᵀ·dO`` and
-    ``dK = scale · dSᵀ·Q`` summed over the query blocks (and the G heads of the group)."""
-    b, hk, k0, k1, q_lo, q_hi = item[0], item[1], item[2], item[3], item[4], item[5]
+                  dd: Any, item: Any, fparams: Any, iparams: Any, dk: Any, dv: Any) -> None:
+    """dK and dV of keys ``[k0, k1)`` of head ``hk``, batch row ``b``, over every query row
+    of the G heads of its group, in panels of W: ``dV += Pdᵀ·dO`` and
+    ``dK += scale·dSᵀ·Q``."""
+    b, hk, k0, k1 = item[0], item[1], item[2], item[3]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
     dt = q.dtype
-    scale, zero, one = fparams[0], fparams[2], fparams[3]
-    left, right = iparams[1], iparams[2]
-    block_k, limit, block_q = iparams[6], iparams[14], iparams[13]
+    scale, zero, one, ninf = fparams[0], fparams[2], fparams[3], fparams[4]
     tq, tk = q.shape[2], k.shape[2]
     offset = offsets[b]
-    k1 = min(k1, lengths[b])
-    n = k1 - k0
-    dka = np.zeros((max(n, 0), e), dtype=dt)
-    dva = np.zeros((max(n, 0), ev), dtype=dt)
-    if n > 0:
-        args = (np.array([ord("N"), ord("T")], dtype=np.uint8), np.empty(6, dtype=np.int32),
-                np.empty(2, dtype=dt))
-        rows_max = g_heads * block_q
-        kblk = np.empty((n, e), dtype=dt)
-        vblk = np.empty((n, ev), dtype=dt)
-        _gather_keys(k, kmap[b], hk, k0, k1, kblk)
-        _gather_keys(v, vmap[b], hk, k0, k1, vblk)
-        qs = np.empty((rows_max, e), dtype=dt)
-        dos = np.empty((rows_max, ev), dtype=dt)
-        s = np.empty((rows_max, block_k), dtype=dt)
-        dp = np.empty((rows_max, block_k), dtype=dt)
-        pd = np.empty((rows_max, block_k), dtype=dt)
-        tc = np.empty((rows_max, block_k), dtype=dt)
-        for q0 in range(q_lo, q_hi, block_q):
-            q1 = min(q0 + block_q, q_hi)
-            bq = q1 - q0
-            # skip blocks whose rows see none of these keys (causal, window)
-            seen = False
-            for i in range(q0, q1):
-                pos = i + offset
-                lo = 0 if left < 0 else pos - left
-                hi = k1 if right < 0 else pos + right + 1
-                if max(lo, k0) < min(hi, k1):
-                    seen = True
-                    break
-            if not seen:
-                continue
-            rows = g_heads * bq
-            _gather_rows(q, qmap[b], hk, g_heads, q0, q1, qs)
-            _gather_rows(go, b, hk, g_heads, q0, q1, dos)
-            mm(blas, args, limit, rows, n, e, scale, qs.ctypes.data, e, 0, kblk.ctypes.data,
-               e, 1, zero, s.ctypes.data, block_k)
-            mm(blas, args, limit, rows, n, ev, one, dos.ctypes.data, ev, 0, vblk.ctypes.data,
-               ev, 1, zero, dp.ctypes.data, block_k)
-            for r in range(rows):
-                g = r // bq
-                i = q0 + r - g * bq
-                h = hk * g_heads + g
-                gradient_row(s[r], dp[r], pd[r], tc[r], n, k0, i + offset, b, h, i,
-                             lse[b, h, i], dd[b, h, i], mask, mmap[b], slopes, fparams,
-                             iparams, tq, tk)
-            mm(blas, args, limit, n, ev, rows, one, pd.ctypes.data, block_k, 1,
-               dos.ctypes.data, ev, 0, one, dva.ctypes.data, ev)
-            mm(blas, args, limit, n, e, rows, scale, s.ctypes.data, block_k, 1,
-               qs.ctypes.data, e, 0, one, dka.ctypes.data, e)
-    for j in range(max(n, 0)):
+    size = q.itemsize
+    width = VECTOR_BYTES // size * TILE_VECTORS
+    n = min(k1, lengths[b]) - k0
+    if n <= 0:
+        return
+    rows = g_heads * tq
+    panels = (rows + width - 1) // width
+    e_pad = (e + width - 1) // width * width
+    ev_pad = (ev + width - 1) // width * width
+    kblk, vblk = np.empty((n, e), dtype=dt), np.empty((n, ev), dtype=dt)
+    k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
+    v_ptr, ldv = block_rows(v, vmap[b], hk, k0, n, vblk)
+    dka, dva = np.zeros((n, e_pad), dtype=dt), np.zeros((n, ev_pad), dtype=dt)
+    # one panel of query rows: Qᵀ and dOᵀ (features × W), Q and dO (W × features, padded)
+    qt, dot = np.empty((1, e, width), dtype=dt), np.empty((1, ev, width), dtype=dt)
+    qp, dop = np.zeros((width, e_pad), dtype=dt), np.zeros((width, ev_pad), dtype=dt)
+    shift, dcol = np.empty(width, dtype=dt), np.empty(width, dtype=dt)
+    st, dpt = np.empty((n, width), dtype=dt), np.empty((n, width), dtype=dt)
+    pd = np.empty((n if iparams[7] else 0, width), dtype=dt)
+    tt = np.empty((n if iparams[5] else 0, width), dtype=dt)
+    heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
+    first, last = np.empty(width, np.int64), np.empty(width, np.int64)
+    for p in range(panels):
+        c0 = p * width
+        lo, hi = panel_keys(c0, rows, tq, 0, hk, g_heads, offset, k0, n, iparams, lse, b,
+                            True, heads, qrow, first, last)
+        if lo >= hi:
+            continue
+        for c in range(width):
+            r = c0 + c
+            if r < rows:
+                h, i = heads[c], qrow[c]
+                shift[c] = lse[b, h, i] if lse[b, h, i] != ninf else zero
+                dcol[c] = dd[b, h, i]
+                qrow_, gorow = q[qmap[b], h, i], go[b, h, i]
+                for f in range(e):
+                    qt[0, f, c] = qp[c, f] = qrow_[f]
+                for f in range(ev):
+                    dot[0, f, c] = dop[c, f] = gorow[f]
+            else:
+                shift[c], dcol[c] = zero, zero
+                for f in range(e):
+                    qt[0, f, c] = qp[c, f] = zero
+                for f in range(ev):
+                    dot[0, f, c] = dop[c, f] = zero
+        s_lo = st.ctypes.data + lo * width * size
+        tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt.ctypes.data, width, s_lo,
+                     width, e, scale, False, size)
+        transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b], mask,
+                        slopes, fparams, iparams, tt, True)
+        exp_columns(s_lo, hi - lo, width, shift.ctypes.data, zero)
+        tile_product(v_ptr + lo * ldv * size, ldv, 1, hi - lo, dot.ctypes.data, width,
+                     dpt.ctypes.data + lo * width * size, width, ev, one, False, size)
+        weights = st                                 # P, or with dropout P·factor
+        if iparams[7]:
+            dropout_panel(st, dpt, pd, lo, hi, first, last, heads, qrow, k0, b, tq, tk,
+                          fparams, iparams, True)
+            weights = pd
+        wide_product(weights.ctypes.data + lo * width * size, width, 1, hi - lo,
+                     dop.ctypes.data, ev_pad, dva.ctypes.data + lo * ev_pad * size, ev_pad,
+                     width, ev_pad, one, size)
+        score_gradient(st, dpt, tt, lo, hi, first, last, dcol, fparams, iparams)
+        wide_product(s_lo, width, 1, hi - lo, qp.ctypes.data, e_pad,
+                     dka.ctypes.data + lo * e_pad * size, e_pad, width, e_pad, scale, size)
+    if kblk.shape[0] + vblk.shape[0] < n:
+        return          # never: keeps the copies (read through addresses) alive until here
+    for j in range(n):
+        dkrow, dvrow = dk[b, hk, k0 + j], dv[b, hk, k0 + j]
         for f in range(e):
-            dk[b, hk, k0 + j, f] = dka[j, f]
+            dkrow[f] = dka[j, f]
         for f in range(ev):
-            dv[b, hk, k0 + j, f] = dva[j, f]
+            dvrow[f] = dva[j, f]
 
 
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def backward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any, mmap: Any,
              lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any, dd: Any,
-             q_items: Any, k_items: Any, fparams: Any, iparams: Any, blas: Any, dq: Any,
-             dk: Any, dv: Any) -> None:
+             q_items: Any, k_items: Any, fparams: Any, iparams: Any, dq: Any, dk: Any,
+             dv: Any) -> None:
     """dQ over the query items, then dK and dV over the key items (each its own rows)."""
     for t in prange(q_items.shape[0]):
         grad_query_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, go,
-                        lse, dd, q_items[t], fparams, iparams, blas, dq)
+                        lse, dd, q_items[t], fparams, iparams, dq)
     for t in prange(k_items.shape[0]):
         grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, go,
-                      lse, dd, k_items[t], fparams, iparams, blas, dk, dv)
+                      lse, dd, k_items[t], fparams, iparams, dk, dv)
 
 
 def backward_signature(dt: Any) -> Any:
@@ -630,4 +560,4 @@ def backward_signature(dt: Any) -> Any:
     i1, i2 = arr(t.int64, 1), arr(t.int64, 2)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
                   arr(dt, 2), arr(dt, 4), arr(dt, 3), arr(dt, 3), i2, i2, arr(dt, 1), i1,
-                  i1, arr(dt, 4, False), arr(dt, 4, False), arr(dt, 4, False))
+                  arr(dt, 4, False), arr(dt, 4, False), arr(dt, 4, False))

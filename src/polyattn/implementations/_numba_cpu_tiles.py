@@ -347,3 +347,31 @@ def softmax_step(typingctx: Any, s: Any, n: Any, lds: Any, m: Any, lsum: Any, ac
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def exp_columns(typingctx: Any, s: Any, n: Any, lds: Any, shift: Any, like: Any) -> Any:
+    """``s[j, c] = e^(s[j, c] - shift[c])`` for ``n`` rows (stride ``lds``) of
+    TILE_VECTORS vectors of columns; ``shift`` holds one value per column."""
+    single = _float_of(like)
+    if single is None:
+        return None
+    i64 = types.int64
+    sig = types.void(i64, i64, i64, i64, like)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        vec = _Vec(builder, single)
+        i64t = ir.IntType(64)
+        ptr = vec.fty.as_pointer()
+        ps, pshift = builder.inttoptr(args[0], ptr), builder.inttoptr(args[3], ptr)
+        offsets = [ir.Constant(i64t, v * vec.n) for v in range(TILE_VECTORS)]
+        shifts = [builder.load(vec.at(pshift, off), align=vec.size) for off in offsets]
+        with cgutils.for_range(builder, args[1]) as loop:
+            row = builder.mul(loop.index, args[2])
+            for v, off in enumerate(offsets):
+                where = vec.at(ps, builder.add(row, off))
+                x = builder.load(where, align=vec.size)
+                builder.store(vec.exp(builder.fsub(x, shifts[v])), where, align=vec.size)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -50,35 +50,18 @@ Array = Any
 
 #: Query rows per work item, summed over the G heads of a group (float32; half in float64).
 BLOCK_ROWS = 512
-#: Keys per block of scores when products are cut into slabs, by feature width: the
-#: measured best of 64, 128 and 256 for E = 64 and E = 128.
-BLOCK_K = 128
-BLOCK_K_WIDE = 64
-#: Keys per block when the BLAS runs on one thread anyway and products run whole.
-BLOCK_K_WHOLE = 256
-#: Keys per block of the forward kernel (its scores for one panel of query rows:
-#: 256 × 32 float32, 32 KiB, within the L1 cache).
-FORWARD_BLOCK_K = int(os.environ.get("TILEK", "256"))
-#: OpenBLAS runs a product ``(m, k) @ (k, n)`` on the calling thread alone when
-#: ``m·n·k`` is at most this (65536 × its GEMM_MULTITHREAD_THRESHOLD of 4): the kernel's
-#: products are cut into slabs that small, so that BLAS starts no threads of its own
-#: inside the parallel loop, and nothing about BLAS threads changes for anyone else.
-SINGLE_THREAD_GEMM = 65536 * 4
-
-
-def _slab_rows(block_k: int, width: int) -> int:
-    """Rows per product slab for ``block_k`` keys and ``width`` features."""
-    return max(1, SINGLE_THREAD_GEMM // (block_k * max(1, width)))
+#: Keys per block: the scores of one block against one panel of query rows (256 × 32
+#: float32, 256 × 16 float64) are 32 KiB, within the L1 cache.
+BLOCK_K = 256
 
 _lock = threading.Lock()
 
 
 def availability() -> tuple[bool, str]:
-    """(usable, reason): whether Numba and SciPy (whose BLAS the kernel calls) are installed,
-    and the kernel has not failed to compile in this process."""
+    """(usable, reason): whether Numba is installed and the kernel has not failed to compile
+    in this process."""
     try:
         import numba
-        import scipy.linalg.cython_blas  # noqa: F401
     except ImportError as exc:
         return False, f"{exc.name or 'Numba'} is not installed; pip install 'polyattn[numba]'"
     if _compiled and _compiled[0].startswith("failed"):
@@ -272,196 +255,20 @@ def _serialised() -> Iterator[None]:
 _call_lock = threading.Lock()
 
 
+def tiles() -> str:
+    """The SIMD vectors and register tiles the kernel's products run in on this CPU."""
+    from . import _numba_cpu_tiles as t
+
+    isa = "AVX-512" if t.VECTOR_BYTES == 64 else "32-byte vectors (AVX2 or narrower)"
+    return (f"{isa}: {t.lanes(4)} float32 / {t.lanes(8)} float64 lanes, products in "
+            f"{t.TILE_ROWS} x {t.TILE_VECTORS}-vector register tiles (no BLAS)")
+
+
 def exp(x: np.ndarray) -> np.ndarray:
     """The kernel's exponential of a 1-D float32 or float64 array (for tests and checks)."""
     out = np.array(x, copy=True, order="C")
     kernels()["exp32" if out.dtype == np.float32 else "exp64"](out, out.dtype.type(0.0))
     return out
-
-
-# --- BLAS --------------------------------------------------------------------------------
-
-#: Per dtype: the address of SciPy's ``?gemm``.
-_blas: dict[str, np.ndarray] = {}
-#: [(``int openblas_get_num_threads(void)`` of the library behind it, its symbols' prefix)]
-#: once looked up ((None, ""): not OpenBLAS).
-_blas_count: list[tuple[Any, str]] = []
-
-
-def blas(dtype: np.dtype) -> np.ndarray:
-    """The BLAS the kernel calls: SciPy's ``sgemm``/``dgemm`` (the BLAS Numba itself uses),
-    as a one-element int64 array holding its address."""
-    name = "sgemm" if dtype == np.float32 else "dgemm"
-    with _lock:
-        if name not in _blas:
-            from numba.extending import get_cython_function_address
-
-            gemm = get_cython_function_address("scipy.linalg.cython_blas", name)
-            _blas[name] = np.array([gemm], dtype=np.int64)
-        return _blas[name]
-
-
-def _openblas_getter() -> tuple[Any, str]:
-    """SciPy's OpenBLAS ``get_num_threads`` function and its symbols' prefix
-    (``"scipy_"`` for SciPy's wheels); ``(None, "")`` when SciPy's BLAS is not OpenBLAS."""
-    with _lock:
-        if not _blas_count:
-            import scipy.linalg.cython_blas as cython_blas
-
-            found: tuple[Any, str] = (None, "")
-            try:
-                library = ctypes.CDLL(cython_blas.__file__)
-                for prefix in ("", "scipy_"):
-                    getter = getattr(library, f"{prefix}openblas_get_num_threads", None)
-                    if getter is not None:
-                        getter.restype, getter.argtypes = ctypes.c_int, []
-                        found = (getter, prefix)
-                        break
-            except OSError:
-                pass
-            _blas_count.append(found)
-    return _blas_count[0]
-
-
-def blas_threads() -> int:
-    """The thread count SciPy's BLAS would use for a large product (0: unknown).
-
-    When it is 1 (``OPENBLAS_NUM_THREADS=1``, or a threadpoolctl limit), the kernel calls
-    it with whole products. Otherwise it calls a private copy of the same OpenBLAS library
-    that runs on one thread (:func:`private_blas`), or, where no such copy can be made,
-    cuts its products into slabs small enough that OpenBLAS runs each on the calling thread
-    (``SINGLE_THREAD_GEMM``). Either way SciPy's and NumPy's BLAS threads are left as they
-    are: OpenBLAS has no thread-local setting (its ``openblas_set_num_threads_local`` sets
-    the process-wide count), so changing it would change it for every other thread too.
-    """
-    getter = _openblas_getter()[0]
-    return int(getter()) if getter is not None else 0
-
-
-class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
-
-
-def _file_of(address: int) -> str:
-    """The path of the shared library that holds ``address`` (``dladdr``)."""
-    libc = ctypes.CDLL(None)
-    dladdr = getattr(libc, "dladdr", None)
-    if dladdr is None:                       # glibc before 2.34 keeps it in libdl
-        dladdr = ctypes.CDLL(ctypes.util.find_library("dl") or "libdl.so.2").dladdr
-    dladdr.argtypes, dladdr.restype = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)], ctypes.c_int
-    info = _DlInfo()
-    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
-        raise OSError("dladdr found no library")
-    return os.fsdecode(info.dli_fname)
-
-
-@dataclass(frozen=True)
-class PrivateBlas:
-    """A second copy of SciPy's OpenBLAS, loaded from an anonymous in-memory file, set to
-    one thread; nothing else in the process calls it, so its thread count is the kernel's
-    own business."""
-
-    source: str                #: the library it copies
-    gemm: dict[str, np.ndarray]   #: "sgemm"/"dgemm" -> one-element int64 array of the address
-    handle: Any                #: keeps the copy loaded
-
-
-#: [PrivateBlas] or [reason it could not be made], once decided.
-_private: list[Any] = []
-_private_lock = threading.Lock()
-
-
-def private_blas() -> PrivateBlas | None:
-    """The kernel's private one-thread copy of SciPy's OpenBLAS (None: none could be made;
-    :func:`blas_mode` says why).
-
-    OpenBLAS's thread count is one number per loaded library, shared by every thread that
-    calls it. Loading the same library file a second time (from a copy in an anonymous
-    in-memory file, ``memfd_create``, so the loader sees a different file and nothing is
-    written to disk) gives a library with its own count, which is set to 1 once: the
-    kernel's parallel work items each run their products whole on their own thread, while
-    NumPy's and SciPy's BLAS keep the threads they had. Made only on Linux, for OpenBLAS,
-    and only if the copy's count is independent of the original's and one product through
-    it matches NumPy's.
-    """
-    with _private_lock:                       # one copy, however many threads ask at once
-        if not _private:
-            try:
-                made: Any = _make_private_blas()
-            except Exception as exc:  # any failure: say why and cut products into slabs
-                made = f"{type(exc).__name__}: {exc}"
-            _private.append(made)
-    found = _private[0]
-    return found if isinstance(found, PrivateBlas) else None
-
-
-def private_blas_problem() -> str | None:
-    """Why the kernel has no private one-thread BLAS (None: it has one)."""
-    found = private_blas()
-    return None if found is not None else str(_private[0])
-
-
-def _make_private_blas() -> PrivateBlas:
-    getter, prefix = _openblas_getter()
-    if getter is None:
-        raise OSError("SciPy's BLAS is not OpenBLAS")
-    if not hasattr(os, "memfd_create"):
-        raise OSError("no memfd_create on this system")
-    source = _file_of(ctypes.cast(getter, ctypes.c_void_p).value or 0)
-    fd = os.memfd_create("polyattn-blas")
-    try:
-        with open(source, "rb") as f_in, os.fdopen(os.dup(fd), "wb") as f_out:
-            shutil.copyfileobj(f_in, f_out, 1 << 20)
-        handle = ctypes.CDLL(f"/proc/self/fd/{fd}", mode=os.RTLD_LOCAL | os.RTLD_NOW)
-    finally:
-        os.close(fd)                          # the mapping keeps the copy alive
-    get = getattr(handle, f"{prefix}openblas_get_num_threads")
-    put = getattr(handle, f"{prefix}openblas_set_num_threads")
-    get.restype, get.argtypes = ctypes.c_int, []
-    put.restype, put.argtypes = None, [ctypes.c_int]
-    before = getter()
-    put(1)
-    if get() != 1 or getter() != before:
-        raise OSError("the copy's thread count is not its own")
-    gemm = {name: np.array([ctypes.cast(getattr(handle, f"{prefix}{name}_"),
-                                        ctypes.c_void_p).value], dtype=np.int64)
-            for name in ("sgemm", "dgemm")}
-    _check_gemm(gemm["dgemm"])
-    return PrivateBlas(source, gemm, handle)
-
-
-def _check_gemm(address: np.ndarray) -> None:
-    """One small column-major product ``C = A B`` through the Fortran ``dgemm`` at
-    ``address``, against NumPy's (the copy must take the same arguments as SciPy's)."""
-    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_char_p] * 2 + [ctypes.c_void_p] * 11))(
-        int(address[0]))
-    a = np.asfortranarray(np.arange(6.0).reshape(2, 3))
-    b = np.asfortranarray(np.arange(12.0).reshape(3, 4) - 5)
-    c = np.zeros((2, 4), order="F")
-
-    def i32(n: int) -> ctypes.Array:
-        return (ctypes.c_int * 1)(n)
-
-    one, zero = (ctypes.c_double * 1)(1.0), (ctypes.c_double * 1)(0.0)
-    fn(b"N", b"N", i32(2), i32(4), i32(3), one, a.ctypes.data, i32(2), b.ctypes.data,
-       i32(3), zero, c.ctypes.data, i32(2))
-    if not np.array_equal(c, a @ b):
-        raise OSError("a product through the copy differs from NumPy's")
-
-
-def blas_mode() -> tuple[str, str]:
-    """(mode, description) of how the kernel calls BLAS in this process now:
-    ``"whole"`` (SciPy's BLAS runs one thread), ``"private"`` (a private one-thread copy,
-    products whole) or ``"slabs"`` (products cut to run single-threaded)."""
-    if blas_threads() == 1:
-        return "whole", "SciPy's BLAS on its one thread, products whole"
-    private = private_blas()
-    if private is not None:
-        return "private", (f"a private one-thread copy of {os.path.basename(private.source)}"
-                           f", products whole (SciPy's and NumPy's BLAS threads untouched)")
-    return "slabs", (f"SciPy's BLAS, products cut into single-thread slabs (no private "
-                     f"one-thread copy: {private_blas_problem()})")
 
 
 # --- the call ----------------------------------------------------------------------------
@@ -540,23 +347,14 @@ class _Call:
         g = h // self.hkv
         #: query rows per head in a work item
         self.rows = rows = max(1, (BLOCK_ROWS * 4 // dtype.itemsize) // g)
-        mode = blas_mode()[0]
-        private = private_blas() if mode == "private" else None
-        self.library = (private.gemm["sgemm" if dtype == np.float32 else "dgemm"]
-                        if private is not None else blas(dtype))
-        whole = mode != "slabs"
-        block_k = BLOCK_K_WHOLE if whole else (BLOCK_K if max(self.e, self.ev) <= 64
-                                               else BLOCK_K_WIDE)
         self.fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf,
                                  rules.dropout_scale if rules.dropout else 1.0], dtype=dtype)
         key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
-        sub = rows * g if whole else _slab_rows(block_k, max(self.e, self.ev))
+        # (the meaning of each entry: ``_numba_cpu_kernels``)
         self.iparams = np.array([
             int(rules.causal), left, right, mask_kind, int(rules.alibi is not None),
-            int(rules.softcap is not None), block_k, sub, int(rules.dropout),
+            int(rules.softcap is not None), BLOCK_K, int(rules.dropout),
             threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, h, rows,
-            0 if whole else SINGLE_THREAD_GEMM,   # largest product (m·n·k) of one BLAS call
-            FORWARD_BLOCK_K, int(os.environ.get("SKIP", "0")),
         ], dtype=np.int64)
 
     def query_items(self) -> np.ndarray:
@@ -666,7 +464,7 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     q_items, k_items = call.query_items(), call.key_items()
     if q_items.size or k_items.size:
         call.run(backward_kernel(), *call.common(), go, lse3, dd, q_items, k_items,
-                 call.fparams, call.iparams, call.library, dq, dk, dv)
+                 call.fparams, call.iparams, dq, dk, dv)
     return (_unbroadcast(dq.reshape((*call.batch, h, tq, call.e)), q.shape),
             _unbroadcast(dk.reshape((*call.batch, hkv, tk, call.e)), k.shape),
             _unbroadcast(dv.reshape((*call.batch, hkv, tk, call.ev)), v.shape))
