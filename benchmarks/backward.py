@@ -305,7 +305,7 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         f"- torch {env['versions']['torch']} with {env['torch_threads']} threads, SDPA "
         f"backend: {', '.join(backends)}; polyattn {env['versions']['polyattn']} "
         f"(`attention_vjp`, \"auto\" ran {', '.join(impls)}); Python {env['python']}",
-        f"- numba_cpu BLAS: {env.get('numba_cpu_blas', 'not recorded')}",
+        f"- numba_cpu: {env.get('numba_cpu_tiles', 'not recorded')}",
         "- Environment variables: "
         + (", ".join(f"{k}={v}" for k, v in env["env"].items() if v) or "none of "
            + ", ".join(env["env"]) + " set"),

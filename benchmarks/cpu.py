@@ -4,7 +4,12 @@ Run with ``nox -s bench`` or ``python benchmarks/cpu.py`` (``--help`` for option
 Every case times its contenders interleaved in one process (the order rotates
 each round), takes the median of ``--reps`` rounds after a warm-up, and
 reports ratios measured side by side, which stay meaningful on a shared
-machine where absolute times do not.
+machine where absolute times do not. Each timed call follows a pause of
+``SETTLE_S`` and one untimed call of the same contender: the libraries keep
+worker threads busy-waiting after a call (OpenBLAS for about 0.1 s), and a
+call timed right after another library's would share the cores with them (a
+torch call right after a NumPy matmul took twice its time here); this way
+every contender is timed in its own steady state.
 
 FLOPs: forward attention is ``4·B·H·Tq·Tk·E`` (two matrix products), half of
 that under a causal mask. The GEMM rate is a NumPy ``matmul`` of two n×n
@@ -119,8 +124,16 @@ def gemm_operands(fl: float, dtype: Any, rng: np.random.Generator) -> tuple[np.n
 
 # --- measurement --------------------------------------------------------------------------
 
-def time_interleaved(fns: dict[str, Any], reps: int) -> dict[str, list[float]]:
-    """One warm-up call each, then ``reps`` rounds, rotating the order every round."""
+#: Seconds of pause before each contender's untimed-then-timed pair of calls: longer than
+#: the busy-wait of the previous contender's worker threads (OpenBLAS's lasts about 0.1 s).
+SETTLE_S = 0.15
+
+
+def time_interleaved(fns: dict[str, Any], reps: int, *, settle: float = SETTLE_S,
+                     cold: tuple[str, ...] = ("naive",)) -> dict[str, list[float]]:
+    """One warm-up call each, then ``reps`` rounds, rotating the order every round; in a
+    round each contender is timed after a pause of ``settle`` seconds and one untimed call
+    of its own (none for those in ``cold``: the long single-pass ones)."""
     names = list(fns)
     for name in names:
         fns[name]()
@@ -129,6 +142,9 @@ def time_interleaved(fns: dict[str, Any], reps: int) -> dict[str, list[float]]:
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             gc.collect()
+            time.sleep(settle)
+            if name not in cold:
+                fns[name]()
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)
@@ -187,7 +203,9 @@ def environment() -> dict[str, Any]:
         "torch_parallel_info": torch.__config__.parallel_info().strip().splitlines()[:6],
         "polyattn_numpy_threads": _polyattn_threads(),
         "polyattn_numpy_threading": _polyattn_threading(),
-        "numba_cpu_blas": _numba_cpu_blas(),
+        "numba_cpu_tiles": _numba_cpu_tiles(),
+        "timing": (f"median of the rounds; each timed call after a {SETTLE_S} s pause and an "
+                   "untimed call of the same contender (naive: the pause only)"),
         "simd": simd_level(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": {name: os.environ.get(name) for name in
@@ -212,13 +230,13 @@ def simd_level() -> str:
     return "unknown"
 
 
-def _numba_cpu_blas() -> str:
-    """Which BLAS the numba_cpu kernel's products run on in this process, and how."""
+def _numba_cpu_tiles() -> str:
+    """The SIMD vectors and register tiles of the numba_cpu kernel on this CPU."""
     if not numba_cpu_usable():
         return "numba_cpu not usable"
     from polyattn.implementations import numba_cpu
 
-    return numba_cpu.blas_mode()[1]
+    return numba_cpu.tiles()
 
 
 def numba_cpu_usable() -> bool:
@@ -263,19 +281,11 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
         return lambda: polyattn.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                              implementation=name)
 
-    def numba_blas1():
-        # the kernel's products run whole where BLAS runs one thread anyway
-        import threadpoolctl
-
-        with threadpoolctl.threadpool_limits(1, user_api="blas"):
-            return by_name("numba_cpu")()
-
     fns: dict[str, Any] = {"polyattn": ours, "torch": theirs,
                            "products": lambda: numpy_products(q, k, v, causal),
                            "numpy_path": by_name("chunked")}
     if numba_cpu_usable():
         fns["numba_cpu"] = by_name("numba_cpu")
-        fns["numba_cpu_blas1"] = numba_blas1
     if run_naive:
         fns["naive"] = lambda: naive_numpy(q, k, v, causal)
     if gemm:
@@ -306,7 +316,7 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
     with torch.no_grad():
         oracle = torch.nn.functional.scaled_dot_product_attention(
             tq.double(), tk.double(), tv.double(), is_causal=causal).numpy()
-    for name in ("polyattn", "numpy_path", "numba_cpu", "numba_cpu_blas1"):
+    for name in ("polyattn", "numpy_path", "numba_cpu"):
         if name in fns:
             row["max_abs_err_vs_float64"][name] = float(np.max(np.abs(fns[name]() - oracle)))
     if gemm:
@@ -346,7 +356,8 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         f"{env['polyattn_numpy_threads']}",
         f"- torch {env['versions']['torch']} with {env['torch_threads']} threads; "
         f"polyattn {env['versions']['polyattn']}; Python {env['python']}",
-        f"- numba_cpu BLAS: {env.get('numba_cpu_blas', 'not recorded')}",
+        f"- numba_cpu: {env.get('numba_cpu_tiles', 'not recorded')}",
+        f"- Timing: {env.get('timing', 'median of the rounds, contenders interleaved')}",
         "- Environment variables: "
         + (", ".join(f"{k}={v}" for k, v in env["env"].items() if v) or "none of "
            + ", ".join(env["env"]) + " set"),
@@ -361,9 +372,9 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         "",
         "| case (B, H, T, E) | causal | dtype | impl | polyattn ms | torch ms | products ms "
         "| naive ms | ratio | floor | numpy_chunked ratio | numba_cpu ratio "
-        "| numba_cpu BLAS=1 ratio | polyattn GFLOP/s | torch GFLOP/s | GEMM GFLOP/s "
+        "| polyattn GFLOP/s | torch GFLOP/s | GEMM GFLOP/s "
         "| GEMM % | polyattn MiB | naive MiB |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
         "|---:|---:|",
     ]
     for r in rows:
@@ -380,7 +391,6 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
             f"| {naive_ms} | **{r['ratio_to_torch']['polyattn']:.2f}** "
             f"| {r['ratio_to_torch']['products']:.2f} "
             f"| {_ratio(r, 'numpy_path')} | {_ratio(r, 'numba_cpu')} "
-            f"| {_ratio(r, 'numba_cpu_blas1')} "
             f"| {r['gflops']['polyattn']:.0f} | {r['gflops']['torch']:.0f} | {gemm} | {frac} "
             f"| {r['peak_extra_mib']['polyattn']:.1f} | {naive_mib} |")
     lines += ["", "## Targets", ""] + [f"- {t}" for t in targets(rows)]
@@ -410,7 +420,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                        f"{n_ok}/{len(these)} cases (target all); worst "
                        f"{bad['ratio_to_torch']['polyattn']:.2f}× at {_fmt_case(bad)} "
                        f"{'causal ' if bad['causal'] else ''}")
-            for name in ("numpy_path", "numba_cpu", "numba_cpu_blas1"):
+            for name in ("numpy_path", "numba_cpu"):
                 got = [r["ratio_to_torch"][name] for r in these if name in r["ratio_to_torch"]]
                 if got:
                     out.append(f"{dtype}: {name} / torch median {statistics.median(got):.2f}× "

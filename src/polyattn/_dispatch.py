@@ -476,11 +476,6 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
                          f"implementation='auto') or 1/true/on/yes; got {setting!r}")
     if not by_name and setting.lower() in ("0", "false", "off", "no"):
         return f"turned off for implementation='auto' by POLYATTN_NUMBA_CPU={setting}"
-    if not by_name and for_vjp and is_numpy(problem.xp):
-        return ("its backward pass was measured slower than the NumPy fast path's at long "
-                "sequences (forward+backward 1.60x against 1.33x torch's time at "
-                "(1, 8, 4096, 64) float32), so attention_vjp runs the NumPy fast path unless "
-                "implementation='numba_cpu' is asked for")
     if not is_numpy(problem.xp):
         return (f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays")
     from .implementations import numba_cpu

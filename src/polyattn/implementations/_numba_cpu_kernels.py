@@ -343,6 +343,10 @@ def signature(dt: Any) -> Any:
 
 # --- the backward pass (FlashAttention-2: scores recomputed from q, k and the saved lse) ---
 
+#: Panels of W query rows the dK/dV kernel takes at once: its products ``Pdᵀ·dO`` and
+#: ``dSᵀ·Q`` run over KEY_PANELS·W rows (the depth of their register tiles).
+KEY_PANELS = 4
+
 @njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
 def dropout_panel(st: Any, dpt: Any, pd: Any, lo: int, hi: int, first: Any, last: Any,
                   heads: Any, qrow: Any, k0: int, b: int, tq: int, tk: int, fparams: Any,
@@ -452,8 +456,9 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
                   mmap: Any, lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any,
                   dd: Any, item: Any, fparams: Any, iparams: Any, dk: Any, dv: Any) -> None:
     """dK and dV of keys ``[k0, k1)`` of head ``hk``, batch row ``b``, over every query row
-    of the G heads of its group, in panels of W: ``dV += Pdᵀ·dO`` and
-    ``dK += scale·dSᵀ·Q``."""
+    of the G heads of its group, in panels of KEY_PANELS × W rows: ``Sᵀ``, ``P`` and
+    ``dPᵀ`` per W rows as in :func:`grad_query_item`, then ``dV += Pdᵀ·dO`` and
+    ``dK += scale·dSᵀ·Q`` over the whole panel (products KEY_PANELS·W deep)."""
     b, hk, k0, k1 = item[0], item[1], item[2], item[3]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
@@ -463,68 +468,73 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
     offset = offsets[b]
     size = q.itemsize
     width = VECTOR_BYTES // size * TILE_VECTORS
+    wide = KEY_PANELS * width
     n = min(k1, lengths[b]) - k0
     if n <= 0:
         return
     rows = g_heads * tq
-    panels = (rows + width - 1) // width
     e_pad = (e + width - 1) // width * width
     ev_pad = (ev + width - 1) // width * width
     kblk, vblk = np.empty((n, e), dtype=dt), np.empty((n, ev), dtype=dt)
     k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
     v_ptr, ldv = block_rows(v, vmap[b], hk, k0, n, vblk)
     dka, dva = np.zeros((n, e_pad), dtype=dt), np.zeros((n, ev_pad), dtype=dt)
-    # one panel of query rows: Qᵀ and dOᵀ (features × W), Q and dO (W × features, padded)
-    qt, dot = np.empty((1, e, width), dtype=dt), np.empty((1, ev, width), dtype=dt)
-    qp, dop = np.zeros((width, e_pad), dtype=dt), np.zeros((width, ev_pad), dtype=dt)
-    shift, dcol = np.empty(width, dtype=dt), np.empty(width, dtype=dt)
-    st, dpt = np.empty((n, width), dtype=dt), np.empty((n, width), dtype=dt)
-    pd = np.empty((n if iparams[7] else 0, width), dtype=dt)
-    tt = np.empty((n if iparams[5] else 0, width), dtype=dt)
-    heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
-    first, last = np.empty(width, np.int64), np.empty(width, np.int64)
-    for p in range(panels):
-        c0 = p * width
+    # one panel of query rows: Qᵀ and dOᵀ per W rows (features × W), Q and dO (rows ×
+    # features, padded with zeros)
+    qt = np.empty((KEY_PANELS, e, width), dtype=dt)
+    dot = np.empty((KEY_PANELS, ev, width), dtype=dt)
+    qp, dop = np.zeros((wide, e_pad), dtype=dt), np.zeros((wide, ev_pad), dtype=dt)
+    shift, dcol = np.empty(wide, dtype=dt), np.empty(wide, dtype=dt)
+    st, dpt = np.empty((n, wide), dtype=dt), np.empty((n, wide), dtype=dt)
+    pd = np.empty((n if iparams[7] else 0, wide), dtype=dt)
+    tt = np.empty((n if iparams[5] else 0, wide), dtype=dt)
+    heads, qrow = np.empty(wide, np.int64), np.empty(wide, np.int64)
+    first, last = np.empty(wide, np.int64), np.empty(wide, np.int64)
+    for c0 in range(0, rows, wide):
         lo, hi = panel_keys(c0, rows, tq, 0, hk, g_heads, offset, k0, n, iparams, lse, b,
                             True, heads, qrow, first, last)
         if lo >= hi:
             continue
-        for c in range(width):
-            r = c0 + c
-            if r < rows:
+        for c in range(wide):
+            sub, cc = c // width, c % width
+            if c0 + c < rows:
                 h, i = heads[c], qrow[c]
                 shift[c] = lse[b, h, i] if lse[b, h, i] != ninf else zero
                 dcol[c] = dd[b, h, i]
                 qrow_, gorow = q[qmap[b], h, i], go[b, h, i]
                 for f in range(e):
-                    qt[0, f, c] = qp[c, f] = qrow_[f]
+                    qt[sub, f, cc] = qp[c, f] = qrow_[f]
                 for f in range(ev):
-                    dot[0, f, c] = dop[c, f] = gorow[f]
+                    dot[sub, f, cc] = dop[c, f] = gorow[f]
             else:
                 shift[c], dcol[c] = zero, zero
                 for f in range(e):
-                    qt[0, f, c] = qp[c, f] = zero
+                    qt[sub, f, cc] = qp[c, f] = zero
                 for f in range(ev):
-                    dot[0, f, c] = dop[c, f] = zero
-        s_lo = st.ctypes.data + lo * width * size
-        tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt.ctypes.data, width, s_lo,
-                     width, e, scale, False, size)
+                    dot[sub, f, cc] = dop[c, f] = zero
+        s_lo = st.ctypes.data + lo * wide * size
+        d_lo = dpt.ctypes.data + lo * wide * size
+        for sub in range(KEY_PANELS):
+            tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[sub].ctypes.data,
+                         width, s_lo + sub * width * size, wide, e, scale, False, size)
         transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b], mask,
                         slopes, fparams, iparams, tt, True)
-        exp_columns(s_lo, hi - lo, width, shift.ctypes.data, zero)
-        tile_product(v_ptr + lo * ldv * size, ldv, 1, hi - lo, dot.ctypes.data, width,
-                     dpt.ctypes.data + lo * width * size, width, ev, one, False, size)
+        for sub in range(KEY_PANELS):
+            exp_columns(s_lo + sub * width * size, hi - lo, wide,
+                        shift.ctypes.data + sub * width * size, zero)
+            tile_product(v_ptr + lo * ldv * size, ldv, 1, hi - lo, dot[sub].ctypes.data,
+                         width, d_lo + sub * width * size, wide, ev, one, False, size)
         weights = st                                 # P, or with dropout P·factor
         if iparams[7]:
             dropout_panel(st, dpt, pd, lo, hi, first, last, heads, qrow, k0, b, tq, tk,
                           fparams, iparams, True)
             weights = pd
-        wide_product(weights.ctypes.data + lo * width * size, width, 1, hi - lo,
+        wide_product(weights.ctypes.data + lo * wide * size, wide, 1, hi - lo,
                      dop.ctypes.data, ev_pad, dva.ctypes.data + lo * ev_pad * size, ev_pad,
-                     width, ev_pad, one, size)
+                     wide, ev_pad, one, size)
         score_gradient(st, dpt, tt, lo, hi, first, last, dcol, fparams, iparams)
-        wide_product(s_lo, width, 1, hi - lo, qp.ctypes.data, e_pad,
-                     dka.ctypes.data + lo * e_pad * size, e_pad, width, e_pad, scale, size)
+        wide_product(s_lo, wide, 1, hi - lo, qp.ctypes.data, e_pad,
+                     dka.ctypes.data + lo * e_pad * size, e_pad, wide, e_pad, scale, size)
     if kblk.shape[0] + vblk.shape[0] < n:
         return          # never: keeps the copies (read through addresses) alive until here
     for j in range(n):

@@ -35,16 +35,15 @@ from numba.extending import intrinsic
 
 def vector_bytes() -> int:
     """Bytes per SIMD register of the CPU Numba compiles for (64 or 32)."""
-    features = config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
+    features = getattr(config, "CPU_FEATURES", None) or binding.get_host_cpu_features().flatten()
     return 64 if "+avx512f" in features.split(",") else 32
 
 
 VECTOR_BYTES = vector_bytes()
 #: Rows of A per tile (the tile has TILE_ROWS × 2 vector accumulators).
-import os
-TILE_ROWS = int(os.environ.get("TR", "12")) if VECTOR_BYTES == 64 else 6
+TILE_ROWS = 12 if VECTOR_BYTES == 64 else 6
 #: Vectors of B per tile.
-TILE_VECTORS = int(os.environ.get("TV", "2"))
+TILE_VECTORS = 2
 
 
 def lanes(itemsize: int) -> int:
@@ -221,8 +220,7 @@ def _float_of(alpha: Any) -> bool | None:
     return {types.float32: True, types.float64: False}.get(alpha)
 
 
-@intrinsic
-def exp_sum(typingctx: Any, ptr: Any, count: Any, shift: Any) -> Any:
+def _exp_sum(typingctx: Any, ptr: Any, count: Any, shift: Any) -> Any:
     """``x[j] = e^(x[j] - shift)`` for the ``count`` elements at address ``ptr``, in
     place; returns their sum."""
     single = _float_of(shift)
@@ -253,6 +251,9 @@ def exp_sum(typingctx: Any, ptr: Any, count: Any, shift: Any) -> Any:
     return sig, codegen
 
 
+exp_sum: Any = intrinsic(_exp_sum)
+
+
 #: Tiles of TILE_ROWS, 8, 4, 2 and 1 rows (any row count is a sum of them) by
 #: TILE_VECTORS vectors.
 tile_rows: Any = _tile(TILE_ROWS, TILE_VECTORS)
@@ -262,8 +263,7 @@ tile_2: Any = _tile(2, TILE_VECTORS)
 tile_1: Any = _tile(1, TILE_VECTORS)
 
 
-@intrinsic
-def softmax_step(typingctx: Any, s: Any, n: Any, lds: Any, m: Any, lsum: Any, acc: Any,
+def _softmax_step(typingctx: Any, s: Any, n: Any, lds: Any, m: Any, lsum: Any, acc: Any,
                  acc_rows: Any, ldacc: Any, like: Any) -> Any:
     """One block of the online softmax for TILE_VECTORS vectors of columns (one column
     per query row), every step a vector operation:
@@ -338,19 +338,29 @@ def softmax_step(typingctx: Any, s: Any, n: Any, lds: Any, m: Any, lsum: Any, ac
             where = vec.at(pl, off)
             old = builder.fmul(builder.load(where, align=vec.size), scales[v])
             builder.store(builder.fadd(old, builder.load(totals[v])), where, align=vec.size)
-        with cgutils.for_range(builder, acc_rows) as loop:
-            row = builder.mul(loop.index, ldacc)
-            for v, off in enumerate(offsets):
-                where = vec.at(pacc, builder.add(row, off))
-                builder.store(builder.fmul(builder.load(where, align=vec.size), scales[v]),
-                              where, align=vec.size)
+        # the rescale of ``acc``, skipped when no column's maximum changed (every factor 1)
+        changed = ir.Constant(ir.IntType(1), 0)
+        for v in range(len(offsets)):
+            differs = builder.fcmp_unordered("!=", scales[v], vec.const(1.0))
+            bits = builder.bitcast(differs, ir.IntType(vec.n))
+            changed = builder.or_(changed, builder.icmp_unsigned("!=", bits,
+                                                                 ir.Constant(ir.IntType(vec.n), 0)))
+        with builder.if_then(changed):
+            with cgutils.for_range(builder, acc_rows) as loop:
+                row = builder.mul(loop.index, ldacc)
+                for v, off in enumerate(offsets):
+                    where = vec.at(pacc, builder.add(row, off))
+                    builder.store(builder.fmul(builder.load(where, align=vec.size),
+                                               scales[v]), where, align=vec.size)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-@intrinsic
-def exp_columns(typingctx: Any, s: Any, n: Any, lds: Any, shift: Any, like: Any) -> Any:
+softmax_step: Any = intrinsic(_softmax_step)
+
+
+def _exp_columns(typingctx: Any, s: Any, n: Any, lds: Any, shift: Any, like: Any) -> Any:
     """``s[j, c] = e^(s[j, c] - shift[c])`` for ``n`` rows (stride ``lds``) of
     TILE_VECTORS vectors of columns; ``shift`` holds one value per column."""
     single = _float_of(like)
@@ -375,3 +385,7 @@ def exp_columns(typingctx: Any, s: Any, n: Any, lds: Any, shift: Any, like: Any)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+
+exp_columns: Any = intrinsic(_exp_columns)

@@ -33,12 +33,10 @@ import ctypes.util
 import glob
 import math
 import os
-import shutil
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
