@@ -3,13 +3,16 @@
 Run with ``nox -s bench_backward`` or ``python benchmarks/backward.py`` (``--help``).
 At the cases of ``nox -s bench`` (``cpu.CASES``, causal and not, float32 and
 float64) it times, interleaved in one process (the order rotates every round;
-median of ``--reps`` rounds after a warm-up):
+median of ``--reps`` rounds after a warm-up; each timed call after a pause and
+an untimed call of its own, as in ``cpu.py``):
 
 ``polyattn``
     ``out, pullback = polyattn.attention_vjp(q, k, v, is_causal=causal)`` then
     ``pullback(grad_out)`` on NumPy arrays (``implementation="auto"``: above a
-    small score budget the NumPy fast path, ``numpy_chunked``, and its blocked
-    backward pass ``numpy_vjp``; the choice is recorded per case);
+    small score budget the fused ``numba_cpu`` kernel where Numba is installed,
+    else the NumPy fast path, ``numpy_chunked``, and its blocked backward pass
+    ``numpy_vjp``; the choice is recorded per case; the other of the two is
+    timed beside it);
 ``polyattn forward``
     the ``attention_vjp`` call alone (the forward pass that keeps ``lse``);
 ``torch``
@@ -162,9 +165,18 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
                                                    implementation="numba_cpu")
             return (out, *pullback(go))
 
+    def numpy_path() -> tuple[np.ndarray, ...]:
+        with blas_mode(threading):
+            out, pullback = polyattn.attention_vjp(q, k, v, is_causal=causal,
+                                                   implementation="chunked")
+            return (out, *pullback(go))
+
+    auto = polyattn.explain(q, k, v, is_causal=causal, return_lse=True).implementation
     fns: dict[str, Any] = {"polyattn": ours, "polyattn forward": ours_forward,
                            "torch": theirs, "torch forward": theirs_forward}
-    if numba_cpu_usable():
+    if auto != "chunked":
+        fns["numpy_path"] = numpy_path        # the NumPy fast path, side by side
+    if numba_cpu_usable() and auto != "numba_cpu":
         fns["numba_cpu"] = numba_cpu          # the fused Numba kernel, side by side
     if run_naive:
         def naive_fb() -> tuple[np.ndarray, ...]:
@@ -173,6 +185,9 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
 
         fns["naive"] = naive_fb
     times = time_interleaved(fns, reps)
+    for name, same in (("numba_cpu", "numba_cpu"), ("numpy_path", "chunked")):
+        if auto == same:
+            times[name] = times["polyattn"]
     med = {name: statistics.median(ts) for name, ts in times.items()}
 
     # memory, in separate untimed calls whose results are kept for the checks below
@@ -213,8 +228,9 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
         "score_matrix_mib": score_mib,
         "rel_diff_vs_torch": {name: rel_diff(kept[name], want) for name in kept},
     }
-    if "numba_cpu" in med:
-        row["ratio_to_torch"]["numba_cpu"] = med["numba_cpu"] / med["torch"]
+    for name in ("numba_cpu", "numpy_path"):
+        if name in med:
+            row["ratio_to_torch"][name] = med[name] / med["torch"]
     if run_naive:
         row["ratio_to_torch"]["naive"] = med["naive"] / med["torch"]
     else:
@@ -256,10 +272,11 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                    f"{worst['ratio_to_torch']['polyattn']:.2f} at {_case(worst)}")
         bwd = [r["ratio_to_torch"]["polyattn backward"] for r in main]
         fwd = [r["ratio_to_torch"]["polyattn forward"] for r in main]
-        nb = [r["ratio_to_torch"]["numba_cpu"] for r in main if "numba_cpu" in r["ratio_to_torch"]]
-        if nb:
-            out.append(f"numba_cpu forward+backward / torch: median {statistics.median(nb):.2f}× "
-                       f"(range {min(nb):.2f}–{max(nb):.2f})")
+        for name in ("numba_cpu", "numpy_path"):
+            nb = [r["ratio_to_torch"][name] for r in main if name in r["ratio_to_torch"]]
+            if nb:
+                out.append(f"{name} forward+backward / torch: median "
+                           f"{statistics.median(nb):.2f}× (range {min(nb):.2f}–{max(nb):.2f})")
         out.append(f"by pass (medians over the cases): forward {statistics.median(fwd):.2f}× "
                    f"torch's forward, backward ≈ {statistics.median(bwd):.2f}× torch's "
                    "backward (total minus forward)")
@@ -322,22 +339,23 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         "(B, H, T, T) matrix in the case's dtype.",
         "",
         "| case (B, H, T, E) | causal | dtype | polyattn ms | fwd ms | torch ms | fwd ms "
-        "| naive ms | ratio | fwd ratio | bwd ratio | numba_cpu ratio | polyattn MiB "
-        "| work MiB | naive MiB | scores MiB | diff vs torch |",
+        "| naive ms | ratio | fwd ratio | bwd ratio | numba_cpu ratio | NumPy path ratio "
+        "| polyattn MiB | work MiB | naive MiB | scores MiB | diff vs torch |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
-        "|---:|",
+        "|---:|---:|",
     ]
     for r in rows:
         med, rat, mem = r["median_s"], r["ratio_to_torch"], r["peak_extra_mib"]
         naive_ms = f"{med['naive'] * 1e3:.0f}" if "naive" in med else "—"
         naive_mib = f"{mem['naive']:.0f}" if "naive" in mem else "—"
-        numpy_path = f"{rat['numba_cpu']:.2f}" if "numba_cpu" in rat else "—"
+        numba = f"{rat['numba_cpu']:.2f}" if "numba_cpu" in rat else "—"
+        numpy_path = f"{rat['numpy_path']:.2f}" if "numpy_path" in rat else "—"
         lines.append(
             f"| {tuple(r['case'])} | {'yes' if r['causal'] else 'no'} | {r['dtype']} "
             f"| {med['polyattn'] * 1e3:.0f} | {med['polyattn forward'] * 1e3:.0f} "
             f"| {med['torch'] * 1e3:.0f} | {med['torch forward'] * 1e3:.0f} | {naive_ms} "
             f"| **{rat['polyattn']:.2f}** | {rat['polyattn forward']:.2f} "
-            f"| {rat['polyattn backward']:.2f} | {numpy_path} "
+            f"| {rat['polyattn backward']:.2f} | {numba} | {numpy_path} "
             f"| {mem['polyattn']:.1f} "
             f"| {r['working_mib']['polyattn']:.1f} | {naive_mib} "
             f"| {r['score_matrix_mib']:.0f} | {r['rel_diff_vs_torch']['polyattn']:.1e} |")

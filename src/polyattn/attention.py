@@ -83,9 +83,7 @@ def scaled_dot_product_attention(
         the chunks are those of ``query`` and ``key`` along the sequence axis.
         ``"numba_cpu"`` (NumPy arrays, ``pip install 'polyattn[numba]'``) is
         the fused Numba CPU kernel, which ``"auto"`` picks for NumPy arrays
-        above the score budget when Numba is installed and its products can
-        run whole on a one-thread BLAS (SciPy's, or its private copy; see
-        :func:`explain`'s ``numba_cpu BLAS`` line), unless the environment
+        above the score budget when Numba is installed, unless the environment
         variable ``POLYATTN_NUMBA_CPU`` is ``0``/``false``/``off``/``no``;
         its first call compiles it unless ``python -m polyattn warmup`` has.
     layout : {"BHTE", "BTHE"}
@@ -256,8 +254,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
 
     Takes the same arguments as :func:`scaled_dot_product_attention`
     (``return_lse`` matters: the native implementations cannot return the
-    log-sum-exp). Nothing is computed. (For ``"numba_cpu"`` it may load SciPy's BLAS
-    and the kernel's private one-thread copy of it, as the first call would.)
+    log-sum-exp). Nothing is computed.
 
     Returns
     -------
@@ -266,7 +263,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
         (library, device, dtypes, shapes, score-matrix size and budget,
         whether the CUDA kernel is usable; for ``"numba_cpu"``, ``.compiled``:
         whether its kernel is compiled, cached on disk or still to compile, and
-        ``.blas``: which BLAS its products run on, and whether whole or in slabs)
+        ``.tiles``: the SIMD vectors and register tiles its products run in)
         and, for ``"auto"``,
         ``.candidates``: every implementation in order of preference with the
         reason it was not chosen; ``str()`` gives a readable report.

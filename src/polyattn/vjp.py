@@ -55,9 +55,8 @@ def attention_vjp(
         the forward and backward pass alike; ``"auto"`` takes the CUDA kernel
         for CUDA arrays where it can run, else ``"reference"`` or
         ``"chunked"`` by the score budget (:func:`explain` tells which; on
-        NumPy arrays it keeps the NumPy fast path even where Numba is
-        installed, whose backward pass was measured faster; ``"numba_cpu"``
-        by name runs the fused kernel's).
+        NumPy arrays above the budget, the fused ``"numba_cpu"`` kernel where
+        Numba is installed, as for the forward pass).
         ``"native"`` is refused: the libraries' own functions neither return
         the log-sum-exp nor take a gradient from outside their autodiff.
 
