@@ -1,23 +1,33 @@
-"""A fused CPU kernel compiled with Numba: the online softmax in one pass per tile.
+"""A fused CPU kernel compiled with Numba: attention in SIMD register tiles, no BLAS.
 
-The algorithm of :mod:`.numpy_chunked` (work items of (batch row, key/value
-head, query block) holding the G query heads of a group; per key block the
-scores ``Q Kᵀ`` and the product ``P V`` through ``np.dot``, i.e. BLAS), with
-everything between the two products fused into one loop per row, compiled:
-the scores' transform (§4.1: soft-capping, ALiBi, the float mask, visibility),
-the block maximum, the rescale of what was accumulated, and the exponentials.
+The work split of :mod:`.numpy_chunked` (work items of (batch row, key/value
+head, query block) holding the G query heads of a group, keys in blocks), with
+every step in SIMD vectors across query rows:
 
-- **Exponentials** by :func:`exp_into`: Cody–Waite range reduction
-  (``x = n·ln 2 + r``, ``|r| ≤ ln 2 / 2``), a polynomial for ``e^r`` (degree 7
-  in float32, 13 in float64) and ``2ⁿ`` built in the exponent bits, in loops
-  LLVM vectorises. Arguments below the smallest normal result give 0
-  (``e^-87.3`` in float32, ``e^-708.3`` in float64): such weights are below
-  the rounding of a row whose largest weight is 1. ``-inf`` gives 0, NaN
-  stays NaN.
+- **Transposed panels.** An item's query rows are taken W at a time (two SIMD
+  vectors: 32 float32 or 16 float64 rows with AVX-512). For a block of keys the
+  kernel computes ``Sᵀ = scale·K·Qᵀ`` (keys × W), so that each query row is a
+  column: its running maximum and sum, its exponentials and the rescale of its
+  accumulated output are lanes of vector operations (``_numba_cpu_tiles``), and
+  ``Oᵀ += Vᵀ·Pᵀ`` follows. The scores' transform (§4.1: soft-capping, ALiBi,
+  the mask, the visible key range) runs column by column where it applies;
+  keys no row of a panel may see are not computed.
+- **Register tiles.** Both products are written in LLVM IR (Numba's own loops
+  keep arrays in memory, and it turns LLVM's SLP vectoriser off): a tile keeps
+  12 rows × 2 vectors of accumulators in registers (6 × 2 without AVX-512)
+  while it runs down the shared dimension, one broadcast element of the left
+  operand times two vector loads of the right one per step. Keys and values
+  are read in place; ``Qᵀ`` is laid out once per item.
+- **Exponentials**: Cody–Waite range reduction (``x = n·ln 2 + r``,
+  ``|r| ≤ ln 2 / 2``), a polynomial for ``e^r`` (degree 6 in float32, 12 in
+  float64) and ``2ⁿ`` (AVX-512's ``scalef``, else built in the exponent bits).
+  Arguments below the smallest normal result give 0 (``e^-87.3`` in float32,
+  ``e^-708.3`` in float64): such weights are below the rounding of a row whose
+  largest weight is 1. ``-inf`` gives 0, NaN stays NaN.
 - **Floating-point semantics kept.** ``fastmath`` allows reassociation and
-  contraction (so reductions vectorise) but not the "no NaN / no inf"
-  assumptions: ``-inf`` marks invisible keys as everywhere else in polyattn,
-  and NaN and inf inputs propagate as DESIGN §4 says.
+  contraction but not the "no NaN / no inf" assumptions: ``-inf`` marks
+  invisible keys as everywhere else in polyattn, and NaN and inf inputs
+  propagate as DESIGN §4 says.
 - **Parallel over items** with ``prange``. Work items are independent, each
   writes its own rows of ``out`` and ``lse``: the result does not depend on
   the number of threads.
@@ -426,7 +436,7 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     FlashAttention-2's backward pass in two parallel loops: dQ per query item,
     dK and dV per block of keys (summed over the G query heads of a group), the
     weights recomputed from the scores and the saved ``lse``, ``D = rowsum(dO∘O)``
-    (less ``grad_lse``), the products through BLAS as in the forward pass.
+    (less ``grad_lse``), the products in register tiles as in the forward pass.
 
     Examples
     --------
