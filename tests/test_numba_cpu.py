@@ -534,3 +534,51 @@ def test_warmup_caches_the_kernel_where_the_package_is_read_only(tmp_path):
     assert "loaded from Numba's cache" in runs[1].stdout
     assert str(tmp_path) in runs[1].stdout                    # the user-wide cache
     assert not list(copy.rglob("*.nbi"))                      # nothing written to the package
+
+
+_NARROW = """
+import numpy as np
+from polyattn import attention_vjp
+from polyattn import scaled_dot_product_attention as sdpa
+from polyattn.implementations import _numba_cpu_tiles as tiles, numba_cpu
+assert tiles.VECTOR_BYTES == 32 and tiles.TILE_ROWS == 6, numba_cpu.tiles()
+rng = np.random.default_rng(4)
+worst = {"float32": 0.0, "float64": 0.0}
+for dtype in worst:
+    x = np.linspace(numba_cpu.EXP_MIN[np.dtype(dtype)], 0.0, 10001).astype(dtype)
+    rel = np.abs(numba_cpu.exp(x) / np.exp(x.astype(np.float64)) - 1.0).max()
+    worst[dtype] = max(worst[dtype], float(rel))
+    for e, tq, tk, kw in [(5, 37, 300, {"is_causal": True}), (16, 20, 9, {"softcap": 3.0}),
+                          (40, 70, 130, {"window": (30, 5)})]:
+        q = rng.standard_normal((1, 4, tq, e)).astype(dtype)
+        k, v = (rng.standard_normal((1, 2, tk, e)).astype(dtype) for _ in range(2))
+        out, pull = attention_vjp(q, k, v, enable_gqa=True, implementation="numba_cpu", **kw)
+        ref, ref_pull = attention_vjp(q, k, v, enable_gqa=True, implementation="reference",
+                                      **kw)
+        g = rng.standard_normal(out.shape).astype(dtype)
+        for a, b in zip((out, *pull(g)), (ref, *ref_pull(g))):
+            scale = max(1.0, float(np.abs(b).max()))
+            worst[dtype] = max(worst[dtype], float(np.abs(a - b).max()) / scale)
+print("worst", worst["float32"], worst["float64"])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or
+                    not Path("/proc/cpuinfo").read_text().count(" avx2"),
+                    reason="compiles for an AVX2 x86-64 CPU")
+def test_the_32_byte_vector_kernel(tmp_path):
+    """The kernel as compiled for a CPU without AVX-512 (NUMBA_CPU_NAME=haswell: 32-byte
+    vectors, 6 × 2 tiles, 2ⁿ built in the exponent bits), forward and backward, against
+    the reference, in a child process with its own Numba cache."""
+    import os
+    import subprocess
+
+    features = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,"
+                "+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=features,
+               NUMBA_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _NARROW], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    f32, f64 = (float(x) for x in done.stdout.split("worst")[-1].split())
+    assert f32 < 2e-5 and f64 < 1e-12, (f32, f64)
