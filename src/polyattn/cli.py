@@ -14,12 +14,14 @@
     at the end (on stderr).
 
 A mistake in the arguments or a missing optional package gives one line on
-stderr that names the fix, and exit status 2; no traceback.
+stderr that names the argument and the fix, and exit status 2, before any work
+starts; no traceback. Ctrl-C stops with exit status 130, also without one.
 """
 
 from __future__ import annotations
 
 import argparse
+import decimal
 import importlib
 import importlib.metadata
 import importlib.util
@@ -90,6 +92,127 @@ def _plural(n: int, noun: str) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+class UsageError(Exception):
+    """A mistake argparse found: ``prog`` (the command) and the one-line ``message``."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+        self.message = message
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An :class:`argparse.ArgumentParser` whose errors are one line, not the usage block.
+
+    :meth:`error` raises :class:`UsageError`, which :func:`main` prints as
+    ``"<prog>: error: <message>"`` with exit status 2; ``--help`` still prints
+    the whole help. Subcommands' parsers are of this class too.
+    """
+
+    #: The subcommands' parsers by name (set by :func:`build_parser`).
+    commands: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        raise UsageError(self.prog, " ".join(message.split()))
+
+
+#: Largest magnitude :func:`integer` accepts in exponent notation (``1e18``).
+MAX_EXPONENT_NOTATION = 10 ** 18
+
+
+def integer(text: str) -> int:
+    """An option's integer: ``"32"``, or a whole number in exponent notation (``"1e3"``).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        For anything else (``"1.5"``, ``"nan"``, ``"inf"``, ``""``), and for
+        exponent notation beyond ±10^18; argparse names the option.
+    """
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = decimal.Decimal(text.strip())
+    except decimal.InvalidOperation:
+        value = None
+    if value is None or not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"expected a whole number such as 32; got {text!r}")
+    if value.adjusted() > 18 or abs(value) > MAX_EXPONENT_NOTATION:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most 10^18)")
+    return int(value)
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Raise :class:`CLIError` naming ``what`` if ``text`` cannot be encoded as UTF-8.
+
+    Bytes of the command line that are not UTF-8 reach Python as lone
+    surrogates (U+DC80 to U+DCFF, "surrogateescape"); they are named as the
+    bytes they stand for.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        found = (f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF
+                 else f"the lone surrogate U+{code:04X}")
+        raise CLIError(f"{what} is not valid UTF-8: character {exc.start} is {found}; give "
+                       "the text in UTF-8 (is the terminal set to another encoding?)") from None
+
+
+def shown(text: str) -> str:
+    """``text`` safe to print anywhere: bytes that are not UTF-8 shown as ``\\xff``."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def format_bytes(n: int) -> str:
+    """A byte count in decimal units, exact bytes beside it.
+
+    Examples
+    --------
+    >>> format_bytes(4_608_230_400)
+    '4.61 GB (4,608,230,400 bytes)'
+    >>> format_bytes(512)
+    '512 bytes'
+    """
+    if n < 1000:
+        return _plural(n, "byte")
+    value = float(n)
+    for unit in ("kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"):
+        value /= 1000.0
+        if value < 999.5:           # 999.5 and up round to "1e+03" in three digits
+            return f"{value:.3g} {unit} ({n:,} bytes)"
+    return f"{n:,} bytes"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new allocations; ``None`` where that cannot be told.
+
+    Linux's ``MemAvailable`` (``/proc/meminfo``), else the free physical pages
+    (``SC_AVPHYS_PAGES``), else all physical memory (``SC_PHYS_PAGES``).
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+        try:
+            count, size = os.sysconf(pages), os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            continue
+        if count > 0 and size > 0:
+            return count * size
+    return None
 
 
 def cupy_status() -> tuple[bool, str]:
@@ -199,7 +322,71 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"numba_cpu tiles: {numba_cpu.tiles()}")
     else:
         print(f"numba_cpu kernel: not usable ({why})")
+    print(f"CPUs: {cpu_summary()}")
+    for line in blas_lines():
+        print(line)
     return 0
+
+
+def cpu_summary() -> str:
+    """The machine's CPUs, and how many of them this process may run on."""
+    total = os.cpu_count()
+    try:
+        usable: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):        # not on macOS or Windows
+        usable = None
+    text = "unknown" if total is None else str(total)
+    if usable is not None and usable != total:
+        text += f" ({usable} usable by this process)"
+    return text
+
+
+#: Environment variables that set the thread count of the BLAS and OpenMP libraries.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "BLIS_NUM_THREADS")
+
+
+def blas_lines() -> list[str]:
+    """``info``'s lines on the BLAS (and OpenMP) libraries loaded, and their threads.
+
+    Read with threadpoolctl when it is installed; never raises.
+    """
+    lines = []
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        lines.append("BLAS: threadpoolctl is not installed, so the BLAS library NumPy uses and "
+                     "its threads cannot be shown; install it with pip install 'polyattn[fast]'")
+    else:
+        try:
+            pools = threadpool_info()
+        except Exception as exc:  # it inspects the process's shared libraries: be safe
+            pools = None
+            lines.append(f"BLAS: threadpoolctl could not inspect the libraries "
+                         f"({_first_line(exc)})")
+        if pools is not None:
+            lines.append(f"BLAS and OpenMP libraries (threadpoolctl "
+                         f"{_version(('threadpoolctl',))}):" if pools
+                         else "BLAS and OpenMP libraries: none loaded (threadpoolctl found none)")
+            lines.extend(f"  {_pool_line(pool)}" for pool in pools)
+    variables = [f"{name}={os.environ[name]}" for name in THREAD_VARIABLES if name in os.environ]
+    if variables:
+        lines.append(f"thread variables: {' '.join(variables)}")
+    return lines
+
+
+def _pool_line(pool: dict[str, Any]) -> str:
+    """One library of ``threadpoolctl.threadpool_info()``."""
+    threads = pool.get("num_threads")
+    parts = [f"{pool.get('user_api', '?')}: {pool.get('internal_api', '?')} "
+             f"{pool.get('version') or '(version unknown)'}",
+             _plural(threads, "thread") if isinstance(threads, int) else "threads unknown"]
+    for key in ("threading_layer", "architecture"):
+        if pool.get(key):
+            parts.append(f"{key.replace('_', ' ')} {pool[key]}")
+    if pool.get("filepath"):
+        parts.append(str(pool["filepath"]))
+    return ", ".join(parts)
 
 
 def _numba_cpu_availability() -> tuple[bool, str]:
@@ -346,14 +533,14 @@ def check_demo_args(args: argparse.Namespace) -> None:
         if args.backend == "dask":
             raise CLIError("--backend dask is not available with --model minilm; use numpy, "
                            "torch, jax, cupy or array_api_strict")
-        if args.sentence is not None and not args.sentence.strip():
-            raise CLIError("--sentence is empty; give a sentence, e.g. --sentence "
-                           "'this movie is really good'")
+        if args.sentence is not None:
+            check_utf8(args.sentence, "--sentence")
+            if not args.sentence.strip():
+                raise CLIError("--sentence is empty; give a sentence, e.g. --sentence "
+                               "'this movie is really good'")
     check_backend(args.backend)
-    if args.save_png:
-        parent = Path(args.save_png).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise CLIError(f"--save-png {args.save_png}: the folder {parent} does not exist")
+    if args.save_png is not None:
+        check_png_path(args.save_png)
         if not _installed("matplotlib"):
             raise CLIError(f"--save-png needs matplotlib, which is not installed; install it "
                            f"with {INSTALL['matplotlib']}")
@@ -364,6 +551,27 @@ def check_demo_args(args: argparse.Namespace) -> None:
             minilm.check_requirements()
         except (ModuleNotFoundError, FileNotFoundError) as exc:
             raise CLIError(f"--model minilm: {exc}") from exc
+
+
+def check_png_path(path: str) -> None:
+    """Raise :class:`CLIError` unless a file can be written at ``--save-png path``."""
+    if not path.strip():
+        raise CLIError("--save-png is empty; give a file name, e.g. --save-png weights.png")
+    try:
+        target = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as exc:   # a loop of links, a NUL, ...
+        raise CLIError(f"--save-png {shown(path)}: not a usable path ({_first_line(exc)})"
+                       ) from None
+    parent = target.parent
+    if target.is_dir():
+        raise CLIError(f"--save-png {shown(path)} is a folder; give a file name in it, e.g. "
+                       f"{shown(str(target / 'weights.png'))}")
+    if not parent.is_dir():
+        raise CLIError(f"--save-png {shown(path)}: the folder {shown(str(parent))} does not "
+                       "exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CLIError(f"--save-png {shown(path)}: cannot write there (permission denied); "
+                       "choose another place")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -408,7 +616,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("so after this layer 'good-looking' carries what it describes: a good-looking movie.")
     if args.save_png:
         save_heatmap(alpha, GLOSSES, args.save_png)
-        print(f"heatmap written to {args.save_png}")
+        print(f"heatmap written to {shown(args.save_png)}")
     return 0
 
 
@@ -434,8 +642,13 @@ def save_heatmap(alpha: np.ndarray, labels: Sequence[str], path: str) -> None:
     fig.colorbar(im, ax=ax, label="attention weight")
     ax.set_title("Self-attention weights")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise CLIError(f"--save-png {shown(path)}: cannot write it ({_first_line(exc)})"
+                       ) from None
+    finally:
+        plt.close(fig)
 
 
 # --- bench ---------------------------------------------------------------------------------
@@ -458,9 +671,50 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
         dims = ()
     if len(dims) != 4 or min(dims) < 1:
         raise CLIError(f"--shape must be four positive integers B,H,T,E such as 1,8,1024,64; "
-                       f"got {text!r}")
+                       f"got {shown(text)!r}")
     b, h, t, e = dims
     return b, h, t, e
+
+
+def naive_bytes(shape: tuple[int, int, int, int], dtype: str) -> int:
+    """Bytes the naive baseline holds at once: q, k, v, the output and the T×T scores.
+
+    Examples
+    --------
+    >>> naive_bytes((1, 1, 1024, 64), "float32")     # 4·1024·64 + 1024² values
+    5242880
+    """
+    b, h, t, e = shape
+    return np.dtype(dtype).itemsize * b * h * t * (4 * e + t)
+
+
+#: The most timed runs ``bench --repeat`` takes.
+MAX_REPEAT = 10_000
+
+
+def check_bench_args(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """Every check on ``bench``'s arguments; returns the shape.
+
+    Raises
+    ------
+    CLIError
+        With one line naming the argument: a malformed shape, a shape whose
+        naive baseline would not fit in the memory available, ``--repeat``
+        outside 1 to :data:`MAX_REPEAT`.
+    """
+    if args.repeat < 1:
+        raise CLIError(f"--repeat must be at least 1; got {args.repeat}")
+    if args.repeat > MAX_REPEAT:
+        raise CLIError(f"--repeat must be at most {MAX_REPEAT:,} (timed runs of each; the "
+                       f"median settles long before); got {args.repeat}")
+    shape = parse_shape(args.shape)
+    need, free = naive_bytes(shape, args.dtype), available_memory()
+    if free is not None and need > free:
+        raise CLIError(f"--shape {shown(args.shape)}: the naive baseline needs "
+                       f"{format_bytes(need)} in {args.dtype} (q, k, v, the output and the "
+                       f"T×T scores), but {format_bytes(free)} of memory is available; "
+                       f"choose a smaller shape")
+    return shape
 
 
 def ratio_note(ratio: float, baseline: str) -> str:
@@ -486,11 +740,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``bench``: polyattn and the naive formula timed side by side."""
     from . import explain, scaled_dot_product_attention
 
-    if args.repeat < 1:
-        raise CLIError(f"--repeat must be at least 1; got {args.repeat}")
-    b, h, t, e = parse_shape(args.shape)
+    b, h, t, e = check_bench_args(args)
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((b, h, t, e)).astype(args.dtype) for _ in range(3))
+    q, k, v = (rng.standard_normal((b, h, t, e), dtype=args.dtype) for _ in range(3))
     flops = 4 * b * h * t * t * e * (0.5 if args.causal else 1.0)
     baseline = "naive NumPy"
     runs = {
@@ -519,6 +771,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 #: Array libraries ``generate`` runs on.
 GENERATE_BACKENDS = ("numpy", "torch", "jax", "cupy")
+#: The lowest ``--temperature`` above 0 that ``generate`` takes.
+MIN_TEMPERATURE = 1e-3
+
+
+def cache_bytes(config: Any, tokens: int, dtype: str) -> int:
+    """Bytes of the keys and values of ``tokens`` tokens of one sequence, every layer.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    >>> cache_bytes(smollm2, 100_005, "float32")      # 2 · 30 · 3 · 64 · 4 bytes a token
+    4608230400
+    """
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    return per_token * tokens * np.dtype(dtype).itemsize
+
+
+def check_context(model: Any, prompt_tokens: int, args: argparse.Namespace) -> None:
+    """Raise :class:`CLIError` if the prompt and ``--max-new-tokens`` overflow the context.
+
+    The limit is the model's ``config.context_length`` (a model without one
+    is not checked); the message says what the cache would take.
+    """
+    config = getattr(model, "config", None)
+    limit = getattr(config, "context_length", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        return
+    new = args.max_new_tokens
+    total = prompt_tokens + new
+    if total <= limit:
+        return
+    try:
+        memory = f"; their cache would take {format_bytes(cache_bytes(config, total, args.dtype))}"
+    except (AttributeError, TypeError, ValueError):
+        memory = ""
+    if prompt_tokens >= limit:
+        raise CLIError(f"the prompt is {_plural(prompt_tokens, 'token')}, which leaves no room "
+                       f"in the model's context of {limit:,} tokens for --max-new-tokens {new}"
+                       f" ({total:,} tokens{memory}); shorten the prompt to fewer than "
+                       f"{limit:,} tokens")
+    raise CLIError(f"--max-new-tokens {new} and the prompt's "
+                   f"{_plural(prompt_tokens, 'token')} make {total:,} tokens, more than the "
+                   f"model's context of {limit:,} tokens{memory}; give --max-new-tokens "
+                   f"{limit - prompt_tokens:,} or less")
 
 
 def check_generate_args(args: argparse.Namespace) -> None:
@@ -529,6 +826,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
     CLIError
         With one line naming the argument and the fix.
     """
+    check_utf8(args.prompt, "the prompt")
     if not args.prompt.strip():
         raise CLIError("the prompt is empty; give some text, e.g. "
                        "polyattn generate \"The capital of France is\"")
@@ -537,6 +835,10 @@ def check_generate_args(args: argparse.Namespace) -> None:
     if not 0.0 <= args.temperature < float("inf"):
         raise CLIError(f"--temperature must be a finite number >= 0 (0: greedy); got "
                        f"{args.temperature}")
+    if 0.0 < args.temperature < MIN_TEMPERATURE:
+        raise CLIError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; "
+                       f"got {args.temperature:g} (sampling that cold is greedy decoding in all "
+                       "but name, and its scaled logits can overflow: give 0)")
     if args.seed is not None and args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer; got {args.seed}")
     check_backend(args.backend)
@@ -555,9 +857,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_generate_args(args)
     from .models import smollm2
 
-    if args.seed is not None and args.temperature == 0.0:
-        print("note: --seed has no effect without --temperature above 0 (greedy decoding "
-              "draws nothing)", file=sys.stderr)
     start = time.perf_counter()
     try:
         model = smollm2.load(xp=args.backend, dtype=args.dtype)
@@ -565,10 +864,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--backend {args.backend}: {_first_line(exc)}") from exc
     except ValueError as exc:       # not a GGUF file, or not of a Llama model
         raise CLIError(_first_line(exc)) from exc
+    except OSError as exc:          # unreadable: permissions, a device, ...
+        raise CLIError(f"cannot read the model file: {_first_line(exc)}") from exc
     loaded = time.perf_counter()
     tok = model.tokenizer
     text = smollm2.chat_prompt(args.prompt) if args.chat else args.prompt
-    ids = tok.encode(text)
+    try:
+        ids = tok.encode(text)
+    except ValueError as exc:
+        raise CLIError(f"the prompt cannot be tokenized: {_first_line(exc)}") from exc
+    check_context(model, len(ids), args)
+    if args.seed is not None and args.temperature == 0.0:
+        print("note: --seed has no effect without --temperature above 0 (greedy decoding "
+              "draws nothing)", file=sys.stderr)
     if not args.chat:
         print(args.prompt, end="", flush=True)
     # A character's UTF-8 bytes may span tokens: the decoder holds back an
@@ -589,6 +897,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(flush=True)           # end the text's line; the exit status says it was cut
         return 130
+    except (ValueError, MemoryError) as exc:
+        if count:                   # not an argument the model refused: a failure midway
+            raise
+        if not args.chat:
+            print(flush=True)       # end the prompt's line
+        raise CLIError(_first_line(exc)) from exc
     end = time.perf_counter()
     print()
     decode_rate = (count - 1) / (end - first) if count > 1 and end > first else float("nan")
@@ -600,12 +914,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+#: The subcommands, in the order of the help.
+COMMANDS = ("info", "warmup", "demo", "bench", "generate")
+
+
+def build_parser(prog: str | None = None) -> ArgumentParser:
     """The argument parser; ``prog`` is the command name shown in messages."""
-    parser = argparse.ArgumentParser(prog=prog or "polyattn",
-                                     description="Transformer attention for any array library.")
+    parser = ArgumentParser(prog=prog or "polyattn",
+                            description="Transformer attention for any array library.")
     parser.add_argument("--version", action="version", version=f"polyattn {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # not required=True: argparse would then report a missing command before an
+    # unknown option; main() checks both, the unknown option first
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    parser.commands = sub.choices
     sub.add_parser("info", help="versions, array libraries found, CUDA availability")
     sub.add_parser("warmup", help="compile the numba_cpu kernel now, so that the first call "
                                   "does not wait for it (needs polyattn[numba])")
@@ -615,30 +936,52 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=("toy", "minilm"), default="toy",
                       help="'minilm': a real sentence encoder's weights (see README)")
     demo.add_argument("--sentence", help="sentence for --model minilm")
-    demo.add_argument("--layer", type=int,
+    demo.add_argument("--layer", type=integer,
                       help=f"layer for --model minilm (0-{MINILM_LAYERS - 1}, default 3)")
-    demo.add_argument("--head", type=int,
+    demo.add_argument("--head", type=integer,
                       help=f"head for --model minilm (0-{MINILM_HEADS - 1}, default 1)")
     bench = sub.add_parser("bench", help="quick timing: polyattn vs the naive formula")
     bench.add_argument("--shape", default="1,8,1024,64", help="B,H,T,E (default 1,8,1024,64)")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true")
-    bench.add_argument("--repeat", type=int, default=5, help="timed runs of each (default 5)")
+    bench.add_argument("--repeat", type=integer, default=5,
+                       help=f"timed runs of each (default 5, at most {MAX_REPEAT:,})")
     gen = sub.add_parser("generate", help="continue a prompt with SmolLM2-135M-Instruct "
                                           "(a real language model; see the docs)")
     gen.add_argument("prompt", help='the text to continue, e.g. "The capital of France is"')
-    gen.add_argument("--max-new-tokens", type=int, default=32,
-                     help="tokens to produce, at most (default 32)")
+    gen.add_argument("--max-new-tokens", type=integer, default=32,
+                     help="tokens to produce, at most (default 32); the prompt and "
+                          "these must fit in the model's context (8192 tokens for SmolLM2)")
     gen.add_argument("--backend", choices=GENERATE_BACKENDS, default="numpy")
     gen.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     gen.add_argument("--temperature", type=float, default=0.0,
-                     help="0 (default): greedy; above 0: sampled at this temperature")
-    gen.add_argument("--seed", type=int,
+                     help=f"0 (default): greedy; from {MIN_TEMPERATURE:g} up: sampled at "
+                          "this temperature")
+    gen.add_argument("--seed", type=integer,
                      help="seed of the sampling, a non-negative integer; only with "
                           "--temperature above 0 (greedy decoding ignores it)")
     gen.add_argument("--chat", action="store_true",
                      help="put the prompt in the chat template: the model answers it")
     return parser
+
+
+def parse_args(parser: ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, an unknown option reported before a missing command.
+
+    Raises
+    ------
+    UsageError
+        Unknown arguments (named by the subcommand's parser when there is
+        one), a missing command, or whatever argparse refuses.
+    """
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        culprit = parser.commands.get(args.command, parser) if args.command else parser
+        culprit.error(f"unrecognized arguments: {' '.join(extras)}")
+    if args.command is None:
+        parser.error(f"give a command: {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]} "
+                     f"({parser.prog} --help says what each does)")
+    return args
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
@@ -652,7 +995,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         The command's name in messages (default ``"polyattn"``).
     """
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(parser, argv)
+    except UsageError as exc:
+        print(f"{exc.prog}: error: {exc.message}", file=sys.stderr)
+        return 2
     handlers = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench,
                 "generate": cmd_generate, "warmup": cmd_warmup}
     try:
