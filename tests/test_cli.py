@@ -290,3 +290,431 @@ def test_minilm_demo_runs(capsys):
     assert cli.main(["demo", "--model", "minilm", "--layer", "0", "--head", "3"]) == 0
     out = capsys.readouterr().out
     assert "layer 0, head 3" in out and "attends most to" in out
+
+
+# --- hostile arguments: one line on stderr, exit status 2, no work done ------------------------
+
+def one_line_error(capsys, argv, prog="polyattn"):
+    """Run ``main(argv)``, expect exit status 2 and one stderr line from ``prog``; return it."""
+    assert cli.main(list(argv)) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    assert "Traceback" not in captured.err and "usage:" not in captured.err
+    assert captured.out == ""
+    return lines[0]
+
+
+def run_hostile(*args: str | bytes) -> str:
+    """``python -m polyattn`` with ``args``: exit status 2, one stderr line, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "polyattn", *args], capture_output=True,
+                          timeout=120)
+    err = proc.stderr.decode("utf-8", "backslashreplace")
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert proc.stdout == b""
+    return err.strip()
+
+
+@pytest.mark.parametrize(("argv", "prog", "expected"), [
+    (["--bogus"], "polyattn", "unrecognized arguments: --bogus"),
+    (["demo", "--bogus"], "polyattn demo", "unrecognized arguments: --bogus"),
+    (["bench", "extra"], "polyattn bench", "unrecognized arguments: extra"),
+    (["--bogus", "info"], "polyattn info", "unrecognized arguments: --bogus"),
+    ([], "polyattn", "give a command: info, warmup, demo, bench or generate"),
+    (["nonsense"], "polyattn", "argument {info,warmup,demo,bench,generate}: invalid choice"),
+    (["demo", "--backend", "x"], "polyattn demo", "argument --backend: invalid choice: 'x'"),
+    (["bench", "--dtype", "int8"], "polyattn bench", "argument --dtype: invalid choice"),
+    (["generate"], "polyattn generate", "the following arguments are required: prompt"),
+    (["demo", "--sentence"], "polyattn demo", "argument --sentence: expected one argument"),
+])
+def test_argparse_errors_are_one_line(capsys, argv, prog, expected):
+    line = one_line_error(capsys, argv, prog)
+    assert expected in line
+    assert "the following arguments are required: command" not in line
+
+
+def test_an_unknown_option_is_named_not_a_missing_command():
+    line = run_hostile("--bogus")
+    assert line == "python -m polyattn: error: unrecognized arguments: --bogus"
+
+
+def test_an_invalid_choice_is_one_line_in_a_child_process():
+    line = run_hostile("demo", "--backend", "x")
+    assert "argument --backend: invalid choice: 'x' (choose from" in line
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "-h"]])
+def test_help_is_still_the_whole_help(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and len(out.splitlines()) > 5
+    assert "options:" in out or "optional arguments:" in out
+
+
+@pytest.mark.parametrize(("text", "value"), [("32", 32), ("-3", -3), ("1e3", 1000),
+                                             ("1E15", 10 ** 15), (" 2.0e1 ", 20),
+                                             ("1_000", 1000)])
+def test_integer_options_take_whole_numbers(text, value):
+    assert cli.integer(text) == value and type(cli.integer(text)) is int
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["generate", "Hi", "--max-new-tokens", "1.5"], "argument --max-new-tokens: expected a "
+                                                    "whole number such as 32; got '1.5'"),
+    (["generate", "Hi", "--max-new-tokens", "nan"], "argument --max-new-tokens: expected"),
+    (["generate", "Hi", "--max-new-tokens", "inf"], "argument --max-new-tokens: expected"),
+    (["generate", "Hi", "--max-new-tokens", "1e25"], "argument --max-new-tokens: '1e25' is "
+                                                     "too large (at most 2^64 - 1)"),
+    (["generate", "Hi", "--max-new-tokens", "9" * 5000], "argument --max-new-tokens: "),
+    (["generate", "Hi", "--seed", "1e5000"], "argument --seed: '1e5000' is too large"),
+    (["generate", "Hi", "--seed", str(2 ** 64)], f"argument --seed: '{2 ** 64}' is too large"),
+    (["generate", "Hi", "--seed", ""], "argument --seed: expected a whole number"),
+    (["generate", "Hi", "--temperature", "warm"], "argument --temperature: invalid float"),
+    (["bench", "--repeat", "inf"], "argument --repeat: expected a whole number"),
+    (["demo", "--model", "minilm", "--layer", "0x1"], "argument --layer: expected"),
+])
+def test_numbers_that_are_not_whole_are_one_line(capsys, argv, expected):
+    line = one_line_error(capsys, argv, f"polyattn {argv[0]}")
+    assert expected in line
+    assert len(line) < 400      # a 5000-digit argument is not echoed whole
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["generate", "Hi", "--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    (["generate", "Hi", "--temperature=-1e-300"], "--temperature must be a finite number"),
+    (["generate", "Hi", "--temperature", "-0.5"], "--temperature must be a finite number"),
+    (["generate", "Hi", "--temperature", "1e-320"],
+     "--temperature must be 0 (greedy) or at least 0.001; got 1e-320"),
+    (["generate", "Hi", "--max-new-tokens", "-5"], "--max-new-tokens must be at least 1; got -5"),
+    (["generate", "Hi", "--seed=-1e3", "--temperature", "1"],
+     "--seed must be a non-negative integer; got -1000"),
+    (["generate", ""], "the prompt is empty"),
+    (["bench", "--repeat", "-1"], "--repeat must be at least 1; got -1"),
+    (["bench", "--repeat", "1e9"], "--repeat must be at most 10,000"),
+    (["demo", "--model", "minilm", "--layer", "1e18"], "--layer must be 0 to 5"),
+    (["demo", "--model", "minilm", "--sentence", ""], "--sentence is empty"),
+    (["demo", "--save-png", ""], "--save-png is empty"),
+])
+def test_hostile_values_are_refused_before_any_work(capsys, argv, expected):
+    line = one_line_error(capsys, argv, f"polyattn {argv[0]}")
+    assert expected in line
+
+
+def test_a_tiny_temperature_is_refused_before_the_model_is_read(capsys, monkeypatch):
+    from polyattn.models import smollm2
+
+    def must_not_load(**kwargs):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(smollm2, "load", must_not_load)
+    line = one_line_error(capsys, ["generate", "Hi", "--temperature", "5e-324"],
+                          "polyattn generate")
+    assert "--temperature" in line
+
+
+# --- text that is not UTF-8 -----------------------------------------------------------------
+
+def test_a_prompt_that_is_not_utf8_is_named(capsys):
+    line = one_line_error(capsys, ["generate", "ok \udcff\udcfe"], "polyattn generate")
+    assert "the prompt is not valid UTF-8: character 3 is the byte 0xff" in line
+
+
+def test_a_lone_surrogate_in_the_prompt_is_named(capsys):
+    line = one_line_error(capsys, ["generate", "\ud800"], "polyattn generate")
+    assert "the prompt is not valid UTF-8" in line and "U+D800" in line
+
+
+def test_a_minilm_sentence_that_is_not_utf8_is_named(capsys):
+    line = one_line_error(capsys, ["demo", "--model", "minilm", "--sentence", "\udcff\udcfe"],
+                          "polyattn demo")
+    assert "--sentence is not valid UTF-8" in line and "0xff" in line
+
+
+@pytest.mark.parametrize("argv", [["generate", b"\xff\xfe"],
+                                  ["demo", "--model", "minilm", "--sentence", b"\xff\xfe"]])
+def test_bytes_that_are_not_utf8_on_the_command_line(argv):
+    if sys.platform == "win32":
+        pytest.skip("the Windows command line is text, not bytes")
+    line = run_hostile(*argv)
+    assert "not valid UTF-8" in line and "0xff" in line
+
+
+# --- bench: shapes and memory ----------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", ["0,1,1,1", "1,-2,3,4", "1,2,3", "1,2,3,4,5", "", "a,b,c,d",
+                                   "1.5,2,3,4", "1,,3,4", "1,2,3,4,", "\udcff,1,1,1"])
+def test_malformed_shapes_are_one_line(capsys, shape):
+    line = one_line_error(capsys, ["bench", "--shape", shape], "polyattn bench")
+    assert "--shape must be four positive integers B,H,T,E" in line
+
+
+def test_a_shape_beyond_memory_is_refused_in_a_child_process():
+    line = run_hostile("bench", "--shape", "99999999999,1,1,1")
+    assert line.startswith("python -m polyattn bench: error: --shape 99999999999,1,1,1: "
+                           "the naive baseline needs ")
+    need = re.search(r"needs .*?\(([\d,]+) bytes\)", line)
+    free = re.search(r"but .*?\(([\d,]+) bytes\) of memory is available", line)
+    assert need and free, line
+    # float32 q, k, v and output of 99999999999 × 1 values each, and 1 × 1 scores per row
+    assert int(need[1].replace(",", "")) == 4 * 99999999999 * (4 + 1)
+    assert int(free[1].replace(",", "")) < int(need[1].replace(",", ""))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_bench_memory_check_at_the_boundary(capsys, monkeypatch, dtype):
+    b, h, t, e = 1, 2, 64, 8
+    itemsize = np.dtype(dtype).itemsize
+    need = itemsize * (4 * b * h * t * e + b * h * t * t)   # q, k, v, out; the T×T scores
+    argv = ["bench", "--shape", f"{b},{h},{t},{e}", "--dtype", dtype, "--repeat", "1"]
+    monkeypatch.setattr(cli, "available_memory", lambda: need - 1)
+    line = one_line_error(capsys, argv, "polyattn bench")
+    assert f"({need:,} bytes) in {dtype}" in line
+    assert f"({need - 1:,} bytes) of memory is available" in line
+    monkeypatch.setattr(cli, "available_memory", lambda: need)
+    assert cli.main(argv) == 0
+    monkeypatch.setattr(cli, "available_memory", lambda: None)   # unknown: not checked
+    assert cli.main(argv) == 0
+
+
+def test_available_memory_is_positive_where_it_can_be_told():
+    free = cli.available_memory()
+    assert free is None or free > 0
+    if Path("/proc/meminfo").exists():
+        assert free is not None
+
+
+def test_format_bytes():
+    assert cli.format_bytes(999) == "999 bytes" and cli.format_bytes(1) == "1 byte"
+    assert cli.format_bytes(999_499) == "999 kB (999,499 bytes)"
+    assert cli.format_bytes(999_500) == "1 MB (999,500 bytes)"
+    assert cli.format_bytes(4_608_230_400) == "4.61 GB (4,608,230,400 bytes)"
+
+
+def test_bench_interrupted_exits_130_without_traceback(capsys, monkeypatch):
+    import polyattn
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(polyattn, "scaled_dot_product_attention", interrupted)
+    assert cli.main(["bench", "--shape", "1,1,8,4", "--repeat", "1"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# --- demo: the PNG's path, the MiniLM files ----------------------------------------------------
+
+def test_save_png_into_a_folder_is_refused(capsys, tmp_path):
+    line = one_line_error(capsys, ["demo", "--save-png", str(tmp_path)], "polyattn demo")
+    assert f"--save-png {tmp_path} is a folder" in line
+
+
+def test_save_png_path_that_is_not_utf8_is_printed(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    if sys.platform == "win32":
+        pytest.skip("file names on Windows are text")
+    path = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"w\xff.png"))
+    assert cli.main(["demo", "--save-png", path]) == 0
+    assert Path(path).read_bytes()[:4] == b"\x89PNG"
+    assert "heatmap written to " in capsys.readouterr().out
+
+
+def test_minilm_files_that_are_not_a_model(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    from polyattn.models import minilm
+
+    for name in minilm.MODEL_FILES:
+        (tmp_path / name).write_text("not a model")
+    monkeypatch.setenv("POLYATTN_MINILM_DIR", str(tmp_path))
+    line = one_line_error(capsys, ["demo", "--model", "minilm"], "polyattn demo")
+    assert f"--model minilm (the model in {tmp_path})" in line
+
+
+# --- generate: the model's context -------------------------------------------------------------
+
+class _Tokenizer:
+    """One token per byte; no special tokens."""
+
+    pad_id, eos_id, special = None, None, ()
+    tokens = tuple(chr(b) for b in range(256))
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, token):
+        return bytes([token])
+
+
+def _tiny_model(context_length=16):
+    """A SmolLM2 of 2 layers, 1 key/value head of 4 features, random weights."""
+    from polyattn.models import smollm2
+    from polyattn.models._gguf import LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=8, intermediate_size=16, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=4, rope_base=10000.0,
+                         rms_norm_eps=1e-5, context_length=context_length)
+    rng = np.random.default_rng(0)
+
+    def w(*shape, scale=1.0):     # float32, the dtype `generate` loads by default
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    embed = w(256, 8)
+    ones = np.ones(8, dtype=np.float32)
+    layers = [{"attn_norm": ones, "w_qkv": w(8, 16, scale=1 / 3), "w_o": w(8, 8, scale=1 / 3),
+               "ffn_norm": ones, "w_gate_up": w(8, 32, scale=1 / 3),
+               "w_down": w(16, 8, scale=1 / 4)} for _ in range(2)]
+    params = {"embed": embed, "norm": ones, "lm_head": embed.T, "layers": layers}
+    return smollm2.SmolLM2(params, config, _Tokenizer())
+
+
+def _serve(monkeypatch, model):
+    """``generate`` runs ``model`` (the weights are not needed)."""
+    from polyattn.models import smollm2
+
+    monkeypatch.setattr(smollm2, "check_requirements", lambda path=None: None)
+    monkeypatch.setattr(smollm2, "load", lambda **kwargs: model)
+
+
+def _cache_nbytes(model, tokens):
+    """What the model's own cache holds for ``tokens`` tokens, in bytes (from a 1-token one)."""
+    cache = model.new_cache(1, 1)
+    return tokens * sum(kv.keys.nbytes + kv.values.nbytes for kv in cache.layers)
+
+
+def test_generate_refuses_more_tokens_than_the_context(capsys, monkeypatch):
+    model = _tiny_model(context_length=16)
+    _serve(monkeypatch, model)
+    calls = []
+    monkeypatch.setattr(model, "new_cache", lambda *a: calls.append(a))
+    line = one_line_error(capsys, ["generate", "Hi", "--max-new-tokens", "15"],
+                          "polyattn generate")
+    assert calls == []                                  # no cache was made
+    monkeypatch.undo()
+    _serve(monkeypatch, model)
+    memory = _cache_nbytes(model, 2 + 15)
+    assert line == (f"polyattn generate: error: --max-new-tokens 15 and the prompt's 2 tokens "
+                    f"make 17 tokens, more than the model's context of 16 tokens; their cache "
+                    f"would take {cli.format_bytes(memory)}; give --max-new-tokens 14 or less")
+    assert cli.main(["generate", "Hi", "--max-new-tokens", "14"]) == 0   # exactly the context
+    out, err = capsys.readouterr()
+    assert out.startswith("Hi") and "14 tokens in" in err
+
+
+def test_generate_refuses_1e15_new_tokens_without_allocating(capsys, monkeypatch):
+    model = _tiny_model(context_length=16)
+    _serve(monkeypatch, model)
+    line = one_line_error(capsys, ["generate", "Hi", "--max-new-tokens", "1e15"],
+                          "polyattn generate")
+    memory = _cache_nbytes(model, 10 ** 15 + 2)
+    assert f"--max-new-tokens {10 ** 15} " in line
+    assert f"context of 16 tokens; their cache would take {cli.format_bytes(memory)}" in line
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context(capsys, monkeypatch):
+    _serve(monkeypatch, _tiny_model(context_length=16))
+    line = one_line_error(capsys, ["generate", "x" * 16, "--max-new-tokens", "1"],
+                          "polyattn generate")
+    assert ("the prompt is 16 tokens, which leaves no room in the model's context of 16 "
+            "tokens for --max-new-tokens 1") in line
+    assert "shorten the prompt to fewer than 16 tokens" in line
+
+
+def test_generate_passes_on_the_models_own_refusal_in_one_line(capsys, monkeypatch):
+    class Refusing:
+        tokenizer = _Tokenizer()
+
+        def stream(self, ids, max_new_tokens, **kwargs):
+            raise ValueError("`max_new_tokens` is too many\nsecond line")
+            yield
+
+    _serve(monkeypatch, Refusing())
+    assert cli.main(["generate", "Hi"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "polyattn generate: error: `max_new_tokens` is too many\n"
+    assert out == "Hi\n"                                 # the prompt's line is ended
+
+
+def test_generate_a_prompt_without_tokens(capsys, monkeypatch):
+    class Empty(_Tokenizer):
+        def encode(self, text):
+            return []
+
+    model = _tiny_model()
+    model.tokenizer = Empty()
+    _serve(monkeypatch, model)
+    line = one_line_error(capsys, ["generate", "\x04"], "polyattn generate")
+    assert "the prompt '\\x04' gives no tokens" in line
+
+
+def _smollm2_weights():
+    from polyattn.models import smollm2
+
+    try:
+        smollm2.check_requirements()
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"the SmolLM2 weights or gguf are not installed: {exc}")
+
+
+def test_generate_beyond_smollm2s_context_in_a_child_process():
+    _smollm2_weights()
+    line = run_hostile("generate", "hi", "--max-new-tokens", "1e15")
+    assert "--max-new-tokens 1000000000000000 and the prompt's" in line
+    assert "more than the model's context of 8,192 tokens; their cache would take" in line
+    assert "give --max-new-tokens" in line
+
+
+def test_generate_100000_tokens_names_the_cache(capsys):
+    _smollm2_weights()
+    from polyattn.models import smollm2
+
+    line = one_line_error(capsys, ["generate", "hi", "--max-new-tokens", "100000"],
+                          "polyattn generate")
+    model = smollm2.load()
+    c = model.config
+    tokens = len(model.tokenizer.encode("hi")) + 100_000
+    memory = 2 * c.num_layers * c.num_kv_heads * c.head_dim * tokens * 4
+    assert f"context of {c.context_length:,} tokens" in line
+    assert f"their cache would take {cli.format_bytes(memory)}" in line
+    assert " GB (" in line
+
+
+# --- info: BLAS and CPUs ----------------------------------------------------------------------
+
+def test_info_shows_blas_threads_and_cpus(capsys):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    cpus = next(ln for ln in out if ln.startswith("CPUs: "))
+    assert cpus.split()[1] == str(os.cpu_count())
+    blas = [p for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+    assert blas, "NumPy's BLAS is loaded"
+    assert any(ln.startswith("BLAS and OpenMP libraries (threadpoolctl ") for ln in out)
+    for pool in blas:
+        line = next(ln for ln in out if pool["filepath"] in ln)
+        assert line.strip().startswith(f"blas: {pool['internal_api']} {pool['version']}")
+        threads = pool["num_threads"]
+        assert f", {threads} thread{'' if threads == 1 else 's'}," in line
+
+
+def test_info_without_threadpoolctl_says_how_to_get_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "threadpoolctl is not installed" in out and "pip install 'polyattn[fast]'" in out
+
+
+def test_info_survives_threadpoolctl_failing(capsys, monkeypatch):
+    def broken():
+        raise OSError("cannot inspect")
+
+    fake = types.ModuleType("threadpoolctl")
+    fake.threadpool_info = broken
+    monkeypatch.setitem(sys.modules, "threadpoolctl", fake)
+    assert cli.main(["info"]) == 0
+    assert "threadpoolctl could not inspect the libraries (cannot inspect)" in (
+        capsys.readouterr().out)

@@ -118,8 +118,15 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(self.prog, " ".join(message.split()))
 
 
-#: Largest magnitude :func:`integer` accepts in exponent notation (``1e18``).
-MAX_EXPONENT_NOTATION = 10 ** 18
+#: The largest magnitude :func:`integer` accepts (a 64-bit seed fits).
+MAX_INTEGER = 2 ** 64 - 1
+
+
+def _clip(text: str, width: int = 40) -> str:
+    """``text`` in quotes, cut in the middle when longer than ``width`` characters."""
+    if len(text) > width:
+        text = f"{text[:width // 2]}…{text[-width // 4:]}"
+    return f"'{shown(text)}'"
 
 
 def integer(text: str) -> int:
@@ -128,21 +135,21 @@ def integer(text: str) -> int:
     Raises
     ------
     argparse.ArgumentTypeError
-        For anything else (``"1.5"``, ``"nan"``, ``"inf"``, ``""``), and for
-        exponent notation beyond ±10^18; argparse names the option.
+        For anything else (``"1.5"``, ``"nan"``, ``"inf"``, ``""``), and beyond
+        ±(2^64 - 1); argparse names the option.
     """
     try:
-        return int(text)
+        value = decimal.Decimal(int(text))
     except ValueError:
-        pass
-    try:
-        value = decimal.Decimal(text.strip())
-    except decimal.InvalidOperation:
-        value = None
-    if value is None or not value.is_finite() or value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(f"expected a whole number such as 32; got {text!r}")
-    if value.adjusted() > 18 or abs(value) > MAX_EXPONENT_NOTATION:
-        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most 10^18)")
+        try:
+            value = decimal.Decimal(text.strip())
+        except decimal.InvalidOperation:
+            value = decimal.Decimal("nan")
+    if not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"expected a whole number such as 32; got "
+                                         f"{_clip(text)}")
+    if value.adjusted() > 20 or abs(value) > MAX_INTEGER:
+        raise argparse.ArgumentTypeError(f"{_clip(text)} is too large (at most 2^64 - 1)")
     return int(value)
 
 
@@ -582,7 +589,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         layer = 3 if args.layer is None else args.layer
         head = 1 if args.head is None else args.head
-        minilm.run_demo(args.sentence, layer, head, args.backend, args.save_png)
+        try:
+            minilm.run_demo(args.sentence, layer, head, args.backend, args.save_png)
+        except (ValueError, OSError) as exc:   # a malformed model file, an unwritable PNG
+            raise CLIError(f"--model minilm (the model in {shown(str(minilm.model_dir()))}): "
+                           f"{_first_line(exc)}") from exc
         return 0
     from . import attention_weights, scaled_dot_product_attention, sinusoidal_positional_encoding
 
@@ -671,7 +682,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
         dims = ()
     if len(dims) != 4 or min(dims) < 1:
         raise CLIError(f"--shape must be four positive integers B,H,T,E such as 1,8,1024,64; "
-                       f"got {shown(text)!r}")
+                       f"got {_clip(text)}")
     b, h, t, e = dims
     return b, h, t, e
 
@@ -789,6 +800,17 @@ def cache_bytes(config: Any, tokens: int, dtype: str) -> int:
     return per_token * tokens * np.dtype(dtype).itemsize
 
 
+def _cache_bytes(model: Any, tokens: int, args: argparse.Namespace) -> int:
+    """The model's own ``cache_nbytes(1, tokens)`` where it has one, else :func:`cache_bytes`."""
+    nbytes = getattr(model, "cache_nbytes", None)
+    if callable(nbytes):
+        try:
+            return int(nbytes(1, tokens))
+        except (TypeError, ValueError):
+            pass
+    return cache_bytes(model.config, tokens, args.dtype)
+
+
 def check_context(model: Any, prompt_tokens: int, args: argparse.Namespace) -> None:
     """Raise :class:`CLIError` if the prompt and ``--max-new-tokens`` overflow the context.
 
@@ -804,7 +826,7 @@ def check_context(model: Any, prompt_tokens: int, args: argparse.Namespace) -> N
     if total <= limit:
         return
     try:
-        memory = f"; their cache would take {format_bytes(cache_bytes(config, total, args.dtype))}"
+        memory = f"; their cache would take {format_bytes(_cache_bytes(model, total, args))}"
     except (AttributeError, TypeError, ValueError):
         memory = ""
     if prompt_tokens >= limit:
@@ -837,7 +859,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
                        f"{args.temperature}")
     if 0.0 < args.temperature < MIN_TEMPERATURE:
         raise CLIError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; "
-                       f"got {args.temperature:g} (sampling that cold is greedy decoding in all "
+                       f"got {args.temperature} (sampling that cold is greedy decoding in all "
                        "but name, and its scaled logits can overflow: give 0)")
     if args.seed is not None and args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer; got {args.seed}")
@@ -873,6 +895,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tok.encode(text)
     except ValueError as exc:
         raise CLIError(f"the prompt cannot be tokenized: {_first_line(exc)}") from exc
+    if not len(ids):
+        raise CLIError(f"the prompt {args.prompt!r} gives no tokens (the vocabulary has none of "
+                       "its characters); give other text")
     check_context(model, len(ids), args)
     if args.seed is not None and args.temperature == 0.0:
         print("note: --seed has no effect without --temperature above 0 (greedy decoding "
