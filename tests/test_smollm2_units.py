@@ -70,8 +70,11 @@ def test_tokenizer_rejects_non_text():
     tok = _bpe.BPETokenizer(["a"], [])
     with pytest.raises(TypeError, match=r"`text` must be a str"):
         tok.encode(b"a")
-    with pytest.raises(ValueError, match=r"token id must be in 0\.\.0; got 5"):
+    with pytest.raises(ValueError, match=r"^`token_ids` must lie in \[0, 1\) \(the vocabulary\); "
+                                         r"got 5$"):
         tok.decode([5])
+    with pytest.raises(TypeError, match=r"^`token_ids` must hold ints; got float 0\.0 at index 0"):
+        tok.decode([0.0])
 
 
 def test_unpermute_rows_inverts_llama_cpp_permutation():
