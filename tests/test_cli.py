@@ -718,3 +718,35 @@ def test_info_survives_threadpoolctl_failing(capsys, monkeypatch):
     assert cli.main(["info"]) == 0
     assert "threadpoolctl could not inspect the libraries (cannot inspect)" in (
         capsys.readouterr().out)
+
+
+def test_generate_suggests_a_count_that_can_be_typed(capsys, monkeypatch):
+    _serve(monkeypatch, _tiny_model(context_length=5000))
+    line = one_line_error(capsys, ["generate", "Hi", "--max-new-tokens", "5000"],
+                          "polyattn generate")
+    assert line.endswith("; give --max-new-tokens 4998 or less")
+    assert "context of 5,000 tokens" in line
+
+
+def test_generate_a_prompt_the_tokenizer_refuses(capsys, monkeypatch):
+    class Refusing(_Tokenizer):
+        def encode(self, text):
+            raise ValueError("no token for the byte 0x04\nsecond line")
+
+    model = _tiny_model()
+    model.tokenizer = Refusing()
+    _serve(monkeypatch, model)
+    line = one_line_error(capsys, ["generate", "\x04"], "polyattn generate")
+    assert line.endswith("the prompt cannot be tokenized: no token for the byte 0x04")
+
+
+def test_generate_a_model_file_that_cannot_be_read(capsys, monkeypatch):
+    from polyattn.models import smollm2
+
+    def unreadable(**kwargs):
+        raise PermissionError(13, "Permission denied", "/models/x.gguf")
+
+    monkeypatch.setattr(smollm2, "check_requirements", lambda path=None: None)
+    monkeypatch.setattr(smollm2, "load", unreadable)
+    line = one_line_error(capsys, ["generate", "Hi"], "polyattn generate")
+    assert "cannot read the model file: [Errno 13] Permission denied: '/models/x.gguf'" in line

@@ -1,7 +1,8 @@
 """Command line: ``polyattn info | demo | bench | generate`` (or ``python -m polyattn ...``).
 
 ``info``
-    versions, the array libraries found, whether the CUDA kernel can run.
+    versions, the array libraries found, whether the CUDA kernel can run, the
+    CPUs, and the BLAS libraries NumPy uses with their thread counts.
 ``demo``
     the worked example of self-attention on the sentence "这 部 电影 很 好看"
     ("this movie is good-looking"), with hand-built embeddings and projections;
@@ -772,9 +773,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"polyattn auto -> {explain(q, k, v, is_causal=args.causal).implementation}")
     print(f"median of {args.repeat} run{'s' if args.repeat > 1 else ''} each, interleaved; "
           f"times compared with {baseline} (the softmax formula in plain NumPy)")
-    base = float(np.median(times[baseline]))
+    tiny = 1e-9                     # a clock that did not move: no division by zero
+    base = max(float(np.median(times[baseline])), tiny)
     for name, ts in times.items():
-        med = float(np.median(ts))
+        med = max(float(np.median(ts)), tiny)
         note = "(the baseline)" if name == baseline else ratio_note(med / base, baseline)
         print(f"  {name:<12} {med * 1e3:9.2f} ms  {flops / med / 1e9:7.1f} GFLOP/s  {note}")
     return 0
@@ -837,7 +839,7 @@ def check_context(model: Any, prompt_tokens: int, args: argparse.Namespace) -> N
     raise CLIError(f"--max-new-tokens {new} and the prompt's "
                    f"{_plural(prompt_tokens, 'token')} make {total:,} tokens, more than the "
                    f"model's context of {limit:,} tokens{memory}; give --max-new-tokens "
-                   f"{limit - prompt_tokens:,} or less")
+                   f"{limit - prompt_tokens} or less")
 
 
 def check_generate_args(args: argparse.Namespace) -> None:
@@ -952,7 +954,8 @@ def build_parser(prog: str | None = None) -> ArgumentParser:
     # unknown option; main() checks both, the unknown option first
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     parser.commands = sub.choices
-    sub.add_parser("info", help="versions, array libraries found, CUDA availability")
+    sub.add_parser("info", help="versions, array libraries found, CUDA availability, CPUs, "
+                                "BLAS libraries and their threads")
     sub.add_parser("warmup", help="compile the numba_cpu kernel now, so that the first call "
                                   "does not wait for it (needs polyattn[numba])")
     demo = sub.add_parser("demo", help='self-attention on "这 部 电影 很 好看", step by step')
@@ -1018,6 +1021,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         The arguments; default ``sys.argv[1:]``.
     prog : str, optional
         The command's name in messages (default ``"polyattn"``).
+
+    Returns
+    -------
+    int
+        0 when done; 2 for a mistake in the arguments or a missing package,
+        told in one line on stderr before any work; 130 when interrupted
+        (Ctrl-C). ``--help`` and ``--version`` raise :class:`SystemExit` (0).
     """
     parser = build_parser(prog)
     try:
@@ -1031,7 +1041,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         status = handlers[args.command](args)
         sys.stdout.flush()
     except CLIError as exc:
-        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: error: {' '.join(str(exc).split())}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
