@@ -969,7 +969,10 @@ def build_parser(prog: str | None = None) -> ArgumentParser:
     demo.add_argument("--head", type=integer,
                       help=f"head for --model minilm (0-{MINILM_HEADS - 1}, default 1)")
     bench = sub.add_parser("bench", help="quick timing: polyattn vs the naive formula")
-    bench.add_argument("--shape", default="1,8,1024,64", help="B,H,T,E (default 1,8,1024,64)")
+    bench.add_argument("--shape", default="1,8,1024,64",
+                       help="B,H,T,E (default 1,8,1024,64); refused when the naive formula's "
+                            "q, k, v, output and T×T scores would not fit in the memory "
+                            "available")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true")
     bench.add_argument("--repeat", type=integer, default=5,
