@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+import polyattn
 from polyattn import apply_rotary_embedding
 from polyattn.models import _bpe, _gguf, smollm2
 
@@ -304,6 +305,147 @@ def test_seeded_sampling_repeats(tiny):
     a = tiny.generate([1, 2], 6, temperature=5.0, seed=np.int64(7), stop_at_eos=False)
     assert a == tiny.generate([1, 2], 6, temperature=5.0, seed=7, stop_at_eos=False)
     assert len(a) == 6 and all(0 <= t < VOCAB for t in a)
+
+
+@pytest.mark.parametrize(("bad", "shown"), [
+    ([1.5], "float 1.5 at index 0"),
+    ([1, 2.0], "float 2.0 at index 1"),
+    ([True, 2], "bool True at index 0"),
+    ([[1, 2], [3, 4.0]], "float 4.0 at index 1"),
+    (np.array([1.0, 2.0]), "float64"),
+    (["a"], "str 'a' at index 0"),
+])
+def test_generate_refuses_token_ids_that_are_not_integers(tiny, bad, shown):
+    with pytest.raises(TypeError, match=r"^`token_ids` must hold ints; got ") as info:
+        tiny.generate(bad, 1)
+    assert shown in str(info.value)
+    with pytest.raises(TypeError, match=r"`token_ids` must hold ints"):
+        tiny.stream(bad if np.ndim(bad) == 1 else bad[1], 1)
+
+
+@pytest.mark.parametrize("n", [1e15, 2.0, True, "3", np.float64(3), None])
+def test_max_new_tokens_must_be_an_int(tiny, n):
+    with pytest.raises(TypeError, match=rf"^`max_new_tokens` must be an int; got "
+                                        rf"{type(n).__name__} "):
+        tiny.generate([1, 2], n)
+    with pytest.raises(TypeError, match=r"`max_new_tokens` must be an int"):
+        tiny.stream([1, 2], n)                 # at the call, before any token is asked for
+
+
+@pytest.mark.parametrize("n", [0, -1, np.int64(-5)])
+def test_max_new_tokens_must_be_positive(tiny, n):
+    with pytest.raises(ValueError, match=rf"^`max_new_tokens` must be a positive int; got "
+                                         rf"{int(n)}$"):
+        tiny.generate([1, 2], n)
+
+
+def test_max_new_tokens_may_be_a_numpy_integer(tiny):
+    assert len(tiny.generate([1, 2], np.int64(3), stop_at_eos=False)) == 3
+
+
+def _no_cache_allowed(monkeypatch):
+    """Make creating a KVCache fail the test: what is refused must allocate nothing."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a KVCache was created: {args}")
+
+    monkeypatch.setattr(smollm2.polyattn, "KVCache", refuse)
+
+
+def test_generation_past_the_context_is_refused_before_allocating(tiny, monkeypatch):
+    """The tiny model's context is 64 tokens: prompt + new tokens may not pass it."""
+    _no_cache_allowed(monkeypatch)
+    nbytes = tiny.cache_nbytes(1, 100_003)
+    for call in (lambda: tiny.generate([1, 2, 3], 100_000),
+                 lambda: tiny.stream([1, 2, 3], 100_000)):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert message == (
+            f"a prompt of 3 tokens and `max_new_tokens` = 100000 make 100003 tokens, more "
+            f"than the model's context of 64 tokens; a cache for them would take "
+            f"{nbytes / 1e6:.1f} MB (1 row, float64); ask for at most 61 new tokens")
+    with pytest.raises(ValueError, match=r"^a prompt of 5 tokens \(the longest\) and "
+                                         r"`max_new_tokens` = 60 make 65 tokens, more than "
+                                         r"the model's context of 64 tokens; .*\(2 rows, "
+                                         r"float64\); ask for at most 59 new tokens$"):
+        tiny.generate([[1, 2], [1, 2, 3, 4, 5]], 60)
+    with pytest.raises(ValueError, match=r"^a prompt of 64 tokens and `max_new_tokens` = 1 "
+                                         r"make 65 tokens.*; shorten the prompt to fewer than "
+                                         r"64 tokens$"):
+        tiny.generate([1] * 64, 1)
+
+
+def test_generation_up_to_the_context_works(tiny):
+    """The last token of a full context is produced (it needs no cache slot of its own)."""
+    out = tiny.generate([1, 2, 3, 4], 60, stop_at_eos=False)
+    assert len(out) == 60
+    assert list(tiny.stream([1] * 63, 1)) == tiny.generate([1] * 63, 1)
+
+
+def test_new_cache_past_the_context_is_refused(tiny, monkeypatch):
+    assert tiny.new_cache(2, 64).capacity == 64
+    _no_cache_allowed(monkeypatch)
+    with pytest.raises(ValueError, match=rf"^`capacity` asks for 65 tokens, more than the "
+                                         rf"model's context of 64 tokens; a cache for them "
+                                         rf"would take {tiny.cache_nbytes(3, 65) / 1e3:.1f} kB "
+                                         rf"\(3 rows, float64\); ask for at most 64$"):
+        tiny.new_cache(3, 65)
+    with pytest.raises(TypeError, match=r"^`capacity` must be an integer; got 8\.0$"):
+        tiny.new_cache(1, 8.0)
+    with pytest.raises(TypeError, match=r"^`batch_size` must be an integer; got True$"):
+        tiny.new_cache(True, 8)
+    with pytest.raises(ValueError, match=r"^`capacity` must be at least 1; got 0$"):
+        tiny.new_cache(1, 0)
+
+
+def test_calls_past_the_context_are_refused(tiny):
+    assert tiny(np.zeros(64, dtype=np.int64)).shape == (64, VOCAB)
+    message = (r"^`token_ids` has 65 tokens, more than the model's context of 64 tokens; pass "
+               r"at most 64 tokens per row \(e\.g\. the last 64\)$")
+    with pytest.raises(ValueError, match=message):
+        tiny(np.zeros((2, 65), dtype=np.int64))
+    with pytest.raises(ValueError, match=message):
+        tiny.hidden_states([0] * 65)
+    with pytest.raises(ValueError, match=message):
+        tiny.attention_weights([0] * 65)
+    c = tiny.config
+    big = smollm2.Cache([polyattn.KVCache((1,), c.num_kv_heads, 65, c.head_dim)
+                         for _ in range(c.num_layers)])
+    with pytest.raises(ValueError, match=r"^`cache` has room for 65 tokens, more than the "
+                                         r"model's context of 64 tokens; make it with "
+                                         r"new_cache\(\)"):
+        tiny([1], big)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_cache_nbytes_is_what_new_cache_allocates(tiny, dtype):
+    params = {name: (value if name == "layers" else value.astype(dtype))
+              for name, value in tiny.params.items()}
+    model = smollm2.SmolLM2(params, tiny.config, tiny.tokenizer)
+    cache = model.new_cache(3, 17)
+    held = sum(kv.keys.nbytes + kv.values.nbytes for kv in cache.layers)
+    assert model.cache_nbytes(3, 17) == held
+    assert cache.layers[0].keys.dtype == dtype
+    with pytest.raises(TypeError, match=r"`capacity` must be an integer"):
+        model.cache_nbytes(1, 2.5)
+
+
+def test_smollm2_refuses_a_100005_token_cache_naming_its_memory():
+    """``generate hi --max-new-tokens 100000``: 4.6 GB, beyond SmolLM2's 8192 tokens."""
+    try:
+        model = smollm2.load()
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"SmolLM2 weights or reader unavailable: {exc}")
+    c = model.config
+    assert c.context_length == 8192
+    ids = model.tokenizer.encode("hi")
+    want = c.num_layers * 2 * c.num_kv_heads * (len(ids) + 100_000) * c.head_dim * 4
+    assert model.cache_nbytes(1, len(ids) + 100_000) == want
+    with pytest.raises(ValueError, match=rf"make {len(ids) + 100_000} tokens, more than the "
+                                         rf"model's context of 8192 tokens; a cache for them "
+                                         rf"would take {want / 1e9:.1f} GB \(1 row, float32\); "
+                                         rf"ask for at most {8192 - len(ids)} new tokens$"):
+        model.stream(ids, 100_000)
 
 
 def test_decode_can_leave_out_control_tokens():

@@ -31,6 +31,11 @@ is hidden from attention by ``key_lengths``; during decoding each row's new
 token is appended to the cache at that row's own length, so no padding ever
 sits between a prompt and its continuation.
 
+A sequence holds at most ``config.context_length`` tokens (the file's
+``llama.context_length``: 8192 for SmolLM2), prompt and continuation
+together; calls and caches beyond it are refused before anything is
+allocated. :meth:`SmolLM2.cache_nbytes` tells what a cache would take.
+
 Shapes: ``B`` sequences, ``T`` tokens, ``D`` = 576 features, ``H`` = 9 query
 heads, ``Hkv`` = 3 key/value heads, ``E`` = 64 features per head, ``F`` =
 1536 feed-forward features, ``V`` = 49152 tokens in the vocabulary, ``C``
@@ -40,6 +45,7 @@ the cache's capacity.
 from __future__ import annotations
 
 import importlib.util
+import numbers
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,8 +58,9 @@ import numpy as np
 import polyattn
 
 from .._compat import array_namespace, device_of, library_name, resolve_xp
+from .._validation import check_nonnegative_int
 from . import _gguf
-from ._bpe import BPETokenizer
+from ._bpe import BPETokenizer, check_token_ids
 from ._gguf import GGUF_HINT, INSTALL_HINT, WEIGHTS_HINT, LlamaConfig
 
 Array = Any
@@ -241,6 +248,19 @@ def _to_numpy(x: Array) -> np.ndarray:
     return np.asarray(x)
 
 
+def _size_text(nbytes: int) -> str:
+    """``nbytes`` for a message: ``"4.6 GB"``, ``"37.7 MB"``, ``"512 bytes"``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _plural(n: int, word: str) -> str:
+    """``"1 token"``, ``"2 tokens"``."""
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
 def _index_dtype(xp: Namespace, device: Any) -> Any:
     """The library's default integer dtype (int64; int32 for JAX without x64)."""
     return xp.__array_namespace_info__().default_dtypes(device=device)["integral"]
@@ -258,6 +278,12 @@ class Cache:
     ----------
     layers : list of KVCache
         Keys (B, Hkv, C, E) and values (B, Hkv, C, E) of each layer.
+
+    Notes
+    -----
+    Nothing is promised about one cache used from several threads at once:
+    every call of the model that is given it writes to it. Give each thread
+    (each conversation) a cache of its own.
     """
 
     def __init__(self, layers: Sequence[polyattn.KVCache]) -> None:
@@ -306,6 +332,18 @@ class SmolLM2:
         Matrices are laid out (in, out): ``y = x @ w``.
     config : LlamaConfig
     tokenizer : BPETokenizer
+
+    Notes
+    -----
+    A sequence holds at most ``config.context_length`` tokens: prompt and
+    continuation together in :meth:`generate` and :meth:`stream`, ``T`` in
+    :meth:`__call__` without a cache, the capacity in :meth:`new_cache`.
+    More is a ``ValueError`` raised before anything is allocated, giving the
+    memory the cache would have taken (:meth:`cache_nbytes`).
+
+    Nothing is promised about one model used from several threads at once:
+    a :class:`Cache` is written by every call given it, and the tokenizer's
+    pure-Python engine keeps a memo of the pieces it has encoded.
     """
 
     def __init__(self, params: dict[str, Any], config: LlamaConfig,
@@ -385,10 +423,64 @@ class SmolLM2:
         return self.xp.asarray(np.broadcast_to(host, (b,)).astype(np.int64), dtype=self._int,
                                device=self.device)
 
-    def new_cache(self, batch_size: int, capacity: int) -> Cache:
-        """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens each."""
+    def cache_nbytes(self, batch_size: int, capacity: int) -> int:
+        """Bytes the keys and values of :meth:`new_cache` ``(batch_size, capacity)`` take.
+
+        Every layer holds keys and values of ``batch_size · Hkv · capacity ·
+        E`` numbers in the model's dtype (a few bytes more hold the lengths).
+        Nothing is allocated, and the context is not checked, so the size of
+        a cache that would be refused can be told.
+
+        Raises
+        ------
+        TypeError
+            ``batch_size`` or ``capacity`` is not an integer.
+        ValueError
+            Either is below 1.
+
+        Examples
+        --------
+        >>> from polyattn.models import smollm2
+        >>> model = smollm2.load()                                  # doctest: +SKIP
+        >>> model.cache_nbytes(1, 8192)                             # doctest: +SKIP
+        377487360
+        """
+        b = check_nonnegative_int("batch_size", batch_size, minimum=1)
+        n = check_nonnegative_int("capacity", capacity, minimum=1)
         c = self.config
-        return Cache([polyattn.KVCache((batch_size,), c.num_kv_heads, capacity, c.head_dim,
+        itemsize = self.xp.finfo(self.dtype).bits // 8
+        return c.num_layers * 2 * b * c.num_kv_heads * n * c.head_dim * itemsize
+
+    def _too_long(self, what: str, tokens: int, fix: str, *, rows: int | None = None
+                  ) -> ValueError:
+        """The error for ``tokens`` per row beyond the context; with ``rows``, the memory
+        a cache of that many rows would take."""
+        ctx = self.config.context_length
+        memory = "" if rows is None else (
+            f"; a cache for them would take {_size_text(self.cache_nbytes(rows, tokens))} "
+            f"({_plural(rows, 'row')}, {self.dtype})")
+        return ValueError(f"{what} {tokens} tokens, more than the model's context of {ctx} "
+                          f"tokens{memory}; {fix}")
+
+    def new_cache(self, batch_size: int, capacity: int) -> Cache:
+        """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens each.
+
+        Raises
+        ------
+        TypeError
+            ``batch_size`` or ``capacity`` is not an integer.
+        ValueError
+            Either is below 1, or ``capacity`` is more than the model's
+            context (``config.context_length``); the message gives the memory
+            the cache would take.
+        """
+        b = check_nonnegative_int("batch_size", batch_size, minimum=1)
+        n = check_nonnegative_int("capacity", capacity, minimum=1)
+        ctx = self.config.context_length
+        if n > ctx:
+            raise self._too_long("`capacity` asks for", n, f"ask for at most {ctx}", rows=b)
+        c = self.config
+        return Cache([polyattn.KVCache((b,), c.num_kv_heads, n, c.head_dim,
                                        xp=self.xp, dtype=self.dtype, device=self.device)
                       for _ in range(c.num_layers)])
 
@@ -418,6 +510,13 @@ class SmolLM2:
         array (B, T, V) or (T, V)
             Logits in the model's dtype; those at padding positions mean
             nothing.
+
+        Raises
+        ------
+        ValueError
+            ``T`` is more than the model's context (``config.context_length``)
+            without a cache, or the cache has room for more than the context
+            (one made with :meth:`new_cache` never has).
         """
         ids = self._ids(token_ids)
         hidden = self._hidden(ids, cache, lengths)
@@ -436,6 +535,7 @@ class SmolLM2:
         """:meth:`hidden_states` of checked ids (B, T)."""
         xp, c = self.xp, self.config
         b, t = ids.shape
+        self._check_context(t, cache)
         key_lengths = self._lengths(lengths, b, t)
         flat = xp.reshape(ids, (b * t,))
         x = xp.take(self.params["embed"], flat, axis=0)                 # (B·T, D)
@@ -457,6 +557,16 @@ class SmolLM2:
             x = self._layer(i, x, b, t, positions, cache, key_lengths, mask)
         x = rms_norm(x, self.params["norm"], eps=c.rms_norm_eps)
         return xp.reshape(x, (b, t, c.hidden_size))                     # (B, T, D)
+
+    def _check_context(self, t: int, cache: Cache | None) -> None:
+        """``T`` tokens per row fit the context (without a cache), or the cache does."""
+        ctx = self.config.context_length
+        if cache is None and t > ctx:
+            raise self._too_long("`token_ids` has", t,
+                                 f"pass at most {ctx} tokens per row (e.g. the last {ctx})")
+        if cache is not None and cache.capacity > ctx:
+            raise self._too_long("`cache` has room for", cache.capacity,
+                                 "make it with new_cache(), which keeps to the context")
 
     def _project_qkv(self, i: int, h: Array, b: int, t: int, positions: Array
                      ) -> tuple[Array, Array, Array]:
@@ -515,6 +625,7 @@ class SmolLM2:
             raise ValueError(f"`token_ids` must be one sequence, (T,) or (1, T); got shape "
                              f"{tuple(ids.shape)}")
         t = ids.shape[1]
+        self._check_context(t, None)
         x = xp.take(self.params["embed"], xp.reshape(ids, (t,)), axis=0)  # (T, D)
         positions = xp.arange(t, dtype=self._int, device=self.device)    # (T,)
         maps = []
@@ -576,24 +687,38 @@ class SmolLM2:
             raise TypeError("`token_ids` must be token ids, not text; use "
                             "model.tokenizer.encode(text)")
         host = token_ids if isinstance(token_ids, (list, tuple)) else _to_numpy(token_ids)
-        if len(host) and all(np.ndim(p) == 0 for p in host):
-            prompts, single = [list(host)], True
-        else:
-            prompts, single = [list(p) for p in host], False
+        if not isinstance(host, (list, tuple)) and np.ndim(host) == 0:
+            raise TypeError(f"`token_ids` must be a list of ints (one prompt) or of lists of "
+                            f"ints (a batch); got {type(token_ids).__name__}")
+        vocab = self.config.vocab_size
+        single = len(host) > 0 and not any(isinstance(p, (list, tuple)) or np.ndim(p)
+                                           for p in host)
+        prompts = [check_token_ids(host, vocab)] if single else [
+            check_token_ids(p, vocab) for p in host]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token; got an empty one")
-        for p in prompts:
-            for tok in p:
-                if not 0 <= int(tok) < self.config.vocab_size:
-                    raise ValueError(f"`token_ids` must lie in [0, {self.config.vocab_size}) "
-                                     f"(the vocabulary); got {tok}")
-        return [[int(tok) for tok in p] for p in prompts], single
+        return prompts, single
+
+    def _check_room(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """The longest prompt and ``max_new_tokens`` fit the context, or a ValueError."""
+        t, b, ctx = max(len(p) for p in prompts), len(prompts), self.config.context_length
+        if t + max_new_tokens > ctx:
+            fix = (f"ask for at most {ctx - t} new tokens" if t < ctx else
+                   f"shorten the prompt to fewer than {ctx} tokens")
+            longest = " (the longest)" if b > 1 else ""
+            raise self._too_long(f"a prompt of {_plural(t, 'token')}{longest} and "
+                                 f"`max_new_tokens` = {max_new_tokens} make",
+                                 t + max_new_tokens, fix, rows=b)
 
     @staticmethod
-    def _check_generation(max_new_tokens: Any, temperature: Any, seed: Any) -> float:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-                max_new_tokens < 1):
-            raise ValueError(f"`max_new_tokens` must be a positive int; got {max_new_tokens!r}")
+    def _check_generation(max_new_tokens: Any, temperature: Any, seed: Any
+                          ) -> tuple[int, float]:
+        """``max_new_tokens`` as an int and ``temperature`` as a float, once checked."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"`max_new_tokens` must be an int; got "
+                            f"{type(max_new_tokens).__name__} {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be a positive int; got {int(max_new_tokens)}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
                 0.0 <= temperature < float("inf")):
             raise ValueError(f"`temperature` must be a finite number >= 0 (0: greedy); got "
@@ -601,7 +726,7 @@ class SmolLM2:
         if seed is not None and (isinstance(seed, bool) or not isinstance(
                 seed, (int, np.integer)) or seed < 0):
             raise ValueError(f"`seed` must be a non-negative int or None; got {seed!r}")
-        return float(temperature)
+        return int(max_new_tokens), float(temperature)
 
     def generate(self, token_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, stop_at_eos: bool = True) -> Any:
@@ -613,7 +738,8 @@ class SmolLM2:
             One prompt, or several (no padding needed: they are right-padded
             here, and each row continues from its own length).
         max_new_tokens : int
-            Tokens to produce per prompt, at most.
+            Tokens to produce per prompt, at most (at least 1; with the
+            longest prompt, at most ``config.context_length``).
         temperature : float
             0 (default): greedy, always the most likely token. Above 0:
             tokens are drawn from ``softmax(logits / temperature)``.
@@ -628,9 +754,21 @@ class SmolLM2:
         -------
         list of int, or list of lists of int
             The new tokens only (not the prompt), per prompt.
+
+        Raises
+        ------
+        TypeError
+            ``token_ids`` is text or holds something that is not an integer;
+            ``max_new_tokens`` is not an int (``1e15``, ``True``, …).
+        ValueError
+            A token id outside the vocabulary; ``max_new_tokens`` below 1;
+            the longest prompt and ``max_new_tokens`` together more than the
+            model's context (``config.context_length``): nothing is
+            allocated then, and the message says what the cache would take.
         """
-        temperature = self._check_generation(max_new_tokens, temperature, seed)
+        max_new_tokens, temperature = self._check_generation(max_new_tokens, temperature, seed)
         prompts, single = self._prompts(token_ids)
+        self._check_room(prompts, max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         for step in self._steps(prompts, max_new_tokens, temperature, seed, stop_at_eos):
             for row, tok in enumerate(step.tokens):
@@ -641,12 +779,22 @@ class SmolLM2:
     def stream(self, token_ids: Sequence[int], max_new_tokens: int, *,
                temperature: float = 0.0, seed: int | None = None,
                stop_at_eos: bool = True) -> Iterator[int]:
-        """:meth:`generate` for one prompt, yielding each token as soon as it is chosen."""
-        temperature = self._check_generation(max_new_tokens, temperature, seed)
+        """:meth:`generate` for one prompt, yielding each token as soon as it is chosen.
+
+        The arguments are checked when it is called, before the first token
+        is asked for; the errors are :meth:`generate`'s.
+        """
+        max_new_tokens, temperature = self._check_generation(max_new_tokens, temperature, seed)
         prompts, single = self._prompts(token_ids)
         if not single:
             raise ValueError("stream() takes one prompt (a list of token ids); use generate() "
                              "for a batch")
+        self._check_room(prompts, max_new_tokens)
+        return self._stream(prompts, max_new_tokens, temperature, seed, stop_at_eos)
+
+    def _stream(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                seed: int | None, stop_at_eos: bool) -> Iterator[int]:
+        """The tokens of :meth:`stream`, its arguments checked."""
         for step in self._steps(prompts, max_new_tokens, temperature, seed, stop_at_eos):
             tok = step.tokens[0]
             if tok is not None:
