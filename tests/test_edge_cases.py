@@ -91,6 +91,86 @@ def test_empty_batch(xp, device, dtype_name, implementation):
     assert to_numpy(polyattn.attention_weights(q, k)).shape == (0, 2, 3, 5)
 
 
+ZERO_VALUE_FEATURE_CASES = {
+    # name: (q shape, k shape, options)
+    "plain": ((2, 3, 5, 4), (2, 3, 6, 4), {}),
+    "causal_bottom_right": ((2, 3, 5, 4), (2, 3, 7, 4),
+                            {"is_causal": True, "causal_alignment": "bottom_right"}),
+    "gqa_window": ((2, 4, 6, 4), (2, 2, 6, 4), {"enable_gqa": True, "is_causal": True,
+                                                 "window": (2, 0)}),
+    "key_lengths": ((2, 3, 5, 4), (2, 3, 6, 4), {"key_lengths": np.array([6, 3])}),
+    "matrix": ((5, 4), (6, 4), {"is_causal": True}),
+}
+
+
+def _lse_gradients(q, k, g_lse, weights, scale):
+    """float64 gradients of ⟨lse, g_lse⟩ for (…, Tq, E) queries and (…, Tk, E) keys
+    (d lse_i / d q_i = scale·Σ_j α_ij k_j; d lse_i / d k_j = scale·α_ij q_i)."""
+    dq = scale * g_lse[..., None] * np.einsum("...qk,...ke->...qe", weights, k)
+    dk = scale * np.einsum("...qk,...q,...qe->...ke", weights, g_lse, q)
+    return dq, dk
+
+
+@pytest.mark.parametrize("case", sorted(ZERO_VALUE_FEATURE_CASES))
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_values_without_features(xp, device, dtype_name, implementation, case, return_lse):
+    """Ev = 0: the output is empty, (…, Tq, 0); the lse does not depend on the values and is
+    that of the scores."""
+    shape_q, shape_k, options = ZERO_VALUE_FEATURE_CASES[case]
+    rng = np.random.default_rng(120)
+    q, k = (rounded(rng.standard_normal(s), dtype_name) for s in (shape_q, shape_k))
+    v = np.zeros((*shape_k[:-1], 0))
+    lengths = options.get("key_lengths")
+    given = dict(options)
+    if lengths is not None:
+        given["key_lengths"] = to_xp(lengths, xp, device=device)
+    result = polyattn.scaled_dot_product_attention(
+        *arrays(xp, device, dtype_name, q, k, v), return_lse=return_lse,
+        implementation=implementation, **given)
+    out = result[0] if return_lse else result
+    assert_namespace_device(out, xp, device, getattr(xp, dtype_name))
+    assert to_numpy(out).shape == (*shape_q[:-1], 0)
+    if return_lse:
+        _, ref_lse, _ = ref_attention(
+            q, k, np.zeros((*shape_k[:-1], 1)), enable_gqa=options.get("enable_gqa", False),
+            is_causal=options.get("is_causal", False), key_lengths=lengths,
+            alignment=options.get("causal_alignment", "top_left"), window=options.get("window"))
+        assert_lse_close(result[1], ref_lse, dtype_name)
+
+
+@pytest.mark.parametrize("case", sorted(ZERO_VALUE_FEATURE_CASES))
+def test_values_without_features_gradients(xp, device, implementation, case):
+    """attention_vjp with Ev = 0: dv is (…, Tk, 0); dq and dk come from ``grad_lse`` alone."""
+    if implementation == "native":
+        pytest.skip("attention_vjp has no native backward pass")
+    shape_q, shape_k, options = ZERO_VALUE_FEATURE_CASES[case]
+    rng = np.random.default_rng(121)
+    q, k = rng.standard_normal(shape_q), rng.standard_normal(shape_k)
+    v = np.zeros((*shape_k[:-1], 0))
+    lengths = options.get("key_lengths")
+    given = dict(options)
+    if lengths is not None:
+        given["key_lengths"] = to_xp(lengths, xp, device=device)
+    (_, lse), pullback = polyattn.attention_vjp(
+        *arrays(xp, device, "float64", q, k, v), return_lse=True,
+        implementation=implementation, **given)
+    g_lse = rng.standard_normal(tuple(to_numpy(lse).shape))
+    dq, dk, dv = pullback(to_xp(np.zeros((*shape_q[:-1], 0)), xp, device=device),
+                          to_xp(g_lse, xp, device=device))
+    assert to_numpy(dv).shape == v.shape
+    gqa = options.get("enable_gqa", False)
+    kk = np.repeat(k, shape_q[-3] // shape_k[-3], axis=-3) if gqa else k
+    _, _, weights = ref_attention(
+        q, kk, np.zeros((*kk.shape[:-1], 1)), is_causal=options.get("is_causal", False),
+        key_lengths=lengths, alignment=options.get("causal_alignment", "top_left"),
+        window=options.get("window"))
+    want_dq, want_dk = _lse_gradients(q, kk, g_lse, weights, 1 / math.sqrt(shape_q[-1]))
+    if gqa:
+        want_dk = want_dk.reshape(*shape_k[:-3], shape_k[-3], -1, *shape_k[-2:]).sum(axis=-3)
+    assert_close(dq, want_dq, "float64", what="dq")
+    assert_close(dk, want_dk, "float64", what="dk")
+
+
 @pytest.mark.parametrize("shape", [(3, 0), (0, 3), (2, 0, 4)])
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_softmax_and_logsumexp_of_empty_arrays(xp, device, dtype_name, shape, axis):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 from ._compat import Array, Namespace, library_name
 
@@ -23,13 +24,70 @@ def shape_str(x: Array) -> str:
     return str(tuple(int(n) if n is not None else n for n in x.shape))
 
 
+#: The real floating dtypes polyattn computes with (DESIGN §4), where the library has them.
+FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def supported_floats(xp: Namespace) -> list[Any]:
+    """The dtypes of :data:`FLOAT_NAMES` that namespace ``xp`` has."""
+    return [getattr(xp, n) for n in FLOAT_NAMES if getattr(xp, n, None) is not None]
+
+
+def is_supported_float(dtype: Any, xp: Namespace) -> bool:
+    """Whether ``dtype`` is one of :func:`supported_floats` (``longdouble``, float8, … are not:
+    no path computes them at their own precision)."""
+    try:
+        return any(bool(dtype == d) for d in supported_floats(xp))
+    except Exception:          # not comparable with this library's dtypes
+        return False
+
+
+def floats_text(xp: Namespace) -> str:
+    """The accepted dtypes in words: ``float16, bfloat16, float32 or float64``, or those of
+    them the library has, saying which it lacks (bfloat16 is always named)."""
+    have = [n for n in FLOAT_NAMES if getattr(xp, n, None) is not None]
+    text = ", ".join(have[:-1]) + f" or {have[-1]}" if len(have) > 1 else "".join(have)
+    missing = [n for n in FLOAT_NAMES[:2] if n not in have]
+    if missing:
+        text += f"; {library_name(xp)} has no {' or '.join(missing)}"
+    return text
+
+
+def _unsupported_float(dtype: Any, xp: Namespace) -> bool:
+    """Whether ``dtype`` is floating but not one of :func:`supported_floats` (float128, …)."""
+    try:
+        return bool(xp.isdtype(dtype, "real floating"))
+    except Exception:
+        return False
+
+
+def _dtype_text(dtype: Any) -> str:
+    """``numpy.longdouble`` for a scalar type, else the dtype's repr."""
+    if isinstance(dtype, type):
+        return f"{dtype.__module__}.{dtype.__name__}"
+    return repr(dtype)
+
+
 def check_floating(name: str, x: Array, xp: Namespace) -> None:
-    """``TypeError`` unless ``x`` has a real floating dtype."""
-    if not xp.isdtype(x.dtype, "real floating"):
+    """``TypeError`` unless ``x`` has one of the real floating dtypes polyattn computes with."""
+    if not is_supported_float(x.dtype, xp):
+        hint = (f"; no implementation computes {x.dtype} at its own precision: cast `{name}` "
+                "to one of those first" if _unsupported_float(x.dtype, xp) else "")
         raise TypeError(
-            f"`{name}` must have a real floating dtype (float16, float32 or float64); "
-            f"got {x.dtype} ({library_name(xp)} array of shape {shape_str(x)})"
+            f"`{name}` must have a real floating dtype ({floats_text(xp)}); "
+            f"got {x.dtype} ({library_name(xp)} array of shape {shape_str(x)}){hint}"
         )
+
+
+def check_float_dtype(name: str, dtype: Any, xp: Namespace) -> Any:
+    """``TypeError`` unless ``dtype`` (an argument such as ``dtype=``) is one of
+    :func:`supported_floats` of ``xp``; returns it."""
+    if not is_supported_float(dtype, xp):
+        hint = ("; no implementation computes it at its own precision"
+                if _unsupported_float(dtype, xp) else "")
+        raise TypeError(f"`{name}` must be a real floating dtype of {library_name(xp)} "
+                        f"({floats_text(xp)}); got {_dtype_text(dtype)}{hint}")
+    return dtype
 
 
 def check_min_ndim(name: str, x: Array, ndim: int, layout: str) -> None:

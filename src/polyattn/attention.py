@@ -7,6 +7,7 @@ query/key features, ``Ev`` value features.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from . import _dispatch
@@ -14,7 +15,7 @@ from ._compat import Array, device_of
 from ._problem import Problem, prepare
 from ._validation import IMPLEMENTATIONS, check_bool, check_choice
 from .implementations import reference
-from .implementations._common import NEG_INF
+from .implementations._common import NEG_INF, quiet_floating_point
 
 
 def _empty_problem(problem: Problem) -> tuple[Array, Array]:
@@ -29,6 +30,37 @@ def _empty_problem(problem: Problem) -> tuple[Array, Array]:
     out = xp.zeros((*q.shape[:-1], ev), dtype=problem.compute_dtype, device=dev)
     lse = xp.full(tuple(q.shape[:-1]), NEG_INF, dtype=problem.compute_dtype, device=dev)
     return out, lse
+
+
+def with_value_feature(problem: Problem) -> Problem:
+    """The problem the implementations run: values with no features (Ev = 0) get one zero
+    feature, so that no implementation meets an empty product; the output is then cut back
+    to its 0 features while the log-sum-exp, which does not depend on the values, is kept.
+    Other problems are returned as they are."""
+    v = problem.v
+    if v is None or v.shape[-1] != 0:
+        return problem
+    xp = problem.xp
+    zero = xp.zeros((*v.shape[:-1], 1), dtype=v.dtype, device=device_of(v))
+    return dataclasses.replace(problem, v=xp.concat([v, zero], axis=-1))
+
+
+def run(problem: Problem, name: str, *, fallback: bool = False, grad: bool = True,
+        ) -> tuple[Problem, Array, Array | None]:
+    """Run implementation ``name``: the problem it ran (:func:`with_value_feature`), and its
+    ``out`` (B…, H, Tq, Ev of that problem) and ``lse``, in the compute dtype."""
+    if problem.score_elements == 0:
+        return (problem, *_empty_problem(problem))
+    ran = with_value_feature(problem)
+    out, lse = _dispatch.run(ran, name, fallback=fallback, grad=grad)
+    return ran, out, lse
+
+
+def value_features(problem: Problem, out: Array) -> Array:
+    """``out`` of the problem an implementation ran, cut to ``problem``'s value features
+    (undoes :func:`with_value_feature`)."""
+    ev = 0 if problem.v is None else problem.v.shape[-1]
+    return out[..., :ev] if out.shape[-1] != ev else out
 
 
 def scaled_dot_product_attention(
@@ -175,16 +207,21 @@ def scaled_dot_product_attention(
     """
     check_choice("implementation", implementation, IMPLEMENTATIONS)
     check_bool("return_lse", return_lse)
-    problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
-                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
-                      layout=layout, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                      key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
-    choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
-    if problem.score_elements == 0:
-        out, lse = _empty_problem(problem)
-    else:
-        out, lse = _dispatch.run(problem, choice.implementation,
-                                 fallback=implementation == "auto")
+    with quiet_floating_point(query):
+        problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                          causal_alignment=causal_alignment, scale=scale,
+                          enable_gqa=enable_gqa, layout=layout, window=window,
+                          softcap=softcap, alibi_slopes=alibi_slopes,
+                          key_lengths=key_lengths, dropout_p=dropout_p,
+                          dropout_seed=dropout_seed)
+        choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
+        _, out, lse = run(problem, choice.implementation, fallback=implementation == "auto")
+        return _finish(problem, value_features(problem, out), lse, return_lse)
+
+
+def _finish(problem: Problem, out: Array, lse: Array | None,
+            return_lse: bool) -> Array | tuple[Array, Array]:
+    """The caller's dtype and layout of ``out`` (and ``lse``)."""
     xp = problem.xp
     if out.dtype != problem.result_dtype:
         out = xp.astype(out, problem.result_dtype)
@@ -232,10 +269,18 @@ def attention_weights(
     >>> w.sum(axis=-1)
     array([1., 1.])
     """
-    problem = prepare(query, key, None, attn_mask=attn_mask, is_causal=is_causal,
-                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
-                      layout=layout, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                      key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    with quiet_floating_point(query):
+        problem = prepare(query, key, None, attn_mask=attn_mask, is_causal=is_causal,
+                          causal_alignment=causal_alignment, scale=scale,
+                          enable_gqa=enable_gqa, layout=layout, window=window,
+                          softcap=softcap, alibi_slopes=alibi_slopes,
+                          key_lengths=key_lengths, dropout_p=dropout_p,
+                          dropout_seed=dropout_seed)
+        return _weights(problem)
+
+
+def _weights(problem: Problem) -> Array:
+    """:func:`attention_weights` of a prepared problem."""
     xp = problem.xp
     if problem.score_elements == 0:
         alpha = xp.zeros((*problem.q.shape[:-1], problem.tk), dtype=problem.compute_dtype,

@@ -77,6 +77,14 @@ class KVCache:
     ``lengths``), so it can be passed to and returned from ``jax.jit``-ed
     functions; its shapes, the capacity among them, are static.
 
+    One cache must not be used from several threads at once: :meth:`update`
+    reads ``lengths``, writes the slots after them and then replaces
+    ``lengths``, with no lock, so two threads updating the same cache, or one
+    updating it while another attends over it, may lose tokens or read
+    half-written ones. Nothing is promised then (no error is raised either).
+    Give each thread its own cache (one per sequence being decoded), or hold
+    a lock of your own around each update and the attention that reads it.
+
     Examples
     --------
     >>> import numpy as np

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from ._compat import Array, check_same_device, namespace_of
 from ._problem import swap_heads_and_time
 from ._validation import LAYOUTS, check_choice, check_floating, check_min_ndim, shape_str
+from .implementations._common import quiet_floating_point
 from .implementations._merge import merge
 
 __all__ = ["merge_attention"]
@@ -102,12 +103,13 @@ def merge_attention(outs: Sequence[Array], lses: Sequence[Array], /, *,
     True
     """
     layout = check_choice("layout", layout, LAYOUTS)
-    if layout == "BTHE":
-        if isinstance(outs, Sequence) and not isinstance(outs, (str, bytes)) and outs:
+    parts = isinstance(outs, Sequence) and not isinstance(outs, (str, bytes)) and len(outs) > 0
+    with quiet_floating_point(outs[0] if parts else None):
+        if layout == "BTHE" and parts:
             xp = namespace_of({f"outs[{i}]": o for i, o in enumerate(outs)})
             for i, o in enumerate(outs):
                 check_min_ndim(f"outs[{i}]", o, 3, "(B…, Tq, H, Ev) with layout='BTHE'")
             out, lse = merge_attention([swap_heads_and_time(o, xp) for o in outs], lses)
             return swap_heads_and_time(out, xp), lse
-    _check(outs, lses)
-    return merge(outs, lses, namespace_of({"outs[0]": outs[0]}))
+        _check(outs, lses)
+        return merge(outs, lses, namespace_of({"outs[0]": outs[0]}))

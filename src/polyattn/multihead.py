@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,7 @@ from ._validation import (
     broadcast_shapes,
     check_bool,
     check_choice,
+    check_float_dtype,
     check_floating,
     check_min_ndim,
     check_nonnegative_int,
@@ -41,6 +43,7 @@ from ._validation import (
 )
 from .attention import attention_weights, scaled_dot_product_attention
 from .cache import KVCache
+from .implementations._common import quiet_floating_point
 from .rotary import apply_rotary_embedding
 
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
@@ -254,93 +257,94 @@ def multi_head_attention(
     >>> out.shape, cache.lengths
     ((2, 1, 16), array([6, 6]))
     """
-    arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
-              "key_padding_mask": key_padding_mask, "alibi_slopes": alibi_slopes,
-              "positions": positions}
-    arrays.update({f"params['{k}']": v for k, v in (params.items()
-                                                    if isinstance(params, Mapping) else ())})
-    xp = namespace_of(arrays)
-    check_same_device(arrays)
-    check_bool("need_weights", need_weights)
-    check_bool("average_attn_weights", average_attn_weights)
-    check_choice("implementation", implementation, IMPLEMENTATIONS)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        check_floating(name, x, xp)
-        check_min_ndim(name, x, 2, "(…, T, features)")
-    if key.shape[-2] != value.shape[-2]:
-        raise ValueError(f"`value` has {value.shape[-2]} positions but `key` has "
-                         f"{key.shape[-2]} (key {shape_str(key)}, value {shape_str(value)})")
-    named = (("query", query), ("key", key), ("value", value))
-    broadcast_shapes(tuple(n for n, _ in named), tuple(tuple(x.shape[:-2]) for _, x in named),
-                     "batch dimensions", full=tuple(tuple(x.shape) for _, x in named))
-    d_model = int(query.shape[-1])
-    h, hkv = _check_heads(d_model, num_heads, num_kv_heads,
-                          f"d_model = {{d}} (the features of `query` {shape_str(query)})")
-    _check_params(params, d_model, int(key.shape[-1]), int(value.shape[-1]), h, hkv)
-    for name in (*WEIGHTS, *BIASES):
-        if params.get(name) is not None:
-            check_floating(f"params['{name}']", params[name], xp)
+    with quiet_floating_point(query):     # non-finite inputs: the values say so, no warning
+        arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+                  "key_padding_mask": key_padding_mask, "alibi_slopes": alibi_slopes,
+                  "positions": positions}
+        arrays.update({f"params['{k}']": v for k, v in (params.items()
+                                                        if isinstance(params, Mapping) else ())})
+        xp = namespace_of(arrays)
+        check_same_device(arrays)
+        check_bool("need_weights", need_weights)
+        check_bool("average_attn_weights", average_attn_weights)
+        check_choice("implementation", implementation, IMPLEMENTATIONS)
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            check_floating(name, x, xp)
+            check_min_ndim(name, x, 2, "(…, T, features)")
+        if key.shape[-2] != value.shape[-2]:
+            raise ValueError(f"`value` has {value.shape[-2]} positions but `key` has "
+                             f"{key.shape[-2]} (key {shape_str(key)}, value {shape_str(value)})")
+        named = (("query", query), ("key", key), ("value", value))
+        broadcast_shapes(tuple(n for n, _ in named), tuple(tuple(x.shape[:-2]) for _, x in named),
+                         "batch dimensions", full=tuple(tuple(x.shape) for _, x in named))
+        d_model = int(query.shape[-1])
+        h, hkv = _check_heads(d_model, num_heads, num_kv_heads,
+                              f"d_model = {{d}} (the features of `query` {shape_str(query)})")
+        _check_params(params, d_model, int(key.shape[-1]), int(value.shape[-1]), h, hkv)
+        for name in (*WEIGHTS, *BIASES):
+            if params.get(name) is not None:
+                check_floating(f"params['{name}']", params[name], xp)
 
-    if cache is not None:
-        _check_cache(cache, key, value, hkv, d_model // h)
+        if cache is not None:
+            _check_cache(cache, key, value, hkv, d_model // h)
+            if key_padding_mask is not None:
+                raise ValueError("`key_padding_mask` cannot be combined with `cache` (its keys "
+                                 "are the cache's); pass `key_lengths`, the number of real new "
+                                 "tokens per row")
+        if causal_alignment is None:
+            causal_alignment = "top_left" if cache is None else "bottom_right"
         if key_padding_mask is not None:
-            raise ValueError("`key_padding_mask` cannot be combined with `cache` (its keys "
-                             "are the cache's); pass `key_lengths`, the number of real new "
-                             "tokens per row")
-    if causal_alignment is None:
-        causal_alignment = "top_left" if cache is None else "bottom_right"
-    if key_padding_mask is not None:
-        padding = _padding_to_attn_mask(key_padding_mask, key, xp)
-        attn_mask = _combine_masks(attn_mask, padding, xp)
+            padding = _padding_to_attn_mask(key_padding_mask, key, xp)
+            attn_mask = _combine_masks(attn_mask, padding, xp)
 
-    q = _project(query, params["w_q"], params.get("b_q"), h, xp)      # (B…, Tq, H, E)
-    k = _project(key, params["w_k"], params.get("b_k"), hkv, xp)      # (B…, Tk, Hkv, E)
-    v = _project(value, params["w_v"], params.get("b_v"), hkv, xp)    # (B…, Tk, Hkv, Ev)
-    if rotary is not None:
-        options = _rotary_options(rotary)
-        p = _positions(positions, query, key, cache, xp)             # (B…, Tq) or (Tq,)
-        p = xp.expand_dims(p, axis=-1)                                # (…, Tq, 1): all heads
-        q = apply_rotary_embedding(q, p, **options)
-        k = apply_rotary_embedding(k, p, **options)
-    elif positions is not None:
-        raise ValueError("`positions` are the positions of the rotary embedding; pass "
-                         "`rotary` (e.g. rotary={} for its defaults) or leave them out")
-    attend: dict[str, Any] = dict(
-        attn_mask=attn_mask, is_causal=is_causal, causal_alignment=causal_alignment,
-        enable_gqa=hkv != h, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
-    layout = "BTHE"
-    if cache is not None:
-        ragged = None
-        if key_lengths is not None and causal_alignment == "bottom_right":
-            # checked before the cache is written to
-            ragged = _ragged_lengths(cache.lengths, int(q.shape[-3]), cache, is_causal,
-                                     window, alibi_slopes, xp)
-        cache = cache.update(_swap(k, xp), _swap(v, xp), lengths=key_lengths)
-        q, k, v = _swap(q, xp), cache.keys, cache.values             # (B…, H|Hkv, T, E)
-        attend["key_lengths"] = cache.lengths if ragged is None else ragged
-        layout = "BHTE"
-    if need_weights:
-        alpha = attention_weights(q, k, layout=layout, **attend)     # (B…, H, Tq, Tk)
-        vh = v if layout == "BHTE" else _swap(v, xp)                  # (B…, Hkv, Tk, Ev)
-        if hkv != h:
-            vh = _repeat_heads(vh, h // hkv, xp)
-        heads = _swap(xp.matmul(alpha, xp.astype(vh, alpha.dtype)), xp)   # (B…, Tq, H, Ev)
-    else:
-        heads = scaled_dot_product_attention(q, k, v, implementation=implementation,
-                                             layout=layout, **attend)
-        if layout == "BHTE":
-            heads = _swap(heads, xp)                                  # (B…, Tq, H, Ev)
-    heads = xp.reshape(heads, (*heads.shape[:-2], heads.shape[-2] * heads.shape[-1]))
-    out = xp.matmul(heads, params["w_o"])                              # (B…, Tq, d_model)
-    if params.get("b_o") is not None:
-        out = out + params["b_o"]
-    result: tuple[Array, ...] = (out,)
-    if need_weights:
-        result += (xp.mean(alpha, axis=-3) if average_attn_weights else alpha,)
-    if cache is not None:
-        result += (cache,)
-    return result[0] if len(result) == 1 else result
+        q = _project(query, params["w_q"], params.get("b_q"), h, xp)      # (B…, Tq, H, E)
+        k = _project(key, params["w_k"], params.get("b_k"), hkv, xp)      # (B…, Tk, Hkv, E)
+        v = _project(value, params["w_v"], params.get("b_v"), hkv, xp)    # (B…, Tk, Hkv, Ev)
+        if rotary is not None:
+            options = _rotary_options(rotary)
+            p = _positions(positions, query, key, cache, xp)             # (B…, Tq) or (Tq,)
+            p = xp.expand_dims(p, axis=-1)                                # (…, Tq, 1): all heads
+            q = apply_rotary_embedding(q, p, **options)
+            k = apply_rotary_embedding(k, p, **options)
+        elif positions is not None:
+            raise ValueError("`positions` are the positions of the rotary embedding; pass "
+                             "`rotary` (e.g. rotary={} for its defaults) or leave them out")
+        attend: dict[str, Any] = dict(
+            attn_mask=attn_mask, is_causal=is_causal, causal_alignment=causal_alignment,
+            enable_gqa=hkv != h, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
+        layout = "BTHE"
+        if cache is not None:
+            ragged = None
+            if key_lengths is not None and causal_alignment == "bottom_right":
+                # checked before the cache is written to
+                ragged = _ragged_lengths(cache.lengths, int(q.shape[-3]), cache, is_causal,
+                                         window, alibi_slopes, xp)
+            cache = cache.update(_swap(k, xp), _swap(v, xp), lengths=key_lengths)
+            q, k, v = _swap(q, xp), cache.keys, cache.values             # (B…, H|Hkv, T, E)
+            attend["key_lengths"] = cache.lengths if ragged is None else ragged
+            layout = "BHTE"
+        if need_weights:
+            alpha = attention_weights(q, k, layout=layout, **attend)     # (B…, H, Tq, Tk)
+            vh = v if layout == "BHTE" else _swap(v, xp)                  # (B…, Hkv, Tk, Ev)
+            if hkv != h:
+                vh = _repeat_heads(vh, h // hkv, xp)
+            heads = _swap(xp.matmul(alpha, xp.astype(vh, alpha.dtype)), xp)   # (B…, Tq, H, Ev)
+        else:
+            heads = scaled_dot_product_attention(q, k, v, implementation=implementation,
+                                                 layout=layout, **attend)
+            if layout == "BHTE":
+                heads = _swap(heads, xp)                                  # (B…, Tq, H, Ev)
+        heads = xp.reshape(heads, (*heads.shape[:-2], heads.shape[-2] * heads.shape[-1]))
+        out = xp.matmul(heads, params["w_o"])                              # (B…, Tq, d_model)
+        if params.get("b_o") is not None:
+            out = out + params["b_o"]
+        result: tuple[Array, ...] = (out,)
+        if need_weights:
+            result += (xp.mean(alpha, axis=-3) if average_attn_weights else alpha,)
+        if cache is not None:
+            result += (cache,)
+        return result[0] if len(result) == 1 else result
 
 
 def _ragged_lengths(before: Array, tq: int, cache: KVCache, is_causal: bool, window: Any,
@@ -505,17 +509,7 @@ class MultiHeadAttention:
         check_bool("bias", bias)
         self.batch_first = check_bool("batch_first", batch_first)
         xp = resolve_xp(xp)
-        if dtype is None:
-            dtype = xp.float32
-        else:
-            try:
-                floating = bool(xp.isdtype(dtype, "real floating"))
-            except Exception:          # not a dtype of this library at all (a str, numpy's…)
-                floating = False
-            if not floating:
-                raise TypeError(f"`dtype` must be a real floating dtype of "
-                                f"{library_name(xp)} (such as its float32 or float64); "
-                                f"got {dtype!r}")
+        dtype = xp.float32 if dtype is None else check_float_dtype("dtype", dtype, xp)
         rng = np.random.default_rng(seed)
         e = embed_dim // self.num_heads
         kv = self.num_kv_heads * e
@@ -624,12 +618,16 @@ class MultiHeadAttention:
         """
         import numpy as np
 
+        _check_torch_module(module)
         if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
             raise ValueError("MultiheadAttention modules with add_bias_kv or add_zero_attn "
                              "are not supported")
 
         def host(t: Any) -> Any:
-            return np.asarray(t.detach().cpu().numpy())
+            t = t.detach().cpu()
+            if str(t.dtype) == "torch.bfloat16":                # NumPy has no bfloat16
+                t = t.float()
+            return np.asarray(t.numpy())
 
         d = int(module.embed_dim)
         if getattr(module, "in_proj_weight", None) is not None:
@@ -650,11 +648,25 @@ class MultiHeadAttention:
         self.num_kv_heads = self.num_heads
         self.kdim, self.vdim = int(module.kdim), int(module.vdim)
         self.batch_first = bool(getattr(module, "batch_first", False))
+        xp_resolved = resolve_xp(xp)
         if dtype is None:
-            xp_resolved = resolve_xp(xp)
             dtype = xp_resolved.float64 if wq.dtype == np.float64 else xp_resolved.float32
+        else:
+            check_float_dtype("dtype", dtype, xp_resolved)
         self.params = _to_namespace(params, xp, dtype, device)
         return self
+
+
+def _check_torch_module(module: object) -> None:
+    """``TypeError`` unless ``module`` is a ``torch.nn.MultiheadAttention`` (or a subclass)."""
+    torch = sys.modules.get("torch")     # a torch module means torch is imported already
+    if torch is not None and isinstance(module, torch.nn.MultiheadAttention):
+        return
+    kind = type(module)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__qualname__}")
+    raise TypeError("`module` must be a torch.nn.MultiheadAttention (the module whose "
+                    f"weights MultiHeadAttention.from_torch loads); got {name}")
 
 
 def _batch_first_view(module: MultiHeadAttention) -> MultiHeadAttention:

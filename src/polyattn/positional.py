@@ -19,8 +19,8 @@ import math
 import numbers
 from typing import Any
 
-from ._compat import Array, Namespace, default_float_dtype, library_name, resolve_xp
-from ._validation import check_nonnegative_int
+from ._compat import Array, Namespace, default_float_dtype, resolve_xp
+from ._validation import check_float_dtype, check_nonnegative_int
 
 
 def sinusoidal_positional_encoding(num_positions: int, d_model: int, /, *, base: float = 10000.0,
@@ -140,14 +140,8 @@ def _alibi_slope_values(n: int) -> list[float]:
 
 
 def _float_dtype(xp: Namespace, dtype: Any, device: Any) -> Any:
-    """``dtype`` checked to be real floating, or the library's default floating dtype."""
+    """``dtype`` checked to be one of the floating dtypes polyattn computes with, or the
+    library's default floating dtype."""
     if dtype is None:
         return default_float_dtype(xp, device)
-    try:
-        floating = bool(xp.isdtype(dtype, "real floating"))
-    except Exception:          # not a dtype of this library at all (a str, another library's)
-        floating = False
-    if not floating:
-        raise TypeError(f"`dtype` must be a real floating dtype of {library_name(xp)} "
-                        f"(such as its float32 or float64); got {dtype!r}")
-    return dtype
+    return check_float_dtype("dtype", dtype, xp)

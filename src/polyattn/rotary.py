@@ -20,6 +20,7 @@ import numbers
 
 from ._compat import Array, check_same_device, device_of, namespace_of
 from ._validation import check_bool, check_floating, check_nonnegative_int, shape_str
+from .implementations._common import quiet_floating_point
 
 
 def apply_rotary_embedding(x: Array, positions: Array, /, *, base: float = 10000.0,
@@ -92,61 +93,63 @@ def apply_rotary_embedding(x: Array, positions: Array, /, *, base: float = 10000
     >>> bool(np.isclose(score(5, 2), score(103, 100)))
     True
     """
-    arrays = {"x": x, "positions": positions}
-    xp = namespace_of(arrays)
-    check_same_device(arrays)
-    check_floating("x", x, xp)
-    if not xp.isdtype(positions.dtype, "integral"):
-        raise TypeError(f"`positions` must have an integer dtype (one position per token); "
-                        f"got {positions.dtype} of shape {shape_str(positions)}")
-    check_bool("interleaved", interleaved)
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise TypeError(f"`base` must be a real number; got {base!r}")
-    if not 0 < base < math.inf:
-        raise ValueError(f"`base` must be a positive finite number; got {base!r}")
-    if x.ndim < 1:
-        raise ValueError(f"`x` must have at least 1 dimension (…, T, E); got shape {shape_str(x)}")
-    e = int(x.shape[-1])
-    rd = _rotary_dim(rotary_dim, e, x)
-    tokens = tuple(x.shape[:-1])
-    fits = positions.ndim <= len(tokens) and all(
-        s in (1, t) for s, t in zip(reversed(positions.shape), reversed(tokens), strict=False))
-    if not fits:
-        raise ValueError(
-            f"`positions` of shape {shape_str(positions)} does not broadcast to "
-            f"x.shape[:-1] = {tokens} (x {shape_str(x)}); one position per token, e.g. (T,), "
-            "or (B, 1, T) for (B, H, T, E) inputs")
+    with quiet_floating_point(x):         # non-finite inputs: the values say so, no warning
+        arrays = {"x": x, "positions": positions}
+        xp = namespace_of(arrays)
+        check_same_device(arrays)
+        check_floating("x", x, xp)
+        if not xp.isdtype(positions.dtype, "integral"):
+            raise TypeError(f"`positions` must have an integer dtype (one position per token); "
+                            f"got {positions.dtype} of shape {shape_str(positions)}")
+        check_bool("interleaved", interleaved)
+        if isinstance(base, bool) or not isinstance(base, numbers.Real):
+            raise TypeError(f"`base` must be a real number; got {base!r}")
+        if not 0 < base < math.inf:
+            raise ValueError(f"`base` must be a positive finite number; got {base!r}")
+        if x.ndim < 1:
+            raise ValueError(f"`x` must have at least 1 dimension (…, T, E); got shape "
+                             f"{shape_str(x)}")
+        e = int(x.shape[-1])
+        rd = _rotary_dim(rotary_dim, e, x)
+        tokens = tuple(x.shape[:-1])
+        fits = positions.ndim <= len(tokens) and all(
+            s in (1, t) for s, t in zip(reversed(positions.shape), reversed(tokens), strict=False))
+        if not fits:
+            raise ValueError(
+                f"`positions` of shape {shape_str(positions)} does not broadcast to "
+                f"x.shape[:-1] = {tokens} (x {shape_str(x)}); one position per token, e.g. (T,), "
+                "or (B, 1, T) for (B, H, T, E) inputs")
 
-    # float64 stays float64; float16/bfloat16 are computed in float32
-    work = xp.float64 if x.dtype == xp.float64 else xp.float32
-    half = rd // 2
-    dev = device_of(x)
-    two_i = xp.arange(0, rd, 2, dtype=work, device=dev)                       # (rd/2,)
-    inv_freq = 1.0 / xp.pow(xp.asarray(float(base), dtype=work, device=dev),
-                            two_i / rd)                                        # base^(-2i/rd)
-    angles = xp.expand_dims(xp.astype(positions, work), axis=-1) * inv_freq  # (P…, rd/2)
-    cos, sin = xp.cos(angles), xp.sin(angles)
+        # float64 stays float64; float16/bfloat16 are computed in float32
+        work = xp.float64 if x.dtype == xp.float64 else xp.float32
+        half = rd // 2
+        dev = device_of(x)
+        two_i = xp.arange(0, rd, 2, dtype=work, device=dev)                       # (rd/2,)
+        inv_freq = 1.0 / xp.pow(xp.asarray(float(base), dtype=work, device=dev),
+                                two_i / rd)                                        # base^(-2i/rd)
+        angles = xp.expand_dims(xp.astype(positions, work), axis=-1) * inv_freq  # (P…, rd/2)
+        cos, sin = xp.cos(angles), xp.sin(angles)
 
-    rotated = x[..., :rd] if rd < e else x
-    if rotated.dtype != work:
-        rotated = xp.astype(rotated, work)
-    if interleaved:
-        pairs = xp.reshape(rotated, (*rotated.shape[:-1], half, 2))          # (…, T, rd/2, 2)
-        a, b = pairs[..., 0], pairs[..., 1]
-    else:
-        a, b = rotated[..., :half], rotated[..., half:]                       # (…, T, rd/2)
-    a2 = a * cos - b * sin
-    b2 = b * cos + a * sin
-    if interleaved:
-        out = xp.stack([a2, b2], axis=-1)                                     # (…, T, rd/2, 2)
-        out = xp.reshape(out, (*out.shape[:-2], rd))                          # (…, T, rd)
-    else:
-        out = xp.concat([a2, b2], axis=-1)                                    # (…, T, rd)
-    if out.dtype != x.dtype:
-        out = xp.astype(out, x.dtype)
-    if rd < e:
-        out = xp.concat([out, x[..., rd:]], axis=-1)                          # (…, T, E)
-    return out
+        rotated = x[..., :rd] if rd < e else x
+        if rotated.dtype != work:
+            rotated = xp.astype(rotated, work)
+        if interleaved:
+            pairs = xp.reshape(rotated, (*rotated.shape[:-1], half, 2))          # (…, T, rd/2, 2)
+            a, b = pairs[..., 0], pairs[..., 1]
+        else:
+            a, b = rotated[..., :half], rotated[..., half:]                       # (…, T, rd/2)
+        a2 = a * cos - b * sin
+        b2 = b * cos + a * sin
+        if interleaved:
+            out = xp.stack([a2, b2], axis=-1)                                     # (…, T, rd/2, 2)
+            out = xp.reshape(out, (*out.shape[:-2], rd))                          # (…, T, rd)
+        else:
+            out = xp.concat([a2, b2], axis=-1)                                    # (…, T, rd)
+        if out.dtype != x.dtype:
+            out = xp.astype(out, x.dtype)
+        if rd < e:
+            out = xp.concat([out, x[..., rd:]], axis=-1)                          # (…, T, E)
+        return out
 
 
 def _rotary_dim(rotary_dim: object, e: int, x: Array) -> int:

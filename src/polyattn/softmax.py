@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ._compat import Array, device_of, namespace_of
 from ._validation import check_bool, check_floating
-from .implementations._common import NEG_INF, log_of_sum, stable_shift
+from .implementations._common import NEG_INF, log_of_sum, quiet_floating_point, stable_shift
 
 
 def _compute_dtype(x: Array, xp):
@@ -65,12 +65,13 @@ def softmax(x: Array, /, *, axis: int = -1) -> Array:
     axis = _check_axis(axis, x.ndim)
     if _is_empty(x):
         return xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
-    xc = xp.astype(x, _compute_dtype(x, xp))
-    m = stable_shift(xp.max(xc, axis=axis, keepdims=True), xp)
-    e = xp.exp(xc - m)
-    total = xp.sum(e, axis=axis, keepdims=True)
-    out = e / xp.where(total == 0, xp.ones_like(total), total)
-    return xp.astype(out, x.dtype)
+    with quiet_floating_point(x):
+        xc = xp.astype(x, _compute_dtype(x, xp))
+        m = stable_shift(xp.max(xc, axis=axis, keepdims=True), xp)
+        e = xp.exp(xc - m)
+        total = xp.sum(e, axis=axis, keepdims=True)
+        out = e / xp.where(total == 0, xp.ones_like(total), total)
+        return xp.astype(out, x.dtype)
 
 
 def logsumexp(x: Array, /, *, axis: int = -1, keepdims: bool = False) -> Array:
@@ -111,11 +112,12 @@ def logsumexp(x: Array, /, *, axis: int = -1, keepdims: bool = False) -> Array:
         if not keepdims:
             shape = shape[:axis % x.ndim] + shape[axis % x.ndim + 1:]
         return xp.full(shape, NEG_INF, dtype=x.dtype, device=device_of(x))
-    xc = xp.astype(x, _compute_dtype(x, xp))
-    m = stable_shift(xp.max(xc, axis=axis, keepdims=True), xp)
-    total = xp.sum(xp.exp(xc - m), axis=axis, keepdims=True)
-    out = log_of_sum(total, m, xp)                      # -inf for all -inf, NaN for NaN
-    if not keepdims:
-        out = xp.squeeze(out, axis=axis)
-    return xp.astype(out, x.dtype)
+    with quiet_floating_point(x):
+        xc = xp.astype(x, _compute_dtype(x, xp))
+        m = stable_shift(xp.max(xc, axis=axis, keepdims=True), xp)
+        total = xp.sum(xp.exp(xc - m), axis=axis, keepdims=True)
+        out = log_of_sum(total, m, xp)                  # -inf for all -inf, NaN for NaN
+        if not keepdims:
+            out = xp.squeeze(out, axis=axis)
+        return xp.astype(out, x.dtype)
 

@@ -20,11 +20,18 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _dispatch
-from ._compat import Array, contiguous, device_of, namespace_of
+from ._compat import (
+    Array,
+    check_same_device,
+    contiguous,
+    device_of,
+    library_name,
+    namespace_of,
+)
 from ._problem import Problem, prepare, swap_heads_and_time
-from ._validation import IMPLEMENTATIONS, check_bool, check_choice, shape_str
-from .attention import _empty_problem
-from .implementations._common import NEG_INF
+from ._validation import IMPLEMENTATIONS, check_bool, check_choice, check_floating, shape_str
+from .attention import run, value_features
+from .implementations._common import NEG_INF, quiet_floating_point
 
 Pullback = Callable[..., tuple[Array, Array, Array]]
 
@@ -125,52 +132,72 @@ def attention_vjp(
             "functions return no log-sum-exp for a backward pass; call "
             "scaled_dot_product_attention(..., implementation='native') and differentiate "
             "it with torch.autograd or jax.vjp, or pick another implementation")
-    problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
-                      causal_alignment=causal_alignment, scale=scale, enable_gqa=enable_gqa,
-                      layout=layout, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                      key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
-    choice = _dispatch.choose(problem, implementation, return_lse=True, for_vjp=True)
-    name = choice.implementation
+    with quiet_floating_point(query):
+        problem = prepare(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                          causal_alignment=causal_alignment, scale=scale,
+                          enable_gqa=enable_gqa, layout=layout, window=window,
+                          softcap=softcap, alibi_slopes=alibi_slopes,
+                          key_lengths=key_lengths, dropout_p=dropout_p,
+                          dropout_seed=dropout_seed)
+        choice = _dispatch.choose(problem, implementation, return_lse=True, for_vjp=True)
+        ran, out, lse = run(problem, choice.implementation, grad=False)
+        result_out = value_features(problem, out)
+        if result_out.dtype != problem.result_dtype:
+            result_out = problem.xp.astype(result_out, problem.result_dtype)
+        result_out = problem.finish_out(result_out)
+        result_lse = problem.finish(lse, 1)
+    pullback = _pullback(query, key, value, problem, choice.implementation, ran, out, lse,
+                         result_out, result_lse)
+    if return_lse:
+        return (result_out, result_lse), pullback
+    return result_out, pullback
+
+
+def _pullback(query: Array, key: Array, value: Array, problem: Problem, name: str,
+              ran: Problem, out: Array, lse: Array, result_out: Array, result_lse: Array,
+              ) -> Pullback:
+    """``pullback`` of :func:`attention_vjp`: ``ran`` is the problem implementation ``name``
+    ran (values with no features widened by one), ``out`` and ``lse`` what it returned;
+    ``result_out`` and ``result_lse`` what the caller received."""
+    xp, layout = problem.xp, problem.layout
     empty = problem.score_elements == 0
-    out, lse = _empty_problem(problem) if empty else _dispatch.run(problem, name, grad=False)
-    xp = problem.xp
-    value_c = problem.v
-    assert value_c is not None
+    assert problem.v is not None and ran.v is not None
+    ev = problem.v.shape[-1]
     inputs = {"query": query, "key": key, "value": value}
     shapes = {n: _bhte_shape(x, layout) for n, x in inputs.items()}
     dtypes = {n: x.dtype for n, x in inputs.items()}
 
     def pullback(grad_out: Array, grad_lse: Array | None = None
                  ) -> tuple[Array, Array, Array]:
-        go = _incoming("grad_out", grad_out, result_out, problem, xp)
-        go = _to_problem_layout(go, problem)                      # (B…, H, Tq, Ev)
-        gl = None
-        if grad_lse is not None:
-            gl = _incoming("grad_lse", grad_lse, result_lse, problem, xp)
-            gl = xp.reshape(gl, tuple(lse.shape))                 # (B…, H, Tq)
-            gl = xp.where(lse == NEG_INF, 0.0, gl)                # lse is constant there
-        if empty:
-            dq, dk, dv = (xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
-                          for x in (problem.q, problem.k, value_c))
-        else:
-            dq, dk, dv = _dispatch.run_backward(problem, name, out, lse, go, gl)
-        grads = []
-        for n, g in zip(inputs, (dq, dk, dv), strict=True):
-            g = _unbroadcast(g, shapes[n], xp)
-            if g.dtype != dtypes[n]:
-                g = xp.astype(g, dtypes[n])
-            if layout == "BTHE":
-                g = contiguous(swap_heads_and_time(g, xp))
-            grads.append(g)
-        return grads[0], grads[1], grads[2]
+        with quiet_floating_point(result_out):
+            go = _incoming("grad_out", grad_out, result_out, problem, xp)
+            go = _to_problem_layout(go, problem)                  # (B…, H, Tq, Ev)
+            gl = None
+            if grad_lse is not None:
+                gl = _incoming("grad_lse", grad_lse, result_lse, problem, xp)
+                gl = xp.reshape(gl, tuple(lse.shape))             # (B…, H, Tq)
+                gl = xp.where(lse == NEG_INF, 0.0, gl)            # lse is constant there
+            if empty:
+                dq, dk, dv = (xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
+                              for x in (problem.q, problem.k, problem.v))
+            else:
+                if ran.v.shape[-1] != ev:                         # no value features
+                    zero = xp.zeros((*go.shape[:-1], 1), dtype=go.dtype,
+                                    device=device_of(go))
+                    go = xp.concat([go, zero], axis=-1)
+                dq, dk, dv = _dispatch.run_backward(ran, name, out, lse, go, gl)
+                dv = dv[..., :ev] if dv.shape[-1] != ev else dv
+            grads = []
+            for n, g in zip(inputs, (dq, dk, dv), strict=True):
+                g = _unbroadcast(g, shapes[n], xp)
+                if g.dtype != dtypes[n]:
+                    g = xp.astype(g, dtypes[n])
+                if layout == "BTHE":
+                    g = contiguous(swap_heads_and_time(g, xp))
+                grads.append(g)
+            return grads[0], grads[1], grads[2]
 
-    result_out = out if out.dtype == problem.result_dtype else xp.astype(out,
-                                                                          problem.result_dtype)
-    result_out = problem.finish_out(result_out)
-    result_lse = problem.finish(lse, 1)
-    if return_lse:
-        return (result_out, result_lse), pullback
-    return result_out, pullback
+    return pullback
 
 
 def _bhte_shape(x: Array, layout: str) -> tuple[int, ...]:
@@ -182,13 +209,23 @@ def _bhte_shape(x: Array, layout: str) -> tuple[int, ...]:
 
 
 def _incoming(name: str, g: Array, like: Array, problem: Problem, xp: Any) -> Array:
-    """A cotangent checked against the result it belongs to, in the compute dtype."""
-    namespace_of({name: g, "query": problem.q})   # one library, else a TypeError naming both
+    """A cotangent checked against the result ``like`` it belongs to, in the compute dtype."""
+    what = "out" if name == "grad_out" else "lse"
+    if not (hasattr(g, "shape") and hasattr(g, "dtype")):
+        raise TypeError(f"`{name}` must be an array, the gradient of the loss with respect to "
+                        f"`{what}` (shape {shape_str(like)}, dtype {like.dtype}, a "
+                        f"{library_name(xp)} array like it); got {type(g).__name__}"
+                        + (" (pass zeros for a result the loss does not use)"
+                           if g is None else ""))
+    namespace_of({what: like, name: g})     # one library, else a TypeError naming both
+    check_same_device({what: like, name: g})
     if tuple(g.shape) != tuple(like.shape):
         raise ValueError(f"`{name}` must have the shape of the result it is the gradient of, "
-                         f"{shape_str(like)}; got {shape_str(g)}")
-    if not xp.isdtype(g.dtype, "real floating"):
-        raise TypeError(f"`{name}` must be a real floating array; got dtype {g.dtype}")
+                         f"`{what}` {shape_str(like)}; got {shape_str(g)}")
+    check_floating(name, g, xp)
+    if xp.result_type(g.dtype, like.dtype) != like.dtype:
+        raise TypeError(f"`{name}` is {g.dtype} but `{what}` is {like.dtype}, which would "
+                        f"lose precision; pass it as {like.dtype} (the dtype of `{what}`)")
     return g if g.dtype == problem.compute_dtype else xp.astype(g, problem.compute_dtype)
 
 

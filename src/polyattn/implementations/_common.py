@@ -2,11 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 Array = Any
 NEG_INF = -math.inf
+
+#: Libraries whose arithmetic runs through NumPy, which warns on floating-point exceptions.
+NUMPY_BACKED = ("numpy", "array_api_strict", "dask")
+
+
+def quiet_floating_point(x: object) -> contextlib.AbstractContextManager[Any]:
+    """``np.errstate(all="ignore")`` where ``x`` is an array of a library that computes
+    through NumPy (NumPy, array-api-strict, Dask); a context that does nothing elsewhere.
+
+    No floating-point warning escapes a call (DESIGN §4.2): NaN and inf in the
+    results say what happened. Decided from the type's module, so ``torch.compile``
+    traces straight through (``np.errstate`` would break its graph). NumPy's
+    error state belongs to one thread: code run on worker threads sets its own.
+    """
+    if type(x).__module__.split(".")[0] in NUMPY_BACKED:
+        import numpy as np
+
+        return np.errstate(all="ignore")
+    return contextlib.nullcontext()
+
+
+def non_finite_rows(q: Array, xp: Any) -> Array:
+    """(…, T, 1): 0 where row ``q[…, t, :]`` is finite, NaN where it holds a NaN or an inf.
+
+    Added to a result row it keeps a non-finite query from disappearing (DESIGN
+    §4.2), whatever the implementation did with it: a fused kernel that reports
+    such a row as fully masked (0), or a row whose scores all became ``-inf``.
+    It adds exactly 0 elsewhere, so results and gradients (``0·grad``) are
+    unchanged. ``0·q`` before the sum, so that large finite rows cannot overflow.
+    """
+    return xp.sum(q * 0.0, axis=-1, keepdims=True)
 
 
 def stable_shift(m: Array, xp: Any) -> Array:

@@ -32,6 +32,7 @@ from ._common import (
     NEG_INF,
     group_heads,
     log_of_sum,
+    non_finite_rows,
     safe_divide,
     stable_shift,
     ungroup_heads,
@@ -132,7 +133,8 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
     lse = xp.expand_dims(lse, axis=-1)
-    return ungroup_heads(out, xp), ungroup_heads(lse, xp)[..., 0]
+    bad = non_finite_rows(q, xp)                  # a NaN or inf query row stays NaN
+    return ungroup_heads(out, xp) + bad, ungroup_heads(lse, xp)[..., 0] + bad[..., 0]
 
 
 def _key_blocks(rules: Rules, q0: int, q1: int, block_k: int) -> range:

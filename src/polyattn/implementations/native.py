@@ -26,6 +26,10 @@ How each part of polyattn's contract (DESIGN §4) is kept:
   ``"highest"`` matmul precision (no TF32 or bfloat16 passes on GPUs).
 * **Windows, key lengths, ALiBi** become one dense mask (bool, or float with
   the ALiBi bias); soft-capping is not additive, so it is not native.
+* **Non-finite queries.** torch's fused CPU kernel reports a query row holding
+  NaN as 0, as if the row were fully masked; NaN never disappears (§4.2), so
+  the row sum of ``0·q`` (NaN for a row holding NaN or inf, else exactly 0) is
+  added to the output, on both libraries. Gradients change by ``0·grad``.
 * **lse.** Neither public function returns the log-sum-exp with gradients
   (JAX's ``return_residual`` stops them), so ``return_lse=True`` is not
   native.
@@ -37,7 +41,7 @@ import math
 from typing import Any
 
 from .._compat import device_of, library_name
-from ._common import NEG_INF, causal_allowed
+from ._common import NEG_INF, causal_allowed, non_finite_rows
 from ._rules import Rules, drop_padding, fold_into_mask
 
 Array = Any
@@ -100,9 +104,12 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
         mask = fold_into_mask(rules, mask, k.shape[-3], xp, q.dtype, device_of(q))
         causal_offset = None
         k, v = drop_padding(k, rules, xp), drop_padding(v, rules, xp)
-    if library_name(xp) == "torch":
-        return _torch(q, k, v, mask, causal_offset, scale, xp), None
-    return _jax(q, k, v, mask, causal_offset, scale, xp), None
+    run = _torch if library_name(xp) == "torch" else _jax
+    out = run(q, k, v, mask, causal_offset, scale, xp)
+    # torch's fused CPU kernel reports a query row holding NaN as 0, like a fully masked
+    # row: NaN never disappears (DESIGN §4.2). Adds exactly 0 to finite rows, and 0·grad
+    # to their gradients.
+    return out + non_finite_rows(q, xp), None
 
 
 def _with_causal(mask: Array | None, causal_offset: int | None, tq: int, tk: int, xp: Any,

@@ -239,8 +239,10 @@ def fused(pairs: int) -> bool:
 
 
 def _quiet(job: Callable[..., None], *args: Any) -> None:
-    """Run ``job``: hidden scores may overflow the exponential before they are zeroed."""
-    with np.errstate(over="ignore", invalid="ignore"):
+    """Run ``job`` without floating-point warnings (NumPy's error state is per thread, so
+    each job sets it): hidden scores may overflow the exponential before they are zeroed,
+    and non-finite inputs give NaN and inf, which the values report (DESIGN §4.2)."""
+    with np.errstate(all="ignore"):
         job(*args)
 
 
@@ -282,7 +284,8 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     heads: dict[Any, _Head] = {}
 
     def build(b: tuple[int, ...], hk: int) -> None:
-        heads[(b, hk)] = _Head(p, b, hk, out, lse, grad_out, grad_lse)
+        with np.errstate(all="ignore"):          # rowsum(dO ∘ O) of non-finite rows
+            heads[(b, hk)] = _Head(p, b, hk, out, lse, grad_out, grad_lse)
 
     # (cost, job): the area of scores each job computes, so that the largest start first
     one_pass = fused(len(pairs))

@@ -15,6 +15,7 @@ from ._common import (
     NEG_INF,
     group_heads,
     log_of_sum,
+    non_finite_rows,
     safe_divide,
     stable_shift,
     ungroup_heads,
@@ -75,7 +76,8 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     vg = xp.expand_dims(v, axis=-3)                  # (B…, Hkv, 1, Tk, Ev)
     out = xp.matmul(weights, vg)                     # (B…, Hkv, G, Tq, Ev)
     lse = xp.expand_dims(lse, axis=-1)               # (B…, Hkv, G, Tq, 1)
-    return ungroup_heads(out, xp), ungroup_heads(lse, xp)[..., 0]
+    bad = non_finite_rows(q, xp)                     # a NaN or inf query row stays NaN
+    return ungroup_heads(out, xp) + bad, ungroup_heads(lse, xp)[..., 0] + bad[..., 0]
 
 
 def weights(q: Array, k: Array, /, *, mask: Array | None, causal_offset: int | None,
@@ -84,7 +86,7 @@ def weights(q: Array, k: Array, /, *, mask: Array | None, causal_offset: int | N
     rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     s = _masked_scores(q, drop_padding(k, rules, xp), mask, rules, scale, xp)
     alpha, _ = _normalised(s, xp)
-    return ungroup_heads(_dropped(alpha, rules, xp), xp)
+    return ungroup_heads(_dropped(alpha, rules, xp), xp) + non_finite_rows(q, xp)
 
 
 def _dropped(weights: Array, rules: Rules, xp: Any) -> Array:
