@@ -56,6 +56,10 @@ SHARED_VENVS = {
     "dask": (["-e", ".[test]", "dask[array]", "distributed"],),  # distributed: LocalCluster
     "cupy": (["-e", ".[test]", "cupy-cuda13x", "numba-cuda[cu13]"],),
 }
+#: The tests of the real models, their files and tokenizers: they run once, in the model
+#: session (beside the weights and transformers), not in every backend's session.
+MODEL_TESTS = ("tests/test_smollm2.py", "tests/test_smollm2_units.py", "tests/test_tokenizer.py",
+               "tests/test_gguf_reader.py")
 #: The environment each backend's tests run in.
 BACKEND_VENV = {"numpy": "torch", "torch": "torch", "array_api_strict": "array_api_strict",
                 "jax": "jax", "dask": "dask", "cupy": "cupy"}
@@ -99,7 +103,7 @@ def tests(session: nox.Session, backend: str) -> None:
     session.env["POLYATTN_TEST_BACKENDS"] = backend
     # the model's tests need its weights, installed beside torch: the model session runs them
     args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider",
-                               "--ignore=tests/test_smollm2.py",
+                               *(f"--ignore={path}" for path in MODEL_TESTS),
                                *(PARALLEL if backend in PARALLEL_BACKENDS else ())]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
@@ -204,12 +208,12 @@ def example(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", tags=["model"])
 def model(session: nox.Session) -> None:
-    """SmolLM2-135M-Instruct on NumPy and torch against transformers (logits, generation)."""
+    """SmolLM2-135M-Instruct on NumPy and torch against transformers (logits, generation),
+    its GGUF reader on damaged files, its tokenizer against transformers'."""
     bin_dir = shared_venv(session, "torch")
     session.env["HF_HUB_OFFLINE"] = "1"
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy,torch"
-    args = session.posargs or ["-q", "-p", "no:cacheprovider", "tests/test_smollm2.py",
-                               "tests/test_smollm2_units.py"]
+    args = session.posargs or ["-q", "-p", "no:cacheprovider", *MODEL_TESTS]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
 
