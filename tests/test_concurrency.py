@@ -4,8 +4,11 @@ Eight threads call polyattn at once (released together by a barrier) on
 different problems; every result must equal, bit for bit, the one computed
 before the threads started. Repeated calls must agree bit for bit too, and on
 NumPy the blocked path's result must not depend on its number of threads, even
-when that number changes while other threads' calls run. The NumPy path must
-leave the BLAS thread count of every other thread alone.
+when that number changes while other threads' calls run. Where NumPy's BLAS has
+no thread-local setter, the NumPy path holds it to one thread while its pool
+runs and gives the count back after the last overlapping call (or, with
+``SHARED_BLAS = "leave"``, never changes it). A child started by ``fork`` after
+the parent used the pool gets a pool of its own.
 """
 
 from __future__ import annotations
@@ -176,11 +179,13 @@ def test_numpy_blocked_path_ignores_its_thread_count(monkeypatch):
 
 
 def test_numpy_path_leaves_other_threads_blas_alone(monkeypatch):
-    """While a NumPy-path call runs, another thread sees BLAS's thread count unchanged."""
+    """With SHARED_BLAS = "leave", another thread sees BLAS's thread count unchanged while a
+    NumPy-path call runs."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
     from polyattn.implementations import numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", None)   # every core
+    monkeypatch.setattr(numpy_chunked, "SHARED_BLAS", "leave")
     before = blas_threads(threadpoolctl)
     rng = np.random.default_rng(302)
     q, k, v = (rng.standard_normal((1, 8, 1024, 64)) for _ in range(3))   # 0.3 to 3 s
@@ -254,8 +259,8 @@ def test_numpy_path_workers_hold_their_own_blas_to_one_thread(monkeypatch):
                for lib, setter in libs if setter is None]
     if not libs or lacking:
         pytest.skip("no thread-local BLAS thread count in " + (", ".join(lacking) or
-                    "the BLAS libraries found (none)") + ": the NumPy path runs inline "
-                    "where BLAS has several threads")
+                    "the BLAS libraries found (none)") + ": the NumPy path holds such a "
+                    "BLAS to one thread process-wide instead (SHARED_BLAS)")
     before = blas_threads(threadpoolctl)
     seen = []
     lock = threading.Lock()
@@ -271,10 +276,12 @@ def test_numpy_path_workers_hold_their_own_blas_to_one_thread(monkeypatch):
 
 
 def test_numpy_path_without_thread_local_blas_runs_inline(monkeypatch):
-    """Where BLAS has several threads and no thread-local setter, no worker runs an item."""
+    """With SHARED_BLAS = "leave", where BLAS has several threads and no thread-local setter,
+    no worker runs an item."""
     pytest.importorskip("threadpoolctl")
     from polyattn.implementations import numpy_chunked
 
+    monkeypatch.setattr(numpy_chunked, "SHARED_BLAS", "leave")
     libs = numpy_chunked._blas_libraries()
     if libs and all(setter is not None or lib.num_threads == 1 for lib, setter in libs):
         pytest.skip("every BLAS library found has a thread-local setter or runs on one thread: "
@@ -379,3 +386,226 @@ def test_numpy_path_pool_raises_the_error_of_a_job(monkeypatch, failing):
         monkeypatch.setattr(target, failing, original)
         out, _ = call()
     assert_bitwise_equal(out, want_out)
+
+
+# --- BLAS without a thread-local setter: held to one thread while the pool runs ------------
+
+def _without_local_setter(numpy_chunked):
+    """NumPy's BLAS libraries that have several threads and no thread-local setter."""
+    return [lib for lib, setter in numpy_chunked._blas_libraries()
+            if setter is None and lib.num_threads != 1]
+
+
+def test_numpy_path_holds_shared_blas_to_one_thread_while_its_pool_runs(monkeypatch):
+    """By default (SHARED_BLAS = "limit"), NumPy's BLAS without a thread-local setter runs on
+    one thread while a call's items run on the pool, from whichever thread the call comes,
+    and has its threads back afterwards."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from polyattn.implementations import numpy_chunked
+
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", None)
+    held = _without_local_setter(numpy_chunked)
+    if not held:
+        pytest.skip("NumPy's BLAS has a thread-local setter or one thread: nothing is held")
+    assert numpy_chunked.SHARED_BLAS == "limit"
+    assert numpy_chunked.threading_mode() == "pool"
+    before = [lib.num_threads for lib in held]
+    rng = np.random.default_rng(307)
+    q, k, v = (rng.standard_normal((1, 8, 1024, 64)) for _ in range(3))
+
+    def call():
+        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=0.125,
+                                       xp=np)
+
+    want_out, _ = call()                   # a call from this thread first, then from another
+    assert [lib.num_threads for lib in held] == before
+    done = threading.Event()
+
+    def watched():
+        try:
+            return call()
+        finally:
+            done.set()
+
+    seen = []
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(watched)
+        while not done.wait(0.005):
+            seen.append([lib.num_threads for lib in held])
+        out, _ = future.result()
+    assert len(seen) >= 3, f"only {len(seen)} reads while the call ran: make it longer"
+    assert [1] * len(held) in seen, f"BLAS threads {before} before, then {seen}"
+    assert [lib.num_threads for lib in held] == before
+    assert blas_threads(threadpoolctl)           # threadpoolctl still reads them
+    assert_bitwise_equal(out, want_out)
+
+
+def test_numpy_path_overlapping_calls_give_blas_threads_back_once(monkeypatch):
+    """Calls from several threads overlap: the hold begins with the first and ends with the
+    last, whichever threads they run in, and BLAS's threads are back after them."""
+    from polyattn.implementations import numpy_chunked
+
+    monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 2)
+    held = _without_local_setter(numpy_chunked)
+    if not held:
+        pytest.skip("NumPy's BLAS has a thread-local setter or one thread: nothing is held")
+    before = [lib.num_threads for lib in held]
+    rng = np.random.default_rng(308)
+    problems = [tuple(rng.standard_normal((1, 4, 300 + 40 * i, 32)) for _ in range(3))
+                for i in range(THREADS)]
+
+    def call(i):
+        q, k, v = problems[i]
+        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.2, xp=np)
+
+    want = [call(i) for i in range(THREADS)]
+    barrier = threading.Barrier(THREADS)
+
+    def worker(i):
+        barrier.wait(timeout=60)
+        return [call((i + j) % THREADS) for j in range(3)]
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        results = [f.result(timeout=600) for f in [pool.submit(worker, i)
+                                                   for i in range(THREADS)]]
+    assert [lib.num_threads for lib in held] == before
+    assert numpy_chunked._holders == 0
+    for i, got in enumerate(results):
+        for j, (out, lse) in enumerate(got):
+            want_out, want_lse = want[(i + j) % THREADS]
+            assert_bitwise_equal(out, want_out, f"thread {i}, call {j}")
+            assert_bitwise_equal(lse, want_lse, f"thread {i}, call {j}: lse")
+
+
+class _CountingBLAS(_FakeBLAS):
+    """A fake BLAS without a thread-local setter that records its process-wide setter's calls."""
+
+    def __init__(self):
+        self.num_threads = 4
+        self.calls = []
+
+    def set_num_threads(self, n):
+        self.calls.append(n)
+        self.num_threads = n
+
+
+def test_numpy_path_hold_is_shared_by_overlapping_holders(monkeypatch):
+    """The first of overlapping holds sets the count to 1, the last (in another thread) gives
+    4 back; with SHARED_BLAS = "leave" nothing is set and items run inline."""
+    from polyattn.implementations import numpy_chunked
+
+    blas = _CountingBLAS()
+    monkeypatch.setattr(numpy_chunked, "_blas_libs", ((blas, None),))
+    assert numpy_chunked.threading_mode() == "pool"
+    first = numpy_chunked._shared_blas_held()
+    first.__enter__()
+    assert blas.calls == [1]
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: numpy_chunked._run_jobs([lambda: None] * 3, 2)).result()
+    assert blas.calls == [1]                      # held already: not set again, not given back
+    with ThreadPoolExecutor(1) as pool:           # the last holder ends in another thread
+        pool.submit(first.__exit__, None, None, None).result()
+    assert blas.calls == [1, 4] and blas.num_threads == 4
+    assert numpy_chunked._holders == 0
+    monkeypatch.setattr(numpy_chunked, "SHARED_BLAS", "leave")
+    assert numpy_chunked.threading_mode() == "inline"
+    numpy_chunked._run_jobs([lambda: None] * 3, 2)
+    assert blas.calls == [1, 4]
+
+
+def test_numpy_path_shared_blas_setting_is_checked(monkeypatch):
+    from polyattn.implementations import numpy_chunked
+
+    monkeypatch.setattr(numpy_chunked, "_blas_libs", ((_CountingBLAS(), None),))
+    monkeypatch.setattr(numpy_chunked, "SHARED_BLAS", "always")
+    with pytest.raises(ValueError, match=r"SHARED_BLAS must be 'limit' .* or 'leave' .*"
+                                         r"got 'always'"):
+        numpy_chunked.threading_mode()
+
+
+# --- fork: a child gets a pool of its own ------------------------------------------------
+
+_FORKED = """
+import multiprocessing, os, sys
+import numpy as np
+from polyattn import scaled_dot_product_attention as sdpa
+from polyattn.implementations import numpy_chunked
+
+numpy_chunked.NUM_THREADS = 2
+numpy_chunked.BLOCK_Q = 64                     # several items: the pool runs them
+rng = np.random.default_rng(309)
+q, k, v = (rng.standard_normal((1, 4, 300, 16)) for _ in range(3))
+
+
+def call(_=None):
+    return sdpa(q, k, v, is_causal=True, implementation="chunked")
+
+
+def main():
+    assert numpy_chunked.threading_mode() == "pool", numpy_chunked.threading_mode()
+    want = call()
+    assert numpy_chunked._pool is not None     # the parent's pool exists, with its workers
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(call).get(timeout=60)
+    assert np.array_equal(got, want), "multiprocessing fork child"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            code = 0 if np.array_equal(call(), want) else 3
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "os.fork child"
+    print("forked children ok")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork on this platform")
+def test_numpy_path_runs_in_forked_children(tmp_path):
+    """After the parent ran items on the pool, a child started by fork (multiprocessing's
+    "fork" context, and os.fork) runs the path too, on a fresh pool: it used to wait forever
+    on jobs that no thread of the child would run. A hang fails the test by its timeout."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("threadpoolctl")
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"a forked child hung: {exc}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "forked children ok" in done.stdout
+
+
+def test_numpy_path_fork_handler_resets_the_pool_and_gives_blas_back(monkeypatch):
+    """What the child runs after fork: no pool, free locks, no hold, BLAS's count back."""
+    from polyattn.implementations import numpy_chunked
+
+    blas = _CountingBLAS()
+    monkeypatch.setattr(numpy_chunked, "_blas_libs", ((blas, None),))
+    monkeypatch.setattr(numpy_chunked, "_pool", numpy_chunked._pool)
+    monkeypatch.setattr(numpy_chunked, "_pool_size", numpy_chunked._pool_size)
+    for name in ("_pool_lock", "_blas_lock", "_hold_lock"):    # (the originals come back)
+        monkeypatch.setattr(numpy_chunked, name, threading.Lock())
+    numpy_chunked._run_jobs([lambda: None] * 2, 2)          # a pool exists
+    assert blas.calls == [1, 4]
+    hold = numpy_chunked._shared_blas_held()
+    hold.__enter__()                                        # a call "in flight" at the fork
+    numpy_chunked._pool_lock.acquire()                      # held by another thread
+    assert blas.calls == [1, 4, 1]
+    numpy_chunked._after_fork_in_child()
+    assert numpy_chunked._pool is None and numpy_chunked._pool_size == 0
+    assert numpy_chunked._holders == 0 and not numpy_chunked._held
+    assert blas.calls == [1, 4, 1, 4]
+    assert not numpy_chunked._pool_lock.locked()
+    numpy_chunked._run_jobs([lambda: None] * 2, 2)          # a fresh pool works
+    assert blas.calls == [1, 4, 1, 4, 1, 4]

@@ -704,3 +704,110 @@ def test_keys_past_key_lengths_are_never_read(dtype_name, tiles):
         out, lse = run(q, dirty_k, dirty_v, dtype_name, **kw)
         assert not np.isnan(out).any() and not np.isnan(lse).any()
         check((out, lse), (*oracle(q, k, v, **kw), None), dtype_name)
+
+
+# --- non-finite inputs (DESIGN §4.2) ---------------------------------------------------------
+
+def _sees(tq, tk, causal):
+    """Bool (Tq, Tk): key j visible to query i (bottom-right alignment under causal)."""
+    i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
+    return j <= i + (tk - tq) if causal else np.ones((tq, tk), dtype=bool)
+
+
+def _clean_or_nan(got, clean, dtype_name):
+    """Entries that no NaN reached: the clean result; NaN allowed, a finite wrong number not."""
+    finite = ~np.isnan(got)
+    assert_close(got[finite], clean[finite], dtype_name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_never_disappears(dtype_name, tiles, causal):
+    """A query row holding NaN gives a NaN output row and lse; a NaN in a key makes every
+    row that sees that key NaN, a NaN in a value that feature of every such row; the other
+    entries are the result of the clean inputs (or NaN, where a causal mask hides the key
+    inside a tile), never a finite wrong number."""
+    q, k, v = problem(44, tq=13, tk=17)          # (2, 4, 13, 5), key/value heads (2, 2, 17, ·)
+    kw = {"is_causal": causal, "causal_alignment": "bottom_right", "enable_gqa": True}
+    clean, clean_lse = run(q, k, v, dtype_name, **kw)
+    sees = _sees(13, 17, causal)[:, 6]        # which query rows see key 6
+    assert sees.any() and (causal == (not sees.all()))
+
+    bad_q = q.copy()
+    bad_q[1, 3, 5, 2] = np.nan
+    out, lse = run(bad_q, k, v, dtype_name, **kw)
+    assert np.isnan(out[1, 3, 5]).all() and np.isnan(lse[1, 3, 5])
+    others = np.ones(out.shape[:-1], dtype=bool)
+    others[1, 3, 5] = False
+    assert not np.isnan(out[others]).any() and not np.isnan(lse[others]).any()
+    assert_close(out[others], clean[others], dtype_name)
+
+    bad_k = k.copy()
+    bad_k[1, 0, 6, 1] = np.nan                   # key head 0 serves query heads 0 and 1
+    out, lse = run(q, bad_k, v, dtype_name, **kw)
+    assert np.isnan(out[1, :2][:, sees]).all() and np.isnan(lse[1, :2][:, sees]).all()
+    _clean_or_nan(out[1, :2][:, ~sees], clean[1, :2][:, ~sees], dtype_name)
+    np.testing.assert_array_equal(np.isnan(out[0]).any(), False)
+    assert not np.isnan(out[1, 2:]).any()
+    assert_close(out[0], clean[0], dtype_name)
+
+    bad_v = v.copy()
+    bad_v[1, 0, 6, 2] = np.nan
+    out, lse = run(q, k, bad_v, dtype_name, **kw)
+    assert np.isnan(out[1, :2][:, sees, 2]).all()
+    _clean_or_nan(out[1, :2][:, ~sees, 2], clean[1, :2][:, ~sees, 2], dtype_name)
+    assert not np.isnan(out[..., [0, 1]]).any() and not np.isnan(lse).any()
+    assert_close(out[..., [0, 1]], clean[..., [0, 1]], dtype_name)
+    assert_lse_close(lse, clean_lse, dtype_name)
+
+
+def test_nan_never_disappears_through_auto(monkeypatch, dtype_name):
+    """What "auto" runs on NumPy arrays above the score budget (the NumPy fast path where
+    numba_cpu is left out) keeps a NaN query row NaN, and padding past key_lengths out."""
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
+    rng = np.random.default_rng(46)
+    q, k, v = (rng.standard_normal((2, 4, 96, 16)).astype(dtype_name) for _ in range(3))
+    assert polyattn.explain(q, k, v).module == "polyattn.implementations.numpy_chunked"
+    lengths = np.array([96, 80])
+    want = oracle(q, k, v, key_lengths=lengths)[0]
+    q[0, 2, 40, 3] = np.nan
+    k[1, :, 80:] = np.nan
+    v[1, :, 80:] = np.inf
+    out = polyattn.scaled_dot_product_attention(q, k, v, key_lengths=lengths)
+    assert np.isnan(out[0, 2, 40]).all()
+    rows = np.ones(out.shape[:-1], dtype=bool)
+    rows[0, 2, 40] = False
+    assert np.isfinite(out[rows]).all()
+    assert_close(out[rows], want[rows], dtype_name)
+
+
+def test_no_floating_point_warning_escapes(dtype_name, tiles):
+    """inf and -inf in the query, scores so far apart that exponentials underflow, NaN in a
+    key: the NumPy path itself (not only the public functions around it) gives no warning
+    and no FloatingPointError, whatever the caller's np.errstate (the pool's workers have
+    their own), and the values say what happened."""
+    import warnings
+
+    from polyattn.implementations._rules import Rules
+
+    q, k, v = (x.astype(dtype_name) for x in problem(45, tq=13, tk=17, hkv=4))
+    q *= 400                                     # exp underflows in float32 and float64
+    q[0, 1, 4, 2] = np.inf
+    q[1, 2, 7] = -np.inf
+    q[0, 3, 9, 1] = np.nan
+    k[1, 1, 3, 0] = np.nan
+    slopes = np.array([[0.5, 0.25, 0.1, 0.0]], dtype=dtype_name)       # (B|1, H)
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        for offset in (None, 0):
+            out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=offset,
+                                               scale=0.45, xp=np)
+            assert np.isnan(out[0, 1, 4]).all() and np.isnan(out[1, 2, 7]).all()
+            assert np.isnan(out[0, 3, 9]).all() and np.isnan(lse[0, 3, 9])
+            assert np.isnan(out[1, 1]).any()                 # the head that reads key 3
+            assert np.isfinite(out[0, [0, 2]]).all()
+        rules = Rules(tq=13, tk=17, causal=True, window=(3, 1), softcap=2.0, alibi=slopes)
+        out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.45,
+                                           xp=np, rules=rules)
+        assert np.isnan(out[0, 3, 9]).all() and np.isfinite(out[0, 0]).all()
+        out, _ = run(q, k, v, dtype_name, is_causal=True)    # and through the public function
+        assert np.isnan(out[0, 3, 9]).all()

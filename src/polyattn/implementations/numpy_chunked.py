@@ -37,27 +37,37 @@ al. 2022), written against NumPy itself so that the CPU is used well:
   ``m`` is subtracted after the cap. ALiBi's ``-slope_h·|p_i - j|`` (the slope
   of each query head of the item) and a float mask are added to the shifted
   scores. Key lengths and slopes are read as NumPy arrays.
-- **Cores busy, other threads untouched.** NumPy releases the GIL inside BLAS
-  and ufunc loops, so a thread pool runs the items concurrently, each writing
-  its own slice of the output. The parallelism is across items, so each
-  worker must call BLAS on one thread, without changing the BLAS thread count
-  of any other thread: each worker sets its own count to 1 once, when it
-  starts, through the BLAS library's thread-local setter, found through
-  ``threadpoolctl`` (MKL's ``mkl_set_num_threads_local``; for OpenBLAS built
-  on OpenMP, the runtime's ``omp_set_num_threads``, which is per thread).
+- **Cores busy, one BLAS thread per worker.** NumPy releases the GIL inside
+  BLAS and ufunc loops, so a thread pool runs the items concurrently, each
+  writing its own slice of the output. The parallelism is across items, so
+  each worker must call BLAS on one thread. Where the BLAS library has a
+  thread-local setter, found through ``threadpoolctl`` (MKL's
+  ``mkl_set_num_threads_local``; for OpenBLAS built on OpenMP, the runtime's
+  ``omp_set_num_threads``, which is per thread), each worker sets its own
+  count to 1 once, when it starts, and no other thread's BLAS changes.
   OpenBLAS on its own threads (the build in NumPy's wheels) has no such
-  setter: its ``openblas_set_num_threads_local`` sets the process-wide count.
-  With it, with any other BLAS, or without ``threadpoolctl``, the pool is used
-  only where BLAS runs on one thread already (``OPENBLAS_NUM_THREADS=1``, or
-  inside the caller's ``threadpoolctl.threadpool_limits(1, "blas")``: a
-  process-wide choice left to the caller); otherwise the items run one after
-  another in the calling thread, BLAS on its own threads and everything else
-  on one core, which is much slower on several cores (1.4× to 9× on the two
-  shared cores measured). :func:`threading_mode` tells which applies. The
-  pool is shared by all calls and never shut down; a call runs at most
-  :func:`num_threads` items at once. No reduction crosses items, so the
+  setter (its ``openblas_set_num_threads_local`` sets the process-wide
+  count). There, by default (:data:`SHARED_BLAS` = ``"limit"``), the path
+  holds that library's process-wide count to 1 while any call of the path
+  runs on the pool and gives the count back when the last such call ends, so
+  another thread's BLAS runs on one thread meanwhile (it would compete with
+  the pool for the same cores). The alternative, the items one after another
+  in the calling thread with BLAS on its own threads (``SHARED_BLAS =
+  "leave"``, which never changes BLAS's thread count), meets at every
+  product: on a busy machine it was several times slower than the pool, and
+  slower than materialising the scores (``benchmarks/contention.py``).
+  Without ``threadpoolctl`` (the ``fast`` extra) no BLAS library is found and
+  the items run inline. :func:`threading_mode` tells which applies. The pool
+  is shared by all calls and never shut down (a child started by ``fork``
+  gets a fresh one: the parent's workers do not exist there); a call runs at
+  most :func:`num_threads` items at once. No reduction crosses items, so the
   result does not depend on the number of threads or on the order in which
   items finish.
+- **No floating-point warnings.** Non-finite inputs give non-finite results
+  (DESIGN §4.2), and hidden scores overflow the cheap path's exponential
+  before they are zeroed: every floating-point condition is ignored
+  (``np.errstate(all="ignore")``) in the calling thread and in each worker,
+  whose error state is not the caller's.
 - **Dropout** (§4.1). The keep-mask of each tile is recomputed from the
   weights' flat indices by the Philox counters of :mod:`._dropout`
   (:func:`_dropout_factor`), so nothing is stored and every implementation
@@ -82,6 +92,7 @@ subtraction. ``np.exp`` is used rather than ``np.exp2``: NumPy's float32
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -89,6 +100,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -113,6 +125,12 @@ RESCALE_LIMIT = 2.0**16
 #: ``None`` means one per available CPU, 1 runs everything inline. Each call reads it once
 #: when it starts, so it may be changed at any time, also while other threads' calls run.
 NUM_THREADS: int | None = None
+#: Where a BLAS library has several threads and no thread-local setter (NumPy's own
+#: OpenBLAS): ``"limit"`` runs the items on the pool and holds that library to one thread,
+#: process-wide, while calls of this path run (BLAS's own threads meet at every product and
+#: collapsed on a busy machine: ``benchmarks/results/contention-*.md``); ``"leave"`` never
+#: changes its thread count and runs the items inline, BLAS on its own threads.
+SHARED_BLAS = "limit"
 
 
 def num_threads() -> int:
@@ -161,10 +179,24 @@ def _thread_local_setter(lib: Any) -> Callable[[int], Any] | None:
     return None
 
 
-def _blas_libraries() -> tuple[tuple[Any, Callable[[int], Any] | None], ...]:
-    """The loaded BLAS libraries (threadpoolctl controllers), each with its thread-local setter.
+def _numpys_own(libs: list[Any]) -> list[Any]:
+    """Those of ``libs`` that NumPy's wheel ships (in ``numpy.libs`` or the package folder);
+    all of them where none is (a NumPy linked to a BLAS elsewhere: which one is unknown).
 
-    Found once per process; empty without ``threadpoolctl``.
+    So that another library's BLAS loaded in the process (SciPy's, say) is neither waited
+    for nor held to one thread.
+    """
+    root = os.path.dirname(os.path.realpath(np.__file__))
+    folders = (root + os.sep, root + ".libs" + os.sep)
+    own = [lib for lib in libs
+           if os.path.realpath(getattr(lib, "filepath", "") or "").startswith(folders)]
+    return own or libs
+
+
+def _blas_libraries() -> tuple[tuple[Any, Callable[[int], Any] | None], ...]:
+    """NumPy's BLAS libraries (threadpoolctl controllers), each with its thread-local setter.
+
+    Found once per process (:func:`_numpys_own`); empty without ``threadpoolctl``.
     """
     global _blas_libs
     with _blas_lock:
@@ -174,25 +206,94 @@ def _blas_libraries() -> tuple[tuple[Any, Callable[[int], Any] | None], ...]:
             except ImportError:  # pragma: no cover - threadpoolctl is optional
                 _blas_libs = ()
             else:
+                libs = [lib for lib in ThreadpoolController().lib_controllers
+                        if lib.user_api == "blas"]
                 _blas_libs = tuple((lib, _thread_local_setter(lib))
-                                   for lib in ThreadpoolController().lib_controllers
-                                   if lib.user_api == "blas")
+                                   for lib in _numpys_own(libs))
         return _blas_libs
+
+
+def _shared_blas_setting() -> str:
+    """:data:`SHARED_BLAS`, checked."""
+    if SHARED_BLAS not in ("limit", "leave"):
+        raise ValueError(f"numpy_chunked.SHARED_BLAS must be 'limit' (hold a BLAS library "
+                         f"without a thread-local setter to one thread while calls run on "
+                         f"the pool) or 'leave' (never change it; run items inline); got "
+                         f"{SHARED_BLAS!r}")
+    return SHARED_BLAS
 
 
 def threading_mode() -> str:
     """How a call runs its items: ``"pool"`` (worker threads) or ``"inline"``.
 
-    ``"pool"`` where each worker can call BLAS with one thread without changing the
-    BLAS of any other thread: every BLAS library found has a thread-local setter
-    (the workers use it) or runs on one thread anyway. ``"inline"`` otherwise, and
-    where no BLAS library is found: the items then run in the calling thread, with
-    BLAS on its own threads.
+    ``"pool"`` where each worker can call BLAS with one thread: every BLAS library
+    found has a thread-local setter (the workers use it) or runs on one thread
+    anyway, or, with :data:`SHARED_BLAS` = ``"limit"`` (the default), the others are
+    held to one thread while the pool runs (:func:`_shared_blas_held`). ``"inline"``
+    where no BLAS library is found (no ``threadpoolctl``), and with ``"leave"`` where
+    a library has several threads and no thread-local setter: the items then run in
+    the calling thread, with BLAS on its own threads.
     """
     libs = _blas_libraries()
-    if libs and all(setter is not None or lib.num_threads == 1 for lib, setter in libs):
+    if not libs:
+        return "inline"
+    if all(setter is not None or lib.num_threads == 1 for lib, setter in libs):
         return "pool"
-    return "inline"
+    return "pool" if _shared_blas_setting() == "limit" else "inline"
+
+
+# The process-wide hold of the BLAS libraries without a thread-local setter: the number of
+# pool runs inside it, and each library's setter and count to give back when the last ends.
+_hold_lock = threading.Lock()
+_holders = 0
+_held: list[tuple[Callable[[int], Any], int]] = []
+
+
+def _process_wide_setter(lib: Any) -> Callable[[int], Any]:
+    """The setter of a BLAS library's process-wide thread count, callable from any thread.
+
+    OpenBLAS's own function: threadpoolctl (3.8 on) lets only the first thread that set an
+    OpenBLAS count set it again, and a hold may begin and end in different threads.
+    """
+    if getattr(lib, "internal_api", None) == "openblas":
+        for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):
+            setter = getattr(lib.dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
+            if setter is not None:
+                return setter
+    return lib.set_num_threads
+
+
+@contextmanager
+def _shared_blas_held() -> Iterator[None]:
+    """BLAS libraries without a thread-local setter on one thread while the block runs.
+
+    Nothing changes with :data:`SHARED_BLAS` = ``"leave"``, or where every library has a
+    thread-local setter. Concurrent holders share one hold: the first sets each such
+    library's process-wide count to 1 and the last gives the counts it found back, so
+    overlapping calls neither see BLAS's threads back early nor leave them at 1.
+    """
+    global _holders
+    libs = [] if SHARED_BLAS == "leave" else [
+        lib for lib, setter in _blas_libraries() if setter is None]
+    if not libs:
+        yield
+        return
+    with _hold_lock:
+        if _holders == 0:
+            _held[:] = [(_process_wide_setter(lib), n) for lib in libs
+                        if (n := lib.num_threads) != 1]
+            for set_threads, _ in _held:
+                set_threads(1)
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _hold_lock:
+            _holders -= 1
+            if _holders == 0:
+                for set_threads, n in _held:
+                    set_threads(n)
+                _held.clear()
 
 
 def _limit_worker_blas(setters: tuple[Callable[[int], Any], ...]) -> None:
@@ -244,17 +345,44 @@ def _run_jobs(jobs: list[Callable[[], Any]], n: int) -> None:
                 job = jobs[position]
                 position += 1
             try:
-                job()
+                with np.errstate(all="ignore"):      # a worker's own error state
+                    job()
             except BaseException as e:  # re-raised in the calling thread
                 with lock:
                     errors.append(e)
                 return
 
-    pool = _executor(n)
-    for f in [pool.submit(worker) for _ in range(min(n, len(jobs)))]:
-        f.result()
+    with _shared_blas_held():
+        pool = _executor(n)
+        for f in [pool.submit(worker) for _ in range(min(n, len(jobs)))]:
+            f.result()
     if errors:
         raise errors[0]
+
+
+def _after_fork_in_child() -> None:
+    """A child started by ``fork`` gets a fresh pool, fresh locks and its BLAS threads back.
+
+    The parent's worker threads do not exist in the child: its pool would take jobs that
+    no thread runs, and a lock held by another thread at the fork would stay held. A hold
+    of BLAS taken by a parent's call (:func:`_shared_blas_held`) ends, as that call does
+    not run in the child.
+    """
+    global _pool, _pool_size, _pool_lock, _blas_lock, _hold_lock, _holders
+    _pool, _pool_size = None, 0
+    _pool_lock, _blas_lock, _hold_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    held = list(_held) if _holders else []
+    _holders = 0
+    _held.clear()
+    for set_threads, n in held:
+        try:
+            set_threads(n)
+        except Exception:  # pragma: no cover - a library that cannot: leave it at 1
+            pass
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _blas_ready(x: np.ndarray) -> np.ndarray:
@@ -597,12 +725,14 @@ def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (),
 
 def _attend_item(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.ndarray,
                  lse: np.ndarray) -> None:
-    """:func:`_online_softmax` with overflow of the cheap path expected, not warned about.
+    """:func:`_online_softmax` with no floating-point condition warned about or raised.
 
-    A cheap-path block whose exponentials overflow is detected by its row sum
-    and redone, so the overflow (and an ``inf · 0`` it may cause) is silenced.
+    A cheap-path block whose exponentials overflow is detected by its row sum and
+    redone, exponentials underflow all the time, and non-finite inputs give non-finite
+    results (DESIGN §4.2): the values say what happened, whatever the caller's
+    ``np.errstate`` (a pool worker has its own).
     """
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(all="ignore"):
         _online_softmax(p, b, hk, q0, out, lse)
 
 
@@ -754,8 +884,9 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     """
     q, k = np.asarray(q), np.asarray(k)   # read into per-item buffers only: any strides
     v = _blas_ready(np.asarray(v))        # a BLAS operand as it is
-    problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset, scale,
-                       rules)
+    with np.errstate(all="ignore"):       # e.g. a scale beyond float32 becomes inf, silently
+        problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset,
+                           scale, rules)
     out = _output(q, problem.ev)                  # (B…, H, Tq, Ev)
     lse = np.empty(q.shape[:-1], dtype=lse_dtype or q.dtype)   # (B…, H, Tq)
     items = [(b, hk, q0) for b in np.ndindex(*q.shape[:-3]) for hk in range(problem.hkv)
