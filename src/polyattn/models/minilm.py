@@ -33,7 +33,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,7 +105,7 @@ def model_dir(path: str | os.PathLike[str] | None = None) -> Path:
         hint = (f"reinstall the weights with `{WEIGHTS_HINT}`" if path is None
                 else "point it at a directory holding " + ", ".join(MODEL_FILES))
         raise FileNotFoundError(
-            f"{directory} lacks the model file(s) {', '.join(missing)}; {hint}"
+            f"{_printable(directory)} lacks the model file(s) {', '.join(missing)}; {hint}"
         )
     return directory
 
@@ -246,21 +246,118 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> BertConfig:
-        """Read a Hugging Face ``config.json`` of a BERT model."""
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        """Read a Hugging Face ``config.json`` of a BERT model.
+
+        The file is untrusted input: every hyper-parameter is checked.
+
+        Raises
+        ------
+        ValueError
+            If the file is not a JSON object, or a hyper-parameter is missing
+            or not a positive integer (``layer_norm_eps``: a positive finite
+            number), or ``hidden_size`` is not divisible by
+            ``num_attention_heads``; the message names the file and the field.
+        OSError
+            If the file cannot be read.
+        """
+        where = _printable(path)
+        raw = _read_json_object(Path(path), "a BERT config.json")
         act = raw.get("hidden_act", "gelu")
         if act != "gelu":
-            raise ValueError(f"only the exact GELU activation is implemented; config has {act!r}")
+            raise ValueError(f"{where}: `hidden_act` is {_brief(act)}; only the exact GELU "
+                             "('gelu') is implemented")
+        kind = raw.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ValueError(f"{where}: `position_embedding_type` is {_brief(kind)}; only "
+                             "'absolute' position embeddings are implemented")
+        ints = {key: _config_int(raw, key, where) for key in _CONFIG_INTS}
+        heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
+        if hidden % heads:
+            raise ValueError(f"{where}: `hidden_size` ({hidden}) must be divisible by "
+                             f"`num_attention_heads` ({heads})")
+        pad = raw.get("pad_token_id", 0)
+        pad = 0 if pad is None else pad
+        if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < ints["vocab_size"]:
+            raise ValueError(f"{where}: `pad_token_id` must be an integer in 0.."
+                             f"{ints['vocab_size'] - 1} (vocab_size - 1); got {_brief(pad)}")
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=int(raw["num_attention_heads"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
-            layer_norm_eps=float(raw["layer_norm_eps"]),
-            pad_token_id=int(raw.get("pad_token_id", 0)),
+            vocab_size=ints["vocab_size"],
+            hidden_size=hidden,
+            num_layers=ints["num_hidden_layers"],
+            num_heads=heads,
+            intermediate_size=ints["intermediate_size"],
+            max_position_embeddings=ints["max_position_embeddings"],
+            layer_norm_eps=_config_eps(raw, where),
+            pad_token_id=pad,
         )
+
+
+#: The integer hyper-parameters of ``config.json`` (Hugging Face's names).
+_CONFIG_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size", "max_position_embeddings")
+
+
+def _printable(path: str | os.PathLike[str]) -> str:
+    """``path`` safe to print anywhere: bytes that are not UTF-8 shown as ``\\xff``."""
+    text = os.fsdecode(path)
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is not an escaped byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """A short ``repr`` of a value read from a file, for an error message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        text = f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_json_object(path: Path, expected: str) -> dict[str, Any]:
+    """The JSON object in ``path``; ValueError naming the file if it is not one."""
+    where = _printable(path)
+    data = path.read_bytes()
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is not UTF-8 text (byte {exc.start}); expected {expected}"
+                         ) from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a number too long, nesting
+        raise ValueError(f"{where} is not JSON ({_one_line(exc)}); expected {expected}"
+                         ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} holds a JSON {type(raw).__name__}, not an object; "
+                         f"expected {expected}")
+    return raw
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _config_int(raw: dict[str, Any], key: str, where: str) -> int:
+    if key not in raw:
+        raise ValueError(f"{where}: `{key}` is missing; expected a positive integer")
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: `{key}` must be a positive integer; got {_brief(value)}")
+    return value
+
+
+def _config_eps(raw: dict[str, Any], where: str) -> float:
+    if "layer_norm_eps" not in raw:
+        raise ValueError(f"{where}: `layer_norm_eps` is missing; expected a positive number "
+                         "such as 1e-12")
+    value = raw["layer_norm_eps"]
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{where}: `layer_norm_eps` must be a positive finite number such as "
+                         f"1e-12; got {_brief(value)}")
+    return float(value)
 
 
 # erf(x) for |x| < _ERF_SPLIT by its power series, beyond by a continued fraction
@@ -408,6 +505,19 @@ class MiniLM:
             The weights are stored in float32; float64 casts them up.
         xp, device : optional
             An explicit namespace and device instead of ``backend``.
+
+        Raises
+        ------
+        ValueError
+            If a model file is malformed: ``config.json`` (see
+            :meth:`BertConfig.from_json`), ``model.safetensors`` (not a
+            safetensors file, a tensor missing, of the wrong shape, not
+            floating point (F16, F32, F64) or holding NaN or inf) or
+            ``tokenizer.json`` (not a tokenizer, or ids beyond ``vocab_size``).
+            The message names the file and the field.
+        OSError
+            If a model file cannot be read (``FileNotFoundError`` if one is
+            missing, see :func:`model_dir`).
         """
         directory = model_dir(path)
         if xp is None:
@@ -418,23 +528,37 @@ class MiniLM:
         if dtype not in ("float32", "float64"):
             raise ValueError(f"`dtype` must be 'float32' or 'float64'; got {dtype!r}")
         config = BertConfig.from_json(directory / "config.json")
-        safetensors_numpy = _require("safetensors.numpy")
-        tensors = safetensors_numpy.load_file(str(directory / "model.safetensors"))
+        tensors = _read_tensors(directory / "model.safetensors", config)
+        tokenizer = _load_tokenizer(directory, config)
         params = _arrange(tensors, config, xp, getattr(xp, dtype), device)
-        return cls(params, config, _load_tokenizer(directory))
+        return cls(params, config, tokenizer)
 
     # -- text --------------------------------------------------------------
 
     def tokenize(self, sentences: Sequence[str]) -> tuple[Array, Array, list[list[str]]]:
         """Token ids (B, T) int32, padding mask (B, T) bool (True = a real token), tokens.
 
-        Sentences are padded to the longest one and cut at 256 tokens.
+        Sentences are padded to the longest one and cut at 256 tokens (the
+        length the encoder was trained with, as sentence-transformers does).
+
+        Raises
+        ------
+        TypeError
+            If a sentence is not a ``str``.
+        ValueError
+            If there are no sentences, a sentence holds a lone surrogate (text
+            that is not Unicode), gives no tokens, or has more tokens than the
+            model has positions (``max_position_embeddings``).
         """
         if self.tokenizer is None:
             raise ValueError("this model was built without a tokenizer; use MiniLM.load")
-        if isinstance(sentences, str):
-            sentences = [sentences]
-        encodings = self.tokenizer.encode_batch(list(sentences))
+        sentences = _check_sentences(sentences)
+        try:
+            encodings = self.tokenizer.encode_batch(sentences)
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"the tokenizer cannot encode `sentences` ({_one_line(exc)})"
+                             ) from None
+        self._check_lengths(sentences, encodings)
         ids = [e.ids for e in encodings]
         mask = [e.attention_mask for e in encodings]
         xp, device = self.xp, self.device
@@ -442,6 +566,21 @@ class MiniLM:
         input_ids = xp.asarray(ids, dtype=xp.int32, device=device)
         keep = xp.asarray(mask, dtype=xp.int32, device=device) != 0
         return input_ids, keep, [list(e.tokens) for e in encodings]
+
+    def _check_lengths(self, sentences: list[str], encodings: list[Any]) -> None:
+        """Every sentence has at least one token and no more than the model's positions."""
+        limit = self.config.max_position_embeddings
+        for i, (sentence, encoding) in enumerate(zip(sentences, encodings, strict=True)):
+            count = sum(encoding.attention_mask)
+            if count == 0:
+                raise ValueError(f"sentence {i} of `sentences` ({_brief(sentence)}) gives no "
+                                 "tokens; give text the tokenizer has tokens for")
+            if count > limit:
+                raise ValueError(
+                    f"sentence {i} of `sentences` ({_brief(sentence)}) has {count} tokens but "
+                    f"the model has {limit} positions (max_position_embeddings in config.json); "
+                    "shorten it"
+                )
 
     def embed(self, sentences: Sequence[str]) -> Array:
         """Unit-length sentence embeddings (B, 384) in the model's namespace and dtype."""
@@ -517,13 +656,164 @@ class MiniLM:
         return tokens[0], alpha[0, ...]  # (H, T, T)
 
 
-def _load_tokenizer(directory: Path) -> Any:
+def _check_sentences(sentences: Any) -> list[str]:
+    """``sentences`` (one string or a sequence of them) as a list of checked strings."""
+    if isinstance(sentences, str):
+        sentences = [sentences]
+    try:
+        sentences = list(sentences)
+    except TypeError:
+        raise TypeError(f"`sentences` must be a str or a sequence of str; got "
+                        f"{type(sentences).__name__}") from None
+    if not sentences:
+        raise ValueError("`sentences` is empty; give at least one sentence")
+    for i, sentence in enumerate(sentences):
+        if not isinstance(sentence, str):
+            raise TypeError(f"`sentences` must hold str; sentence {i} is "
+                            f"{type(sentence).__name__}")
+        try:
+            sentence.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"sentence {i} of `sentences` holds a lone surrogate "
+                             f"{sentence[exc.start]!r} at index {exc.start}, which is not text; "
+                             "decode bytes with errors='replace' first") from None
+    return sentences
+
+
+def _load_tokenizer(directory: str | os.PathLike[str], config: BertConfig | None = None) -> Any:
+    """``tokenizer.json`` in ``directory``, padding to the longest sentence and cutting at 256.
+
+    With ``config``, every token id must be a row of the embedding table.
+    """
     tokenizers = _require("tokenizers")
-    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    path = Path(directory) / "tokenizer.json"
+    where = _printable(path)
+    expected = "expected the tokenizer.json of a BERT model (the tokenizers library's format)"
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is not UTF-8 text (byte {exc.start}); {expected}") from None
+    try:
+        tok = tokenizers.Tokenizer.from_str(text)
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise ValueError(f"{where} is not a tokenizer ({_one_line(exc)}); {expected}") from None
+    _check_vocabulary(tok, where, config)
     tok.no_padding()
     tok.enable_padding(pad_id=0, pad_token="[PAD]")  # pad to the longest sentence
     tok.enable_truncation(max_length=MAX_SEQ_LENGTH)
     return tok
+
+
+def _check_vocabulary(tok: Any, where: str, config: BertConfig | None) -> None:
+    """Token ids inside the embedding table; the unknown-word token in the vocabulary."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise ValueError(f"{where}: `model.vocab` holds no tokens; expected a BERT vocabulary")
+    unk = getattr(tok.model, "unk_token", None)
+    if unk is not None and unk not in vocab:
+        raise ValueError(f"{where}: `model.unk_token` {_brief(unk)} is not in the vocabulary; "
+                         "words it has no token for could not be encoded")
+    if config is not None:
+        token, top = max(vocab.items(), key=lambda item: item[1])
+        if top >= config.vocab_size:
+            raise ValueError(
+                f"{where}: token {_brief(token)} has id {top}, beyond the embedding table "
+                f"(`vocab_size` {config.vocab_size} in config.json); the tokenizer and the "
+                "weights are of different models"
+            )
+
+
+#: The safetensors dtypes read (and cast to the ``dtype`` asked for).
+_FLOAT_DTYPES = ("F16", "F32", "F64")
+
+
+def _expected_tensors(config: BertConfig) -> Iterator[tuple[str, tuple[int | None, ...], str]]:
+    """Every tensor the encoder reads: ``(name, shape, the config fields behind the shape)``.
+
+    ``None`` in a shape is any positive size (the token-type table, of which
+    row 0 is used).
+    """
+    d, i = config.hidden_size, config.intermediate_size
+    vec, square = ((d,), "(hidden_size,)"), ((d, d), "(hidden_size, hidden_size)")
+    yield ("embeddings.word_embeddings.weight", (config.vocab_size, d),
+           "(vocab_size, hidden_size)")
+    yield ("embeddings.position_embeddings.weight", (config.max_position_embeddings, d),
+           "(max_position_embeddings, hidden_size)")
+    yield ("embeddings.token_type_embeddings.weight", (None, d),
+           "(type_vocab_size, hidden_size)")
+    yield ("embeddings.LayerNorm.weight", *vec)
+    yield ("embeddings.LayerNorm.bias", *vec)
+    for layer in range(config.num_layers):
+        pre = f"encoder.layer.{layer}."
+        for part in ("self.query", "self.key", "self.value", "output.dense"):
+            yield (f"{pre}attention.{part}.weight", *square)
+            yield (f"{pre}attention.{part}.bias", *vec)
+        yield (f"{pre}attention.output.LayerNorm.weight", *vec)
+        yield (f"{pre}attention.output.LayerNorm.bias", *vec)
+        yield (f"{pre}intermediate.dense.weight", (i, d), "(intermediate_size, hidden_size)")
+        yield (f"{pre}intermediate.dense.bias", (i,), "(intermediate_size,)")
+        yield (f"{pre}output.dense.weight", (d, i), "(hidden_size, intermediate_size)")
+        yield (f"{pre}output.dense.bias", *vec)
+        yield (f"{pre}output.LayerNorm.weight", *vec)
+        yield (f"{pre}output.LayerNorm.bias", *vec)
+
+
+def _read_tensors(path: Path, config: BertConfig) -> dict[str, Any]:
+    """The encoder's tensors in ``model.safetensors`` as NumPy arrays, each one checked.
+
+    The safetensors library checks the header against the file's size before
+    anything is read; each tensor's dtype and shape are checked before its
+    data is, and its values after.
+    """
+    safetensors = _require("safetensors")
+    where = _printable(path)
+    try:
+        with safetensors.safe_open(os.fspath(path), framework="numpy") as handle:
+            names = set(handle.keys())
+            _check_layer_count(names, config, where)
+            return {name: _read_tensor(handle, names, name, shape, fields, where)
+                    for name, shape, fields in _expected_tensors(config)}
+    except safetensors.SafetensorError as exc:
+        raise ValueError(f"{where} is not a readable safetensors file ({_one_line(exc)}); "
+                         "expected the model.safetensors of a BERT model") from None
+
+
+def _check_layer_count(names: set[str], config: BertConfig, where: str) -> None:
+    """No tensor of an encoder layer beyond config.json's ``num_hidden_layers``."""
+    prefix = "encoder.layer."
+    n = config.num_layers
+    for name in sorted(names):
+        index = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+        if index.isdigit() and (len(index) > len(str(n)) or int(index) >= n):
+            raise ValueError(f"{where}: tensor {_brief(name)} is of a layer beyond "
+                             f"`num_hidden_layers` ({n}) in config.json; the config and the "
+                             "weights are of different models")
+
+
+def _read_tensor(handle: Any, names: set[str], name: str, shape: tuple[int | None, ...],
+                 fields: str, where: str) -> Any:
+    import numpy as np
+
+    if name not in names:
+        raise ValueError(f"{where}: tensor '{name}' is missing; a BERT encoder with this "
+                         "config.json needs it")
+    view = handle.get_slice(name)
+    dtype = view.get_dtype()
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{where}: tensor '{name}' has dtype {dtype}; expected F32 "
+                         "(F16 and F64 are read too)")
+    got = tuple(view.get_shape())
+    if len(got) != len(shape) or any(g < 1 if e is None else g != e
+                                     for g, e in zip(got, shape, strict=False)):
+        want = str(shape)
+        if shape[0] is None:
+            want = "(n, " + ", ".join(str(e) for e in shape[1:]) + ") with n >= 1"
+        raise ValueError(f"{where}: tensor '{name}' has shape {got}; expected {want}, "
+                         f"{fields} from config.json")
+    tensor = handle.get_tensor(name)
+    if not np.isfinite(tensor).all():
+        raise ValueError(f"{where}: tensor '{name}' holds NaN or inf")
+    return tensor
 
 
 def _arrange(tensors: dict[str, Any], config: BertConfig, xp: Namespace, dtype: Any,
@@ -605,7 +895,7 @@ def _save_png(tokens: Sequence[str], weights: Any, title: str, filename: str) ->
     try:
         import matplotlib
     except ModuleNotFoundError:
-        print(f"matplotlib is not installed; {filename} was not written "
+        print(f"matplotlib is not installed; {_printable(filename)} was not written "
               f"(`{INSTALL_HINT}` installs it)", file=sys.stderr)
         return False
     matplotlib.use("Agg")
@@ -652,6 +942,11 @@ def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
     ModuleNotFoundError
         If the model weights or their readers are not installed; see
         :func:`check_requirements`.
+    ValueError
+        If ``layer`` or ``head`` is out of range, or a model file is malformed
+        (see :meth:`MiniLM.load`).
+    OSError
+        If a model file cannot be read.
     """
     sentence = DEFAULT_SENTENCE if sentence is None else sentence
     config = BertConfig()
@@ -660,6 +955,9 @@ def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
     if not 0 <= head < config.num_heads:
         raise ValueError(f"`head` must be in 0..{config.num_heads - 1}; got {head}")
     model = MiniLM.load(backend=backend)
+    if head >= model.config.num_heads:  # a model directory other than all-MiniLM-L6-v2's
+        raise ValueError(f"`head` must be in 0..{model.config.num_heads - 1} (this model has "
+                         f"{model.config.num_heads} heads); got {head}")
     tokens, alpha = model.attention_weights(sentence, layer)
     weights = _to_numpy(alpha[head, ...])  # (T, T)
     title = f"all-MiniLM-L6-v2, layer {layer}, head {head}"
@@ -672,4 +970,4 @@ def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
         j = int(weights[i].argmax())
         print(f"  {tok!r:>14} attends most to {tokens[j]!r} ({weights[i, j]:.2f})")
     if save_png is not None and _save_png(tokens, weights, title, save_png):
-        print(f"\nheatmap written to {save_png}")
+        print(f"\nheatmap written to {_printable(save_png)}")
