@@ -59,7 +59,8 @@ SHARED_VENVS = {
 #: The tests of the real models, their files and tokenizers: they run once, in the model
 #: session (beside the weights and transformers), not in every backend's session.
 MODEL_TESTS = ("tests/test_smollm2.py", "tests/test_smollm2_units.py", "tests/test_tokenizer.py",
-               "tests/test_gguf_reader.py")
+               "tests/test_gguf_reader.py", "tests/test_minilm_files.py",
+               "tests/test_errors_models.py")
 #: The environment each backend's tests run in.
 BACKEND_VENV = {"numpy": "torch", "torch": "torch", "array_api_strict": "array_api_strict",
                 "jax": "jax", "dask": "dask", "cupy": "cupy"}
