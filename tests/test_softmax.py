@@ -57,6 +57,15 @@ def test_logsumexp(xp, device, dtype_name, keepdims):
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-6)
 
 
+def test_logsumexp_of_non_finite_rows(xp, device, dtype_name):
+    inf, nan = np.inf, np.nan
+    x = np.array([[inf, 1.0, -inf], [-inf, -inf, -inf], [inf, nan, 1.0], [inf, inf, -2.0]])
+    got = to_numpy(polyattn.logsumexp(to_xp(x, xp, dtype=dtype_name, device=device)))
+    assert got[0] == inf and got[3] == inf        # a +inf term makes the sum +inf
+    assert got[1] == -inf                         # nothing to sum
+    assert np.isnan(got[2])                       # NaN never disappears
+
+
 def test_logsumexp_no_overflow():
     assert float(polyattn.logsumexp(np.array([1000.0, 1000.0]))) == pytest.approx(
         1000.0 + np.log(2.0), rel=1e-15)

@@ -90,7 +90,8 @@ def logsumexp(x: Array, /, *, axis: int = -1, keepdims: bool = False) -> Array:
     -------
     array
         The reduction, in ``x``'s dtype, namespace and device. Slices that are
-        all ``-inf`` (or empty) give ``-inf``; slices holding a NaN give NaN.
+        all ``-inf`` (or empty) give ``-inf``; slices holding ``+inf`` (and no NaN)
+        give ``+inf``; slices holding a NaN give NaN.
 
     Examples
     --------
@@ -117,6 +118,9 @@ def logsumexp(x: Array, /, *, axis: int = -1, keepdims: bool = False) -> Array:
         m = stable_shift(xp.max(xc, axis=axis, keepdims=True), xp)
         total = xp.sum(xp.exp(xc - m), axis=axis, keepdims=True)
         out = log_of_sum(total, m, xp)                  # -inf for all -inf, NaN for NaN
+        # a +inf entry makes the sum +inf (inf - inf gave NaN above); a NaN keeps it NaN
+        has_nan = xp.any(xp.isnan(xc), axis=axis, keepdims=True)
+        out = xp.where((m == float("inf")) & ~has_nan, xp.full_like(out, float("inf")), out)
         if not keepdims:
             out = xp.squeeze(out, axis=axis)
         return xp.astype(out, x.dtype)
