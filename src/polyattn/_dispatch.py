@@ -7,21 +7,21 @@ CUDA kernel go to ``"numba_cuda"`` (for torch tensors that require
 gradients, through a ``torch.autograd.Function`` whose backward pass is the
 kernel's, unless ``attn_mask`` or ``alibi_slopes`` require one too);
 otherwise ``"reference"`` while the score matrix fits the score budget, else
-``"chunked"`` — on NumPy arrays ``"numba_cpu"`` (the fused Numba kernel,
-measured faster than the NumPy fast path) in its place where Numba is
-installed and the kernel can run the call (``POLYATTN_NUMBA_CPU=0`` turns
-that off). On torch CPU tensors
-``"chunked"`` runs the NumPy fast path over NumPy views of them
-(differentiable the same way), except while ``torch.compile`` traces.
+``"chunked"`` — on NumPy arrays ``"numba_cpu"`` (the fused Numba kernel) in its
+place where Numba is installed and the kernel can run the call
+(:data:`NUMPY_BLOCKED_PREFERENCE`; ``POLYATTN_NUMBA_CPU=0`` turns that off). On
+torch CPU tensors ``"chunked"`` runs the NumPy fast path over NumPy views of
+them (differentiable the same way), except while ``torch.compile`` traces.
 
 The budget is :data:`SCORE_BUDGET_BYTES` (64 MiB, a memory bound) for every
 namespace but NumPy. On NumPy arrays ``"chunked"`` runs
 :mod:`polyattn.implementations.numpy_chunked`, the multi-threaded blocked
-path, which was measured faster than materialising the scores from a score
-matrix of about 32 KiB on (2-core x86-64, OpenBLAS; see ``benchmarks/``), so
-NumPy uses :data:`NUMPY_SCORE_BUDGET_BYTES`. The environment variable
+path, so NumPy uses the smaller :data:`NUMPY_SCORE_BUDGET_BYTES`, near the
+crossover measured between the two. The environment variable
 ``POLYATTN_SCORE_BUDGET`` (bytes) overrides both: a large value keeps the
-reference path, ``0`` always streams.
+reference path, ``0`` always streams. ``explain()`` states these rules; the
+speed figures behind them, each with the machine it was measured on, are in
+``benchmarks/results/`` (they differ between machines).
 """
 
 from __future__ import annotations
@@ -46,6 +46,17 @@ SCORE_BUDGET_BYTES = 64 * 2**20
 #: 16 KiB (reference 0.14 ms, blocked 0.19 ms) and 64 KiB (reference 24 ms once
 #: OpenBLAS splits its product over threads, blocked 0.22 ms).
 NUMPY_SCORE_BUDGET_BYTES = 32 * 2**10
+#: On NumPy arrays above the score budget, "auto" takes the first of these that can run the
+#: call: the fused Numba kernel calls no BLAS and was faster than the NumPy fast path in most
+#: cases recorded in ``benchmarks/results/`` (cpu-*.md, contention-*.md, each naming its machine).
+NUMPY_BLOCKED_PREFERENCE = ("numba_cpu", "chunked")
+
+
+def _numba_cpu_first() -> bool:
+    """Whether :data:`NUMPY_BLOCKED_PREFERENCE` puts numba_cpu ahead of the NumPy fast path."""
+    order = list(NUMPY_BLOCKED_PREFERENCE)
+    return "numba_cpu" in order and ("chunked" not in order or
+                                     order.index("numba_cpu") < order.index("chunked"))
 
 
 def score_budget(xp: Any = None) -> int:
@@ -249,21 +260,29 @@ def native_status(problem: Problem, return_lse: bool) -> str | None:
 
 def _budget_reason(score_bytes: int, budget: int, numpy: bool) -> tuple[str, str]:
     """("reference" or "chunked", why) by the score-matrix budget."""
+    name = _budget_name(numpy)
     if score_bytes <= budget:
         if numpy:
             return "reference", (
                 f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget "
-                "for NumPy arrays, below which materialising it was measured fastest")
+                f"for NumPy arrays ({name}), so it is materialised")
         return "reference", (f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} "
-                             "budget, so materialising it is fastest")
+                             f"budget ({name}), so it is materialised")
     if numpy:
         return "chunked", (
             f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget "
-            "for NumPy arrays, above which the multi-threaded blocked NumPy path "
-            "(numpy_chunked) was measured faster; keys are streamed in blocks with "
-            "an online softmax")
+            f"for NumPy arrays ({name}), so the multi-threaded blocked NumPy path "
+            "(numpy_chunked) streams keys in blocks with an online softmax")
     return "chunked", (f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} "
-                       "budget, so keys are streamed in blocks with an online softmax")
+                       f"budget ({name}), so keys are streamed in blocks with an online "
+                       "softmax")
+
+
+def _budget_name(numpy: bool) -> str:
+    """Where the budget comes from, for people: the setting or the named constant."""
+    if os.environ.get("POLYATTN_SCORE_BUDGET"):
+        return "POLYATTN_SCORE_BUDGET"
+    return "NUMPY_SCORE_BUDGET_BYTES" if numpy else "SCORE_BUDGET_BYTES"
 
 
 def _dense_mask_cost(problem: Problem, score_bytes: int, budget: int) -> str | None:
@@ -366,13 +385,13 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         name, reason = "distributed", (
             "Dask arrays: one task per (query chunk, key chunk) on the fastest local path "
             "for its blocks, merged through the log-sum-exp, tiles no query sees left out")
-    elif budget_name == "chunked" and numpy and cpu_why is None:
+    elif budget_name == "chunked" and numpy and cpu_why is None and _numba_cpu_first():
         name, reason = "numba_cpu", (
             f"the {_mib(score_bytes)} score matrix exceeds the {_mib(budget)} budget for "
-            "NumPy arrays, and the fused Numba kernel runs the call: measured faster than "
-            "the NumPy fast path (numpy_chunked), forward 0.85x against 2.1x torch's CPU "
-            "attention time and forward+backward 1.15x against 1.3x (float32 medians, "
-            "2-core AVX-512 x86-64)")
+            f"NumPy arrays ({_budget_name(numpy)}), and Numba is installed and its fused "
+            "kernel runs the call: above the budget, 'auto' takes numba_cpu ahead of the "
+            "NumPy fast path (numpy_chunked) on NumPy arrays (NUMPY_BLOCKED_PREFERENCE; "
+            "POLYATTN_NUMBA_CPU=0 leaves it out)")
     else:
         name, reason = budget_name, budget_why
     if requested == "auto":
@@ -395,10 +414,13 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
             candidates["numba_cpu"] = ""
         elif name in ("native", "numba_cuda", "distributed"):
             candidates["numba_cpu"] = cpu_why or f"{name} comes first"
+        elif cpu_why is None and budget_name == "chunked":
+            candidates["numba_cpu"] = "chunked comes first (NUMPY_BLOCKED_PREFERENCE)"
         elif cpu_why is None:
             candidates["numba_cpu"] = (
-                f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget, "
-                "where materialising it was measured faster than either blocked path")
+                f"the {_mib(score_bytes)} score matrix fits the {_mib(budget)} budget "
+                f"({_budget_name(numpy)}), so it is materialised; the blocked paths run "
+                "above it")
         else:
             candidates["numba_cpu"] = cpu_why
         for other in ("reference", "chunked"):

@@ -33,7 +33,13 @@ every step in SIMD vectors across query rows:
   the number of threads.
 
 This module imports Numba when it is first used; :func:`availability` says
-whether it can run.
+whether it can run. A call that has to compile the kernel because Numba's cache
+does not hold it says so first, in one line on the logger ``"polyattn"``
+(level WARNING, so it reaches stderr where logging is not configured;
+``logging.getLogger("polyattn").setLevel(logging.ERROR)`` silences it), naming
+``python -m polyattn warmup``. The NumPy code around the kernel computes under
+``np.errstate(all="ignore")``: non-finite inputs give non-finite results
+(DESIGN §4.2), never a floating-point warning.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import logging
 import math
 import os
 import sys
@@ -63,6 +70,8 @@ BLOCK_ROWS = 512
 BLOCK_K = 256
 
 _lock = threading.Lock()
+#: Where a compile that nothing cached forces is announced (a child of "polyattn").
+logger = logging.getLogger("polyattn.numba_cpu")
 
 
 def availability() -> tuple[bool, str]:
@@ -115,10 +124,34 @@ def signatures() -> list[Any]:
     return [compiled.signature(np.float32), compiled.signature(np.float64)]
 
 
-def kernels() -> dict[str, Any]:
+def _cached(function: Any, sig: Any) -> tuple[bool | None, str]:
+    """(whether Numba's cache on disk holds ``function`` compiled for ``sig``, the cache's
+    folder); ``(None, the exception's name)`` where Numba's cache internals cannot say."""
+    try:
+        cache = function._cache
+        index = cache._cache_file._load_index()
+        return cache._index_key(sig, function.targetctx.codegen()) in index, cache.cache_path
+    except Exception as exc:  # Numba's cache internals differ: unknown rather than a guess
+        return None, type(exc).__name__
+
+
+def _announce_compile(what: str, wanted: list[tuple[Any, Any]]) -> None:
+    """One line on :data:`logger` before a compile that Numba's cache cannot spare."""
+    found = [_cached(function, sig) for function, sig in wanted]
+    if any(hit is False for hit, _ in found):
+        where = next(path for hit, path in found if hit is False)
+        logger.warning(
+            "polyattn: compiling the numba_cpu %s kernel (float32 and float64), which "
+            "Numba's cache (%s) does not hold yet: this call waits for it (tens of seconds, "
+            "once per machine); `python -m polyattn warmup` compiles it ahead", what, where)
+
+
+def kernels(*, announce: bool = True) -> dict[str, Any]:
     """The compiled functions (compiled, or loaded from Numba's cache, on first use).
 
-    Raises :class:`KernelUnavailable` if compiling fails (and every later call says so).
+    A compile that Numba's cache cannot spare is announced on :data:`logger` first
+    (``announce=False``: not, as for ``python -m polyattn warmup``). Raises
+    :class:`KernelUnavailable` if compiling fails (and every later call says so).
     """
     found = _dispatchers()
     with _lock:
@@ -126,6 +159,8 @@ def kernels() -> dict[str, Any]:
             raise KernelUnavailable(f"the numba_cpu kernel {_compiled[0]}")
         if not _compiled:
             forward = found["forward"]
+            if announce:
+                _announce_compile("forward", [(forward, sig) for sig in signatures()])
             hits = sum(forward.stats.cache_hits.values())
             try:
                 for sig in signatures():
@@ -142,13 +177,18 @@ def kernels() -> dict[str, Any]:
         return found
 
 
-def backward_kernel() -> Any:
-    """The compiled backward kernel (compiled, or loaded from the cache, on first use)."""
-    kernels()
+def backward_kernel(*, announce: bool = True) -> Any:
+    """The compiled backward kernel (compiled, or loaded from the cache, on first use;
+    announced as by :func:`kernels`)."""
+    kernels(announce=announce)
     from . import _numba_cpu_kernels as compiled
 
     with _lock:
         if not _backward:
+            if announce:
+                _announce_compile("backward", [(compiled.backward,
+                                                compiled.backward_signature(dt))
+                                               for dt in (np.float32, np.float64)])
             try:
                 for dt in (np.float32, np.float64):
                     compiled.backward.compile(compiled.backward_signature(dt))
@@ -182,14 +222,14 @@ def cache_state_on_disk() -> str:
         wanted = [(_dispatchers()["forward"], sig) for sig in signatures()]
         wanted += [(compiled.backward, compiled.backward_signature(dt))
                    for dt in (np.float32, np.float64)]
-        found = []
-        for function, sig in wanted:
-            cache = function._cache
-            index = cache._cache_file._load_index()
-            found.append(cache._index_key(sig, function.targetctx.codegen()) in index)
-            where = cache.cache_path
     except Exception as exc:  # Numba's cache internals differ: say so rather than guess
         return f"cache state unknown ({type(exc).__name__})"
+    looked = [_cached(function, sig) for function, sig in wanted]
+    for hit, why in looked:
+        if hit is None:
+            return f"cache state unknown ({why})"
+    found = [bool(hit) for hit, _ in looked]
+    where = looked[-1][1]
     if all(found[:2]) and all(found[2:]):
         return f"compiled kernels (forward and backward) cached in {where}"
     if all(found[:2]):
@@ -205,8 +245,8 @@ def warmup() -> tuple[str, float]:
     import time
 
     start = time.perf_counter()
-    kernels()
-    backward_kernel()
+    kernels(announce=False)
+    backward_kernel(announce=False)
     for dtype in (np.float32, np.float64):
         exp(np.zeros(4, dtype=dtype))
     return _compiled[0], time.perf_counter() - start
@@ -261,6 +301,17 @@ def _serialised() -> Iterator[None]:
 
 
 _call_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """Fresh locks in a child started by ``fork``: one held by another thread at the fork
+    (a compile, a serialised call) would stay held there."""
+    global _lock, _call_lock
+    _lock, _call_lock = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def tiles() -> str:
@@ -417,7 +468,8 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
 
     Every rule of :class:`Rules` is done here, dropout included.
     """
-    call = _Call(q, k, v, mask, causal_offset, scale, rules)
+    with np.errstate(all="ignore"):        # e.g. a float mask cast to the compute dtype
+        call = _Call(q, k, v, mask, causal_offset, scale, rules)
     n_batch, h, tq = call.n_batch, call.h, call.tq
     out = np.empty((n_batch, h, tq, call.ev), dtype=call.dtype)
     lse = np.empty((n_batch, h, tq), dtype=call.dtype)
@@ -451,6 +503,15 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     >>> all(np.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, want))
     True
     """
+    with np.errstate(all="ignore"):        # D = rowsum(dO∘O) of non-finite rows, casts
+        return _backward_call(q, k, v, out, lse, grad_out, mask, causal_offset, scale,
+                              rules, grad_lse)
+
+
+def _backward_call(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: Any,
+                   causal_offset: int | None, scale: float, rules: Rules | None,
+                   grad_lse: Any) -> tuple[Any, Any, Any]:
+    """:func:`backward`'s work, under its ``np.errstate``."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     call = _Call(q, k, v, mask, causal_offset, scale, rules)
     n_batch, h, hkv, tq, tk = call.n_batch, call.h, call.hkv, call.tq, call.tk
