@@ -76,6 +76,10 @@ def test_dispatch_uses_numpy_path(monkeypatch):
     assert e.implementation == "chunked"
     assert e.module == "polyattn.implementations.numpy_chunked"
     assert "numpy_chunked" in e.reason and "numpy_chunked" in str(e)
+    # the rule that chose it (the budget and where it comes from), no machine's speed figures
+    assert "32.0 KiB budget" in e.reason and "NUMPY_SCORE_BUDGET_BYTES" in e.reason
+    for text in (e.reason, *e.candidates.values()):
+        assert "measured" not in text and "torch" not in text, text
     assert _dispatch.load("chunked", polyattn._compat.array_namespace(q)).__name__.endswith(
         "numpy_chunked")
     small = polyattn.explain(q[:, :, :8], q[:, :, :8], q[:, :, :8])
@@ -88,6 +92,7 @@ def test_dispatch_budget_override(monkeypatch):
     q = np.zeros((1, 2, 256, 16), dtype=np.float32)
     monkeypatch.setenv("POLYATTN_SCORE_BUDGET", str(2**30))
     assert polyattn.explain(q, q, q).implementation == "reference"
+    assert "POLYATTN_SCORE_BUDGET" in polyattn.explain(q, q, q).reason
     monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "0")
     assert polyattn.explain(q[..., :1, :], q, q).implementation == "chunked"
     monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "lots")
