@@ -744,3 +744,32 @@ def test_the_compile_notice_is_a_log_record_the_user_can_silence(monkeypatch, ca
     caplog.set_level(logging.ERROR, logger="polyattn")
     numba_cpu._announce_compile("backward", [(None, None)])
     assert not [r for r in caplog.records if r.name.startswith("polyattn")]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf])
+def test_query_whose_scores_are_all_minus_inf_is_nan(dtype, bad):
+    """inf in a query whose keys all have the opposite sign there makes every score of the
+    row -inf: the kernel sees a fully masked row, the call gives NaN (out and lse); a fully
+    masked row with a finite query is still 0 and -inf, the other rows are right."""
+    rng = np.random.default_rng(43)
+    q, k, v = (x.astype(dtype) for x in _inputs(rng, tq=30, tk=50))
+    k[..., 0] = -np.sign(bad) * (np.abs(k[..., 0]) + 0.5)
+    mask = np.ones((30, 50), dtype=bool)
+    mask[8] = False
+    kw = {"attn_mask": mask, "enable_gqa": True, "return_lse": True,
+          "implementation": "numba_cpu"}
+    clean, clean_lse = sdpa(q, k, v, **kw)
+    q[1, 2, 5, 0] = bad
+    out, lse = sdpa(q, k, v, **kw)
+    assert np.isnan(out[1, 2, 5]).all() and np.isnan(lse[1, 2, 5])
+    assert np.all(out[:, :, 8] == 0) and np.all(lse[:, :, 8] == -np.inf)
+    rows = np.ones(out.shape[:-1], dtype=bool)
+    rows[1, 2, 5] = False
+    np.testing.assert_array_equal(out[rows], clean[rows])
+    np.testing.assert_array_equal(lse[rows], clean_lse[rows])
+    # keys and values broadcast over the batch; a strided view of the queries
+    out1, lse1 = sdpa(q[:, :, 5:6], k[:1], v[:1], implementation="numba_cpu",
+                      enable_gqa=True, return_lse=True)
+    assert np.isnan(out1[1, 2, 0]).all() and np.isnan(lse1[1, 2, 0])
+    assert np.isfinite(out1[0]).all() and np.isfinite(out1[1, [0, 1, 3]]).all()

@@ -816,3 +816,25 @@ def test_no_floating_point_warning_escapes(dtype_name, tiles):
         assert np.isnan(out[0, 3, 9]).all() and np.isfinite(out[0, 0]).all()
         out, _ = run(q, k, v, dtype_name, is_causal=True)    # and through the public function
         assert np.isnan(out[0, 3, 9]).all()
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf])
+def test_query_whose_scores_are_all_minus_inf_is_nan(dtype_name, tiles, bad):
+    """inf in a query whose keys all have the opposite sign there makes every score of the
+    row -inf: not a fully masked row, so NaN (out and lse), not 0; a fully masked row with a
+    finite query is still 0 and -inf, and the other rows are right."""
+    q, k, v = problem(47, tq=13, tk=17)
+    k[..., 0] = -np.sign(bad) * (np.abs(k[..., 0]) + 0.5)       # all opposite to ``bad``
+    mask = np.ones((13, 17), dtype=bool)
+    mask[8] = False                                              # a fully masked row
+    clean = run(q, k, v, dtype_name, mask, enable_gqa=True)
+    q[1, 2, 5, 0] = bad
+    for causal in (False, True):
+        out, lse = run(q, k, v, dtype_name, mask, enable_gqa=True, is_causal=causal)
+        assert np.isnan(out[1, 2, 5]).all() and np.isnan(lse[1, 2, 5])
+        assert np.all(out[:, :, 8] == 0) and np.all(lse[:, :, 8] == -np.inf)
+        if not causal:
+            rows = np.ones(out.shape[:-1], dtype=bool)
+            rows[1, 2, 5] = False
+            assert_close(out[rows], clean[0][rows], dtype_name)
+            assert_lse_close(lse[rows], clean[1][rows], dtype_name)

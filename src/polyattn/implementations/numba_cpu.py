@@ -477,7 +477,23 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     if items.size:
         call.run(kernels()["forward"], *call.common(), items, call.fparams, call.iparams,
                  out, lse)
+    _keep_non_finite_rows(call, out, lse)
     return out.reshape((*call.batch, h, tq, call.ev)), lse.reshape((*call.batch, h, tq))
+
+
+def _keep_non_finite_rows(call: _Call, out: np.ndarray, lse: np.ndarray) -> None:
+    """NaN in the rows the kernel reports as fully masked (0, lse -inf) whose query holds a
+    non-finite value: inf times keys all negative there makes every score -inf, which is
+    not a fully masked row, and NaN never disappears (DESIGN §4.2). Looked at only where
+    some row is empty."""
+    empty = np.isneginf(lse)                                      # (B, H, Tq)
+    if not empty.any():
+        return
+    b, h, t = np.nonzero(empty)
+    rows = call.q4[call.qmap[b], h, t]                            # (n, E)
+    lost = ~np.isfinite(rows).all(axis=-1)
+    out[b[lost], h[lost], t[lost]] = np.nan
+    lse[b[lost], h[lost], t[lost]] = np.nan
 
 
 def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,
