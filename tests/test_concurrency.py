@@ -513,10 +513,13 @@ def test_numpy_path_hold_is_shared_by_overlapping_holders(monkeypatch):
     assert blas.calls == [1, 4]
 
 
-def test_numpy_path_shared_blas_setting_is_checked(monkeypatch):
+@pytest.mark.parametrize("libs", ["holdable", "none"])
+def test_numpy_path_shared_blas_setting_is_checked(monkeypatch, libs):
+    """An unknown SHARED_BLAS is a ValueError naming it, whatever BLAS is found."""
     from polyattn.implementations import numpy_chunked
 
-    monkeypatch.setattr(numpy_chunked, "_blas_libs", ((_CountingBLAS(), None),))
+    found = ((_CountingBLAS(), None),) if libs == "holdable" else ()
+    monkeypatch.setattr(numpy_chunked, "_blas_libs", found)
     monkeypatch.setattr(numpy_chunked, "SHARED_BLAS", "always")
     with pytest.raises(ValueError, match=r"SHARED_BLAS must be 'limit' .* or 'leave' .*"
                                          r"got 'always'"):

@@ -234,12 +234,13 @@ def threading_mode() -> str:
     a library has several threads and no thread-local setter: the items then run in
     the calling thread, with BLAS on its own threads.
     """
+    setting = _shared_blas_setting()
     libs = _blas_libraries()
     if not libs:
         return "inline"
     if all(setter is not None or lib.num_threads == 1 for lib, setter in libs):
         return "pool"
-    return "pool" if _shared_blas_setting() == "limit" else "inline"
+    return "pool" if setting == "limit" else "inline"
 
 
 # The process-wide hold of the BLAS libraries without a thread-local setter: the number of
