@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import pytest
 from _support import IMPLEMENTATIONS, use_implementation
-from helpers import Backend, ref_attention, ref_scores, to_numpy, to_xp
+from helpers import Backend, ref_attention, to_numpy, to_xp
 
 import polyattn
 
@@ -93,24 +93,6 @@ def assert_nan_or_right(got, ref, where, what="out"):
     np.testing.assert_allclose(g[finite], r[finite], rtol=1e-9, atol=1e-12, err_msg=what)
 
 
-def runs_the_numpy_fast_path(backend, implementation):
-    """Whether the call runs the NumPy fast path (numpy_chunked, on NumPy arrays, on the
-    NumPy views of torch CPU tensors, or in the tasks of the Dask plan) or numba_cpu."""
-    return implementation == "numba_cpu" or (
-        implementation == "chunked" and backend in (Backend.NUMPY, Backend.TORCH)) or (
-        implementation == "auto" and backend is Backend.DASK)
-
-
-def expect_fast_path_to_lose_the_row(request, backend, implementation):
-    """A query row holding inf whose scores are all -inf: the NumPy fast path and the
-    numba_cpu kernel report it as fully masked (0) rather than NaN, a known defect of
-    theirs (strict: this marker goes once they keep such rows NaN)."""
-    if runs_the_numpy_fast_path(backend, implementation):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="numpy_chunked and numba_cpu report a row whose scores "
-            "are all -inf as fully masked even when its query holds inf"))
-
-
 # --------------------------------------------------------------------------- #
 # NaN and inf in a query row
 # --------------------------------------------------------------------------- #
@@ -128,7 +110,7 @@ QUERY_VARIANTS = {
 
 @pytest.mark.parametrize("bad_value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("variant", sorted(QUERY_VARIANTS))
-def test_non_finite_query_row_gives_a_nan_row(request, backend, xp, device, implementation,
+def test_non_finite_query_row_gives_a_nan_row(backend, xp, device, implementation,
                                               variant, bad_value):
     """The row holding the value is NaN in every feature; every other row is finite and
     right (return_lse=False, so that "native" runs the libraries' own functions)."""
@@ -147,8 +129,6 @@ def test_non_finite_query_row_gives_a_nan_row(request, backend, xp, device, impl
              "alignment": options.get("causal_alignment", "top_left"),
              "window": options.get("window"), "key_lengths": options.get("key_lengths")}
     kk = np.repeat(k, h // hkv, axis=-3)
-    if np.isneginf(ref_scores(q_bad, kk, **rules)[bad]).all():
-        expect_fast_path_to_lose_the_row(request, backend, implementation)
     got = attend(xp, device, implementation, q_bad, k, v, **options)
     ref, _, _ = ref_attention(q, kk, np.repeat(v, h // hkv, axis=-3), **rules)
     assert np.isnan(got[bad]).all(), f"row {bad}: {got[bad]}"
@@ -178,11 +158,10 @@ def test_native_float32_query_row(backend, xp, device, monkeypatch, bad_value):
         np.testing.assert_allclose(got[others], ref[others], rtol=1e-4, atol=1e-5)
 
 
-def test_query_row_whose_scores_all_overflow_to_minus_inf_is_nan(request, backend, xp, device,
+def test_query_row_whose_scores_all_overflow_to_minus_inf_is_nan(backend, xp, device,
                                                                  implementation):
     """A row whose scores are all -inf because its query holds -inf (every key positive
     there) sees every key: it is not a fully masked row, and must not read 0."""
-    expect_fast_path_to_lose_the_row(request, backend, implementation)
     q, k, v = inputs(3)
     k[..., 0] = np.abs(k[..., 0]) + 0.5
     q_bad = q.copy()
