@@ -95,9 +95,10 @@ def test_dispatch_budget_override(monkeypatch):
     assert "POLYATTN_SCORE_BUDGET" in polyattn.explain(q, q, q).reason
     monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "0")
     assert polyattn.explain(q[..., :1, :], q, q).implementation == "chunked"
-    monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "lots")
-    with pytest.raises(ValueError, match="POLYATTN_SCORE_BUDGET"):
-        polyattn.explain(q, q, q)
+    for bad in ("lots", "-5", "inf", "nan"):
+        monkeypatch.setenv("POLYATTN_SCORE_BUDGET", bad)
+        with pytest.raises(ValueError, match=f"POLYATTN_SCORE_BUDGET must be .*; got '{bad}'"):
+            polyattn.explain(q, q, q)
 
 
 @pytest.mark.parametrize(("tq", "tk"), [(13, 13), (7, 17), (17, 7), (1, 9)])

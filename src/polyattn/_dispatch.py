@@ -27,6 +27,7 @@ speed figures behind them, each with the machine it was measured on, are in
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -68,11 +69,15 @@ def score_budget(xp: Any = None) -> int:
     """
     env = os.environ.get("POLYATTN_SCORE_BUDGET")
     if env:
+        usage = ("POLYATTN_SCORE_BUDGET must be a finite number of bytes >= 0 (the "
+                 "largest score matrix materialised whole, e.g. 1e6; 0 streams every call)")
         try:
-            return int(float(env))
+            value = float(env)
         except ValueError as exc:
-            raise ValueError(
-                f"POLYATTN_SCORE_BUDGET must be a number of bytes; got {env!r}") from exc
+            raise ValueError(f"{usage}; got {env!r}") from exc
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{usage}; got {env!r}")
+        return int(value)
     if xp is not None and is_numpy(xp):
         return NUMPY_SCORE_BUDGET_BYTES
     return SCORE_BUDGET_BYTES
@@ -281,8 +286,9 @@ def _budget_reason(score_bytes: int, budget: int, numpy: bool) -> tuple[str, str
 def _budget_name(numpy: bool) -> str:
     """Where the budget comes from, for people: the setting or the named constant."""
     if os.environ.get("POLYATTN_SCORE_BUDGET"):
-        return "POLYATTN_SCORE_BUDGET"
-    return "NUMPY_SCORE_BUDGET_BYTES" if numpy else "SCORE_BUDGET_BYTES"
+        return "set by POLYATTN_SCORE_BUDGET"
+    constant = "NUMPY_SCORE_BUDGET_BYTES" if numpy else "SCORE_BUDGET_BYTES"
+    return f"{constant}; POLYATTN_SCORE_BUDGET sets another"
 
 
 def _dense_mask_cost(problem: Problem, score_bytes: int, budget: int) -> str | None:
