@@ -512,6 +512,10 @@ HYPER = {
                         ("`tokenizer.ggml.model`", "'llama'")),
     "alignment 3": ({"general.alignment": (3, U32, None)},
                     ("`general.alignment`", "power of two", "got 3")),
+    "merge making no token": ({"tokenizer.ggml.merges": (["Ġ"], VT.ARRAY, VT.STRING)},
+                              ("`tokenizer.ggml.merges` entry 0", "got 'Ġ'")),
+    "pre-tokenizer unknown": ({"tokenizer.ggml.pre": ("weird", VT.STRING, None)},
+                              ("`tokenizer.ggml.pre`", "'smollm'", "'weird'")),
 }
 
 

@@ -140,6 +140,13 @@ def test_missing_file_is_a_clear_error(tmp_path, monkeypatch):
         smollm2.model_file()
 
 
+def test_a_folder_is_not_taken_for_a_missing_file(tmp_path, monkeypatch):
+    (tmp_path / "folder.gguf").mkdir()
+    monkeypatch.setenv("POLYATTN_SMOLLM2_GGUF", str(tmp_path / "folder.gguf"))
+    with pytest.raises(FileNotFoundError, match=r"folder\.gguf is a folder; give the path"):
+        smollm2.model_file()
+
+
 def _find_spec_without(monkeypatch, *absent):
     """Make ``importlib.util.find_spec`` report ``absent`` modules missing, ``gguf`` present."""
     real = smollm2.importlib.util.find_spec
@@ -292,13 +299,40 @@ def test_ragged_token_ids_point_to_lengths_and_generate(tiny):
     assert [len(o) for o in out] == [2, 2]
 
 
-@pytest.mark.parametrize("seed", [-1, 1.5, True, "0"])
-def test_seed_must_be_a_non_negative_int(tiny, seed):
-    with pytest.raises(ValueError, match=rf"`seed` must be a non-negative int or None; got "
-                                         rf"{re.escape(repr(seed))}"):
+@pytest.mark.parametrize(("seed", "error"), [(-1, ValueError), (1.5, TypeError),
+                                             (True, TypeError), ("0", TypeError)])
+def test_seed_must_be_a_non_negative_int(tiny, seed, error):
+    with pytest.raises(error, match=rf"`seed` must be a non-negative int or None; got "
+                                    rf".*{re.escape(repr(seed))}"):
         tiny.generate([1, 2], 3, temperature=0.5, seed=seed)
-    with pytest.raises(ValueError, match="`seed`"):
+    with pytest.raises(error, match="`seed`"):
         list(tiny.stream([1, 2], 3, temperature=0.5, seed=seed))
+
+
+@pytest.mark.parametrize(("temperature", "error"), [(-1.0, ValueError), (float("nan"), ValueError),
+                                                    ("0.5", TypeError), (None, TypeError),
+                                                    (True, TypeError)])
+def test_temperature_must_be_a_finite_number(tiny, temperature, error):
+    with pytest.raises(error, match="`temperature` must be a"):
+        tiny.generate([1, 2], 3, temperature=temperature)
+
+
+def test_a_cache_that_cannot_be_allocated_says_so(tiny, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise MemoryError("Unable to allocate 5.59 PiB")
+
+    monkeypatch.setattr(smollm2.polyattn, "KVCache", refuse)
+    with pytest.raises(MemoryError, match=r"`batch_size` 1000000000 x `capacity` 64 tokens "
+                                          r"needs .* could not be allocated"):
+        tiny.new_cache(10**9, 64)
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"hi"])
+def test_chat_prompt_takes_text_only(bad):
+    with pytest.raises(TypeError, match="`message` must be a str"):
+        smollm2.chat_prompt(bad)
+    with pytest.raises(TypeError, match="`system` must be a str"):
+        smollm2.chat_prompt("hi", system=bad)
 
 
 def test_seeded_sampling_repeats(tiny):

