@@ -175,6 +175,11 @@ def test_update_never_downcasts_and_upcasts_exactly():
     (np.array([1.0, 2.0]), TypeError, r"`lengths` must have an integer dtype.*float64"),
     (np.array([3, 1]), ValueError, r"`lengths` must lie in \[0, Tnew\] = \[0, 2\].*to 3"),
     (np.array([-1, 1]), ValueError, r"`lengths` must lie in"),
+    # a uint64 beyond int64 is quoted as given, not as the index dtype wraps it (-1)
+    (np.array([2**64 - 1, 1], dtype=np.uint64), ValueError,
+     r"`lengths` must lie in .*from 1 to 18446744073709551615"),
+    (3, ValueError, r"`lengths` must lie in \[0, Tnew\] = \[0, 2\].*got 3"),
+    (2**70, ValueError, r"`lengths` must lie in .*got 1180591620717411303424"),
     (np.array([1, 1, 1]), ValueError, r"`lengths` must broadcast to .* \(2,\); got shape \(3,\)"),
     (1.5, TypeError, r"`lengths` must be an integer array \(B…,\) or an int; got float"),
     (True, TypeError, r"`lengths` must be an integer array"),

@@ -141,6 +141,31 @@ def test_longdouble_multi_head_attention():
 
 
 @needs_longdouble
+def test_longdouble_masks():
+    """A float mask is added to the scores: float128 would be cast down, so it is refused
+    too (a float64 mask, added to float32 scores, is the float mask the result dtype takes)."""
+    q, k, v = _qkv()
+    mask = np.zeros((4, 4), dtype=np.longdouble)
+    with pytest.raises(TypeError, match=r"`attn_mask` must be boolean .*got dtype float128.*"
+                                        r"float16, float32 or float64"):
+        polyattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    mha = polyattn.MultiHeadAttention(8, 2, dtype=np.float64, seed=0)
+    x = np.random.default_rng(1).standard_normal((2, 4, 8))
+    with pytest.raises(TypeError, match=r"`key_padding_mask` must be boolean .*float64.*"
+                                        r"got dtype float128"):
+        mha(x, key_padding_mask=np.zeros((2, 4), dtype=np.longdouble))
+    assert polyattn.scaled_dot_product_attention(
+        q, k, v, attn_mask=np.zeros((4, 4), dtype=np.float16)).dtype == np.float64
+
+
+@pytest.mark.parametrize(("seed", "error"), [("a", TypeError), (1.5, TypeError),
+                                             (True, TypeError), (-1, ValueError)])
+def test_multihead_seed_is_checked(seed, error):
+    with pytest.raises(error, match="`seed` must be"):
+        polyattn.MultiHeadAttention(8, 2, seed=seed)
+
+
+@needs_longdouble
 def test_longdouble_grad_out():
     (out, lse), pullback = polyattn.attention_vjp(*_qkv(), return_lse=True)
     with pytest.raises(TypeError) as exc:

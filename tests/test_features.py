@@ -379,6 +379,18 @@ def test_window_as_wide_as_the_keys_is_no_window(xp, device, dtype_name, impleme
     assert_same(wide, plain, dtype_name)
 
 
+@pytest.mark.parametrize("window", [(2**70, 0), (2**63, 2**64), (None, 2**100)])
+def test_window_beyond_any_integer_is_no_window(xp, device, dtype_name, implementation,
+                                                window):
+    rng = np.random.default_rng(7)
+    q, k, v = inputs(rng, tq=6, tk=9)
+    common = {"enable_gqa": True, "causal_alignment": "bottom_right"}
+    wide = run(xp, device, dtype_name, implementation, q, k, v, window=window, **common)
+    plain = run(xp, device, dtype_name, implementation, q, k, v,
+                window=tuple(w if w is None or w < 9 else 9 for w in window), **common)
+    assert_same(wide, plain, dtype_name)
+
+
 def test_huge_softcap_is_no_softcap(xp, device, dtype_name, implementation):
     rng = np.random.default_rng(8)
     q, k, v = inputs(rng, tq=6, tk=9)

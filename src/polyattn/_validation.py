@@ -15,6 +15,9 @@ from ._compat import Array, Namespace, library_name
 IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda", "distributed",
                    "numba_cpu")
 ALIGNMENTS = ("top_left", "bottom_right")
+#: The widest window side kept as given: 2^62 reaches past any sequence, and positions
+#: (64-bit integers) plus or minus it do not overflow.
+WINDOW_SIDE_MAX = 2**62
 #: "BHTE": (B…, H, T, E), as torch; "BTHE": (B…, T, H, E), as JAX, Flax, Keras, FlashAttention.
 LAYOUTS = ("BHTE", "BTHE")
 
@@ -202,7 +205,8 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
         if n < 0:
             raise ValueError(f"{usage}; got {window!r} (its {side} side is negative; "
                              "FlashAttention's -1 for an unbounded side is None here)")
-        sides.append(int(n))
+        # wider than any sequence is as wide as it: held where positions can add to it
+        sides.append(min(int(n), WINDOW_SIDE_MAX))
     return sides[0], sides[1]
 
 

@@ -268,7 +268,11 @@ class KVCache:
         if lengths is None:
             lengths = tnew
         if isinstance(lengths, int) and not isinstance(lengths, bool):
+            if not 0 <= lengths <= tnew:
+                raise ValueError(f"`lengths` must lie in [0, Tnew] = [0, {tnew}] (Tnew: new "
+                                 f"tokens given); got {lengths}")
             counts = xp.full(batch, lengths, dtype=dtype, device=dev)
+            values = None
         elif not (hasattr(lengths, "shape") and hasattr(lengths, "dtype")):
             raise TypeError(f"`lengths` must be an integer array (B…,) or an int; got "
                             f"{type(lengths).__name__} {lengths!r}")
@@ -286,8 +290,9 @@ class KVCache:
             if not fits:
                 raise ValueError(f"`lengths` must broadcast to the batch dimensions B… = "
                                  f"{batch}; got shape {shape_str(given)}")
+            # checked before the cast, which would wrap 2**64 - 1 (uint64) to -1
+            values = concrete_values(given)
             counts = xp.broadcast_to(xp.astype(given, dtype), batch)
-        values = concrete_values(counts)
         if values is not None and values.size and (values.min() < 0 or values.max() > tnew):
             raise ValueError(f"`lengths` must lie in [0, Tnew] = [0, {tnew}] (Tnew: new tokens "
                              f"given); got values from {int(values.min())} to "

@@ -15,6 +15,8 @@ from ._validation import (
     check_broadcastable_to,
     check_choice,
     check_nonnegative_int,
+    floats_text,
+    is_supported_float,
     shape_str,
 )
 
@@ -95,11 +97,14 @@ def normalise_mask(attn_mask: Array | None, target: tuple[int, ...], compute_dty
     """
     if attn_mask is None:
         return None
-    if attn_mask.dtype != xp.bool and not xp.isdtype(attn_mask.dtype, "real floating"):
+    if attn_mask.dtype != xp.bool and not is_supported_float(attn_mask.dtype, xp):
+        floating = xp.isdtype(attn_mask.dtype, "real floating")
         raise TypeError(
             f"`attn_mask` must be boolean (True = attend) or real floating (added to the "
             f"scores); got dtype {attn_mask.dtype} ({library_name(xp)} array of shape "
             f"{shape_str(attn_mask)})"
+            + (f"; no implementation adds {attn_mask.dtype} at its own precision: cast the "
+               f"mask to one of {floats_text(xp)}" if floating else "")
         )
     check_broadcastable_to("attn_mask", attn_mask, target, "the scores' shape (B…, H, Tq, Tk) =")
     missing = len(target) - attn_mask.ndim

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +40,8 @@ from ._validation import (
     check_floating,
     check_min_ndim,
     check_nonnegative_int,
+    floats_text,
+    is_supported_float,
     shape_str,
 )
 from .attention import attention_weights, scaled_dot_product_attention
@@ -116,9 +119,10 @@ def _padding_to_attn_mask(key_padding_mask: Array, key: Array, xp: Namespace) ->
                          f"{shape_str(kpm)} (key {shape_str(key)})")
     if kpm.dtype == xp.bool:
         kpm = xp.logical_not(kpm)                              # True = attend
-    elif not xp.isdtype(kpm.dtype, "real floating"):
+    elif not is_supported_float(kpm.dtype, xp):
         raise TypeError(f"`key_padding_mask` must be boolean (True = ignore the key, as in "
-                        f"torch) or real floating (added to the scores); got dtype {kpm.dtype}")
+                        f"torch) or real floating ({floats_text(xp)}; added to the scores); "
+                        f"got dtype {kpm.dtype}")
     return xp.reshape(kpm, (*kpm.shape[:-1], 1, 1, tk))        # (B…, 1, 1, Tk)
 
 
@@ -510,6 +514,10 @@ class MultiHeadAttention:
         self.batch_first = check_bool("batch_first", batch_first)
         xp = resolve_xp(xp)
         dtype = xp.float32 if dtype is None else check_float_dtype("dtype", dtype, xp)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise TypeError(f"`seed` must be an int or None; got {type(seed).__name__} {seed!r}")
+        if seed is not None and seed < 0:
+            raise ValueError(f"`seed` must be a non-negative int or None; got {seed}")
         rng = np.random.default_rng(seed)
         e = embed_dim // self.num_heads
         kv = self.num_kv_heads * e
