@@ -927,8 +927,11 @@ def load(path: str | os.PathLike[str] | None = None, *, xp: Any = None,
     ImportError
         ``gguf`` is installed but cannot be imported; the message says why.
     ValueError
-        The file is not a GGUF file, or not of a Llama model with a
-        byte-level BPE vocabulary.
+        The file is not a GGUF file, is truncated or malformed, or is not of
+        a Llama model with a byte-level BPE vocabulary: the message names the
+        file and the field.
+    FileNotFoundError
+        The path does not exist, or is a folder.
 
     Examples
     --------
