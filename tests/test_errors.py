@@ -267,6 +267,31 @@ def _from_torch_bias_kv(xp, dev):
     return polyattn.MultiHeadAttention.from_torch(module)
 
 
+def _longdouble(*shape):
+    if np.dtype(np.longdouble) == np.dtype(np.float64):
+        pytest.skip("np.longdouble is float64 on this platform")
+    return np.zeros(shape, dtype=np.longdouble)
+
+
+def _from_torch_linear(xp, dev):
+    torch = pytest.importorskip("torch")
+    return polyattn.MultiHeadAttention.from_torch(torch.nn.Linear(3, 3))
+
+
+def _with_budget(value):
+    def call(xp, dev):
+        previous = os.environ.get("POLYATTN_SCORE_BUDGET")
+        os.environ["POLYATTN_SCORE_BUDGET"] = value
+        try:
+            return polyattn.explain(*qkv(np, None))
+        finally:
+            if previous is None:
+                del os.environ["POLYATTN_SCORE_BUDGET"]
+            else:
+                os.environ["POLYATTN_SCORE_BUDGET"] = previous
+    return call
+
+
 def _numba_without_cuda(function):
     def call(xp, dev):
         q = np.zeros((1, 2, 8, 4))
@@ -576,6 +601,38 @@ NUMPY = [
     Case("key_lengths above Tk", "explain",
          lambda xp, dev: polyattn.explain(*qkv(np, None), key_lengths=np.array([3, 8])),
          ValueError, ("`key_lengths`", "[0, 6]", "from 3 to 8")),
+    Case("negative POLYATTN_SCORE_BUDGET", "explain", _with_budget("-5"),
+         ValueError, ("POLYATTN_SCORE_BUDGET", ">= 0", "got '-5'")),
+    # float128 (np.longdouble): no path computes it at its own precision
+    Case("float128 query", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(_longdouble(2, 3, 4, 5), *qkv(np, None)[1:]),
+         TypeError, ("`query`", "float16, float32 or float64", "bfloat16", "got float128")),
+    Case("float128 mask", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(np, None), attn_mask=_longdouble(4, 6)),
+         TypeError, ("`attn_mask`", "float128", "float16, float32 or float64")),
+    Case("float128 input", "softmax", lambda xp, dev: polyattn.softmax(_longdouble(3)),
+         TypeError, ("`x`", "bfloat16", "got float128")),
+    Case("float128 dtype", "KVCache",
+         lambda xp, dev: (_longdouble(1), polyattn.KVCache((2,), 1, 4, 4,
+                                                           dtype=np.longdouble))[1],
+         TypeError, ("`dtype`", "bfloat16", "longdouble")),
+    Case("float128 query", "attention_vjp",
+         lambda xp, dev: polyattn.attention_vjp(_longdouble(2, 3, 4, 5), *qkv(np, None)[1:]),
+         TypeError, ("`query`", "bfloat16", "got float128")),
+    # pullbacks
+    Case("grad_out None", "attention_vjp",
+         lambda xp, dev: polyattn.attention_vjp(*qkv(np, None))[1](None),
+         TypeError, ("`grad_out` must be an array", "(2, 3, 4, 7)", "got NoneType")),
+    Case("float64 grad_out for a float32 result", "attention_vjp",
+         lambda xp, dev: polyattn.attention_vjp(*qkv(np, None, dtype="float32"))[1](
+             np.zeros((2, 3, 4, 7))),
+         TypeError, ("`grad_out` is float64", "`out` is float32", "lose precision")),
+    # multi-head attention
+    Case("not a torch MultiheadAttention", "MultiHeadAttention", _from_torch_linear,
+         TypeError, ("`module`", "torch.nn.MultiheadAttention", "Linear")),
+    Case("seed not an integer", "MultiHeadAttention",
+         lambda xp, dev: polyattn.MultiHeadAttention(8, 2, seed="a"),
+         TypeError, ("`seed`", "int or None", "'a'")),
 ]
 
 
