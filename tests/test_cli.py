@@ -129,7 +129,8 @@ def test_user_errors_are_one_line(capsys, argv, expected):
 
 
 @pytest.mark.parametrize(("backend", "fix"), [
-    ("torch", "pip install 'polyattn[torch]'"),
+    ("torch", "pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU "
+              "build;"),
     ("jax", "pip install 'polyattn[jax]'"),
     ("dask", "pip install 'polyattn[dask]'"),
     ("cupy", "pip install 'polyattn[cuda]'"),
@@ -288,8 +289,9 @@ def test_minilm_demo_runs(capsys):
     except (ModuleNotFoundError, FileNotFoundError) as exc:
         pytest.skip(f"the MiniLM weights or their readers are not installed: {exc}")
     assert cli.main(["demo", "--model", "minilm", "--layer", "0", "--head", "3"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "layer 0, head 3" in out and "attends most to" in out
+    assert err == "" and "shown: the first" not in out     # nothing cut, nothing left out
 
 
 # --- hostile arguments: one line on stderr, exit status 2, no work done ------------------------
@@ -493,6 +495,12 @@ def test_format_bytes():
     assert cli.format_bytes(999_499) == "999 kB (999,499 bytes)"
     assert cli.format_bytes(999_500) == "1 MB (999,500 bytes)"
     assert cli.format_bytes(4_608_230_400) == "4.61 GB (4,608,230,400 bytes)"
+    assert cli.format_bytes(46_080_000_000 * 10 ** 12) == (
+        "46.1 ZB (46,080,000,000,000,000,000,000 bytes)")
+    assert cli.format_bytes(10 ** 15).startswith("1 PB (")
+    assert cli.format_bytes(2 ** 64 - 1).startswith("18.4 EB (")
+    assert cli.format_bytes(999_499 * 10 ** 21).startswith("999 YB (")
+    assert cli.format_bytes(10 ** 30) == "1e+30 bytes"
 
 
 def test_bench_interrupted_exits_130_without_traceback(capsys, monkeypatch):
@@ -636,7 +644,7 @@ def test_generate_passes_on_the_models_own_refusal_in_one_line(capsys, monkeypat
     assert cli.main(["generate", "Hi"]) == 2
     out, err = capsys.readouterr()
     assert err == "polyattn generate: error: `max_new_tokens` is too many\n"
-    assert out == "Hi\n"                                 # the prompt's line is ended
+    assert out == ""                            # the prompt waits for the first token
 
 
 def test_generate_a_prompt_without_tokens(capsys, monkeypatch):
@@ -750,3 +758,176 @@ def test_generate_a_model_file_that_cannot_be_read(capsys, monkeypatch):
     monkeypatch.setattr(smollm2, "load", unreadable)
     line = one_line_error(capsys, ["generate", "Hi"], "polyattn generate")
     assert "cannot read the model file: [Errno 13] Permission denied: '/models/x.gguf'" in line
+
+
+# --- environment variables: read as the library reads them, refused before any work ------------
+
+COMMANDS = [["info"], ["warmup"], ["demo"], ["demo", "--model", "minilm"],
+            ["bench", "--shape", "1,1,64,16"], ["generate", "hi"]]
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("POLYATTN_SCORE_BUDGET", "abc"), ("POLYATTN_SCORE_BUDGET", "-5"),
+    ("POLYATTN_SCORE_BUDGET", "1e400"), ("POLYATTN_NUMBA_CPU", "maybe"),
+    ("POLYATTN_CUDA_KERNEL", "fastest"), ("POLYATTN_CUDA_FLOAT32", "tf32"),
+])
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_a_bad_environment_variable_is_one_line_before_any_work(capsys, monkeypatch, argv,
+                                                                variable, value):
+    monkeypatch.setenv(variable, value)
+    line = one_line_error(capsys, argv, f"polyattn {argv[0]}")
+    assert variable in line and repr(value) in line
+    assert "--model minilm" not in line            # the model folder is not blamed
+
+
+def test_the_environment_is_read_by_the_librarys_own_functions(capsys, monkeypatch):
+    from polyattn import _dispatch
+
+    def refuses(xp=None):
+        raise ValueError("POLYATTN_SCORE_BUDGET: a rule of the library\nsecond line")
+
+    monkeypatch.setattr(_dispatch, "score_budget", refuses)
+    line = one_line_error(capsys, ["bench"], "polyattn bench")
+    assert line == "polyattn bench: error: POLYATTN_SCORE_BUDGET: a rule of the library"
+
+
+def test_accepted_environment_variables_are_shown_by_info(capsys, monkeypatch):
+    monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "0")       # 0: every call streams
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "off")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "polyattn variables: POLYATTN_SCORE_BUDGET=0 POLYATTN_NUMBA_CPU=off" in out
+
+
+# --- --save-png: a .png in a folder ------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "example"), [("w.txt", "w.png"), ("noext", "noext.png"),
+                                               ("w.jpg", "w.png"), ("w.", "w.png")])
+@pytest.mark.parametrize("model", ["toy", "minilm"])
+def test_save_png_needs_a_png_name(capsys, tmp_path, name, example, model):
+    path = tmp_path / name
+    line = one_line_error(capsys, ["demo", "--model", model, "--save-png", str(path)],
+                          "polyattn demo")
+    assert line.endswith(f"--save-png {path}: the file name must end in .png (the heatmap is "
+                         f"written as a PNG image); e.g. {tmp_path / example}")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("below", ["x.png", "a/x.png"])
+def test_save_png_below_a_file_says_it_is_not_a_folder(capsys, tmp_path, below):
+    (tmp_path / "f").write_text("")
+    path = tmp_path / "f" / below
+    line = one_line_error(capsys, ["demo", "--save-png", str(path)], "polyattn demo")
+    assert line.endswith(f"--save-png {path}: {tmp_path / 'f'} is not a folder (it is a file); "
+                         "choose a file name in a folder")
+
+
+# --- generate: the cache against the memory, MemoryError, one token --------------------------
+
+def test_generate_refuses_a_cache_beyond_the_memory(capsys, monkeypatch):
+    model = _tiny_model(context_length=2 ** 32 - 1)   # a context too large to protect anything
+    _serve(monkeypatch, model)
+    need, per_token = _cache_nbytes(model, 2 + 5), _cache_nbytes(model, 1)
+    monkeypatch.setattr(cli, "available_memory", lambda: need - 1)
+    argv = ["generate", "Hi", "--max-new-tokens", "5"]
+    line = one_line_error(capsys, argv, "polyattn generate")
+    assert line == ("polyattn generate: error: --max-new-tokens 5 and the prompt's 2 tokens make "
+                    f"7 tokens, whose cache would take {cli.format_bytes(need)} in float32, but "
+                    f"{cli.format_bytes(need - 1)} of memory is available; give "
+                    "--max-new-tokens 4 or less")
+    monkeypatch.setattr(cli, "available_memory", lambda: 2 * per_token)
+    line = one_line_error(capsys, argv, "polyattn generate")
+    assert line.endswith("; not even one new token fits: free some memory or shorten the prompt")
+    monkeypatch.setattr(cli, "available_memory", lambda: need)       # just enough
+    assert cli.main(argv) == 0
+    assert "5 tokens in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("before", [0, 2])
+def test_generate_out_of_memory_is_one_line(capsys, monkeypatch, before):
+    class Starved:
+        tokenizer = _Tokenizer()
+
+        def stream(self, ids, max_new_tokens, **kwargs):
+            yield from [ord("a")] * before
+            raise MemoryError("Unable to allocate 59.6 GiB for an array\nsecond line")
+
+    _serve(monkeypatch, Starved())
+    assert cli.main(["generate", "Hi"]) == 2
+    out, err = capsys.readouterr()
+    where = "after 2 tokens" if before else "before the first token"
+    assert err == (f"polyattn generate: error: out of memory {where} (Unable to allocate 59.6 "
+                   "GiB for an array); give a smaller --max-new-tokens or a shorter prompt, or "
+                   "free some memory\n")
+    assert out == ("Hiaa\n" if before else "")
+
+
+def test_generate_one_token_has_no_speed_of_nan(capsys, monkeypatch):
+    _serve(monkeypatch, _tiny_model())
+    assert cli.main(["generate", "Hi", "--max-new-tokens", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Hi")
+    assert re.fullmatch(r"1 token in [\d.]+ s: prompt of 2 tokens \d+ ms \(numpy, float32; "
+                        r"model read in [\d.]+ s\)\n", err), err
+
+
+# --- numbers: negative values reach their checks, --shape takes what --head takes ------------
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["bench", "--shape", "-1,1,16,16"], "--shape must be four positive integers B,H,T,E such "
+                                         "as 1,8,1024,64; got '-1,1,16,16'"),
+    (["bench", "--shape", "-.5,1,1,1"], "such as 1,8,1024,64; got '-.5,1,1,1'"),
+    (["generate", "Hi", "--seed", "-1e3", "--temperature", "1"],
+     "--seed must be a non-negative integer; got -1000"),
+    (["bench", "--shape", "--causal"], "argument --shape: expected one argument"),
+])
+def test_negative_values_reach_their_checks(capsys, argv, expected):
+    line = one_line_error(capsys, argv, f"polyattn {argv[0]}")
+    assert line.endswith(expected)
+
+
+def test_options_after_a_double_dash_are_left_alone():
+    argv = ["generate", "--", "--seed", "-1"]
+    assert cli._attach_negative_values(argv) == argv
+
+
+@pytest.mark.parametrize(("text", "shape"), [("1e2,1,16,16", (100, 1, 16, 16)),
+                                             (" 2, 1_0,3.0e1,4", (2, 10, 30, 4))])
+def test_shape_takes_the_integers_other_options_take(text, shape):
+    assert cli.parse_shape(text) == shape
+
+
+def test_bench_with_a_shape_in_exponent_notation(capsys):
+    assert cli.main(["bench", "--shape", "1e1,1,8,4", "--repeat", "1"]) == 0
+    assert "shape (B, H, T, E) = (10, 1, 8, 4)" in capsys.readouterr().out
+
+
+# --- demo --model minilm: a sentence past 256 tokens, a long table ------------------------------
+
+def test_minilm_says_when_the_sentence_is_cut_and_shows_32_tokens(capsys):
+    from polyattn.models import minilm
+
+    try:
+        minilm.check_requirements()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        pytest.skip(f"the MiniLM weights or their readers are not installed: {exc}")
+    import tokenizers
+
+    sentence = " ".join(["movie", "good"] * 200)
+    whole = tokenizers.Tokenizer.from_file(str(minilm.model_dir() / "tokenizer.json"))
+    whole.no_truncation()
+    count = len(whole.encode(sentence).ids)
+    assert count > minilm.MAX_SEQ_LENGTH
+    assert cli.main(["demo", "--model", "minilm", "--sentence", sentence, "--layer", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert err == (f"note: the sentence has {count:,} tokens ([CLS] and [SEP] included); it was "
+                   f"cut to its first 256, as sentence-transformers does (the length "
+                   f"all-MiniLM-L6-v2 was trained with)\n")
+    lines = out.splitlines()
+    assert "(numpy, 256 tokens)" in lines[0]
+    assert ("shown: the first 32 of the 256 tokens, so the rows below leave out the weights on "
+            "the other 224") in lines
+    header = lines.index(next(ln for ln in lines if ln.startswith("query \\ key")))
+    table = lines[header:lines.index("", header)]
+    assert len(table) == 1 + 32 and all(len(row.split()) == 1 + 32 for row in table[1:])
+    assert sum("attends most to" in ln for ln in lines) == 32

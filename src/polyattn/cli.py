@@ -14,8 +14,9 @@
     attention is polyattn's; the text is printed as the tokens come, the speed
     at the end (on stderr).
 
-A mistake in the arguments or a missing optional package gives one line on
-stderr that names the argument and the fix, and exit status 2, before any work
+A mistake in the arguments, a ``POLYATTN_*`` environment variable the library
+would refuse, or a missing optional package gives one line on stderr that names
+the argument (or variable) and the fix, and exit status 2, before any work
 starts; no traceback. Ctrl-C stops with exit status 130, also without one.
 """
 
@@ -32,7 +33,7 @@ import time
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -53,7 +54,10 @@ LIBRARIES = [
 BACKENDS = ("numpy", "torch", "jax", "cupy", "dask", "array_api_strict")
 #: How to install each backend's library.
 INSTALL = {
-    "torch": "pip install 'polyattn[torch]'",
+    # a plain `pip install torch` (or polyattn[torch]) fetches a CUDA build of several GB
+    "torch": ("pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU "
+              "build; a plain pip install torch, or 'polyattn[torch]', fetches a CUDA build of "
+              "several GB)"),
     "jax": "pip install 'polyattn[jax]'",
     "dask": "pip install 'polyattn[dask]'",
     "cupy": "pip install 'polyattn[cuda]'",
@@ -189,6 +193,8 @@ def format_bytes(n: int) -> str:
     '4.61 GB (4,608,230,400 bytes)'
     >>> format_bytes(512)
     '512 bytes'
+    >>> format_bytes(46_080_000_000 * 10 ** 12)
+    '46.1 ZB (46,080,000,000,000,000,000,000 bytes)'
     """
     if n < 1000:
         return _plural(n, "byte")
@@ -197,7 +203,7 @@ def format_bytes(n: int) -> str:
         value /= 1000.0
         if value < 999.5:           # 999.5 and up round to "1e+03" in three digits
             return f"{value:.3g} {unit} ({n:,} bytes)"
-    return f"{n:,} bytes"
+    return f"{float(n):.3g} bytes"   # beyond a thousand YB: no unit is shorter
 
 
 def available_memory() -> int | None:
@@ -333,6 +339,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"CPUs: {cpu_summary()}")
     for line in blas_lines():
         print(line)
+    variables = environment_line()
+    if variables:
+        print(variables)
     return 0
 
 
@@ -395,6 +404,76 @@ def _pool_line(pool: dict[str, Any]) -> str:
     if pool.get("filepath"):
         parts.append(str(pool["filepath"]))
     return ", ".join(parts)
+
+
+# --- environment variables ---------------------------------------------------------------
+
+def _score_budget() -> None:
+    from ._dispatch import score_budget
+
+    score_budget()
+
+
+def _numba_cpu_setting() -> None:
+    from ._dispatch import numba_cpu_status
+
+    # The setting is parsed before the problem is looked at; a stand-in whose
+    # arrays are not NumPy's ends the check there, without importing Numba.
+    numba_cpu_status(cast(Any, _NoArrays()), by_name=False)
+
+
+class _NoArrays:
+    """A stand-in for an attention call (:func:`_numba_cpu_setting`): no NumPy arrays."""
+
+    xp = None
+
+
+def _cuda_kernel() -> None:
+    from .implementations import numba_cuda
+
+    numba_cuda.kernel_choice()
+
+
+def _cuda_float32() -> None:
+    from .implementations import numba_cuda_tc
+
+    numba_cuda_tc.float32_choice()
+
+
+#: The environment variables polyattn reads that have rules, each with a function that
+#: reads it as the library does (raising the library's ValueError for a value it refuses).
+#: POLYATTN_SMOLLM2_GGUF and POLYATTN_MINILM_DIR are paths, checked by the command that
+#: reads them (``generate``, ``demo --model minilm``).
+SETTINGS = {
+    "POLYATTN_SCORE_BUDGET": _score_budget,
+    "POLYATTN_NUMBA_CPU": _numba_cpu_setting,
+    "POLYATTN_CUDA_KERNEL": _cuda_kernel,
+    "POLYATTN_CUDA_FLOAT32": _cuda_float32,
+}
+#: Every environment variable polyattn reads (``info`` shows those set).
+VARIABLES = (*SETTINGS, "POLYATTN_SMOLLM2_GGUF", "POLYATTN_MINILM_DIR")
+
+
+def check_environment() -> None:
+    """Raise :class:`CLIError` for an environment variable the library would refuse.
+
+    Each variable of :data:`SETTINGS` is read by the library's own function,
+    so the rules live in one place; the first refusal is the message.
+    """
+    for name, read in SETTINGS.items():
+        try:
+            read()
+        except (ValueError, OverflowError) as exc:
+            text = _first_line(exc)
+            if name not in text:
+                text = f"{name}: {text}"
+            raise CLIError(shown(text)) from None
+
+
+def environment_line() -> str | None:
+    """``info``'s line of the polyattn environment variables set, ``None`` when none is."""
+    found = [f"{name}={shown(os.environ[name])}" for name in VARIABLES if name in os.environ]
+    return f"polyattn variables: {' '.join(found)}" if found else None
 
 
 def _numba_cpu_availability() -> tuple[bool, str]:
@@ -574,12 +653,32 @@ def check_png_path(path: str) -> None:
     if target.is_dir():
         raise CLIError(f"--save-png {shown(path)} is a folder; give a file name in it, e.g. "
                        f"{shown(str(target / 'weights.png'))}")
+    suffix = Path(path).suffix
+    if suffix.lower() != ".png":
+        example = (path[:-len(suffix)] if suffix else path.rstrip(".") or path) + ".png"
+        raise CLIError(f"--save-png {shown(path)}: the file name must end in .png (the heatmap "
+                       f"is written as a PNG image); e.g. {shown(example)}")
     if not parent.is_dir():
+        blocker = _existing_ancestor(target)
+        if blocker is not None and not blocker.is_dir():
+            raise CLIError(f"--save-png {shown(path)}: {shown(str(blocker))} is not a folder "
+                           "(it is a file); choose a file name in a folder")
         raise CLIError(f"--save-png {shown(path)}: the folder {shown(str(parent))} does not "
                        "exist")
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise CLIError(f"--save-png {shown(path)}: cannot write there (permission denied); "
                        "choose another place")
+
+
+def _existing_ancestor(path: Path) -> Path | None:
+    """The nearest of ``path``'s parents that exists (``None`` where none can be seen)."""
+    for ancestor in path.parents:
+        try:
+            if ancestor.exists():
+                return ancestor
+        except OSError:         # a folder that cannot be searched
+            return None
+    return None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -592,6 +691,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         head = 1 if args.head is None else args.head
         try:
             minilm.run_demo(args.sentence, layer, head, args.backend, args.save_png)
+        except BrokenPipeError:
+            raise                   # the reader went away (main() stops quietly)
         except (ValueError, OSError) as exc:   # a malformed model file, an unwritable PNG
             raise CLIError(f"--model minilm (the model in {shown(str(minilm.model_dir()))}): "
                            f"{_first_line(exc)}") from exc
@@ -675,11 +776,14 @@ def _naive(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np.ndar
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
-    """``--shape B,H,T,E`` as four positive integers; :class:`CLIError` otherwise."""
-    parts = text.split(",")
+    """``--shape B,H,T,E`` as four positive integers; :class:`CLIError` otherwise.
+
+    Each is written as :func:`integer` takes it (``1e3`` too), as for the other
+    integer options.
+    """
     try:
-        dims = tuple(int(n) for n in parts)
-    except ValueError:
+        dims = tuple(integer(n) for n in text.split(","))
+    except argparse.ArgumentTypeError:
         dims = ()
     if len(dims) != 4 or min(dims) < 1:
         raise CLIError(f"--shape must be four positive integers B,H,T,E such as 1,8,1024,64; "
@@ -842,6 +946,37 @@ def check_context(model: Any, prompt_tokens: int, args: argparse.Namespace) -> N
                    f"{limit - prompt_tokens} or less")
 
 
+def check_memory(model: Any, prompt_tokens: int, args: argparse.Namespace) -> None:
+    """Raise :class:`CLIError` if the cache of the prompt and ``--max-new-tokens`` would not
+    fit in the memory available (:func:`available_memory`; not checked where that cannot
+    be told, or for ``--backend cupy``, whose cache is on the GPU).
+
+    The cache grows by the same bytes each token, so the message says how many
+    new tokens do fit.
+    """
+    if args.backend == "cupy":
+        return
+    free = available_memory()
+    if free is None:
+        return
+    total = prompt_tokens + args.max_new_tokens
+    try:
+        need, per_token = _cache_bytes(model, total, args), _cache_bytes(model, 1, args)
+    except (AttributeError, TypeError, ValueError):
+        return                      # a model that cannot say: MemoryError is the fallback
+    if need <= free:
+        return
+    what = (f"--max-new-tokens {args.max_new_tokens} and the prompt's "
+            f"{_plural(prompt_tokens, 'token')} make {total:,} tokens, whose cache would take "
+            f"{format_bytes(need)} in {args.dtype}, but {format_bytes(free)} of memory is "
+            f"available")
+    fits = free // max(per_token, 1) - prompt_tokens
+    if fits < 1:
+        raise CLIError(f"{what}; not even one new token fits: free some memory or shorten the "
+                       f"prompt")
+    raise CLIError(f"{what}; give --max-new-tokens {fits} or less")
+
+
 def check_generate_args(args: argparse.Namespace) -> None:
     """Every check on ``generate``'s arguments that can fail before the model is read.
 
@@ -901,11 +1036,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"the prompt {args.prompt!r} gives no tokens (the vocabulary has none of "
                        "its characters); give other text")
     check_context(model, len(ids), args)
+    check_memory(model, len(ids), args)
     if args.seed is not None and args.temperature == 0.0:
         print("note: --seed has no effect without --temperature above 0 (greedy decoding "
               "draws nothing)", file=sys.stderr)
-    if not args.chat:
-        print(args.prompt, end="", flush=True)
+    # The prompt is printed with the first token, so that an argument the model
+    # refuses (or memory it cannot get) is told before anything is on stdout.
+    echo = "" if args.chat else args.prompt
     # A character's UTF-8 bytes may span tokens: the decoder holds back an
     # incomplete one until its last byte comes, and one still incomplete when
     # generation stops (cut by --max-new-tokens) is left out, not shown as U+FFFD.
@@ -919,26 +1056,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
             count += 1
             if count == 1:
                 first = time.perf_counter()
+                print(echo, end="", flush=True)
             if tok.tokens[token] not in special:
                 print(utf8.decode(tok.token_bytes(token)), end="", flush=True)
     except KeyboardInterrupt:
-        print(flush=True)           # end the text's line; the exit status says it was cut
+        if count:
+            print(flush=True)       # end the text's line; the exit status says it was cut
         return 130
-    except (ValueError, MemoryError) as exc:
+    except MemoryError as exc:
+        if count:
+            print(flush=True)       # end the text's line
+        where = f"after {_plural(count, 'token')}" if count else "before the first token"
+        raise CLIError(f"out of memory {where} ({_first_line(exc)}); give a smaller "
+                       "--max-new-tokens or a shorter prompt, or free some memory") from None
+    except ValueError as exc:
         if count:                   # not an argument the model refused: a failure midway
             raise
-        if not args.chat:
-            print(flush=True)       # end the prompt's line
         raise CLIError(_first_line(exc)) from exc
     end = time.perf_counter()
+    if not count:
+        print(echo, end="")
     print()
-    decode_rate = (count - 1) / (end - first) if count > 1 and end > first else float("nan")
-    print(f"{_plural(count, 'token')} in {end - loaded:.2f} s: prompt of "
-          f"{_plural(len(ids), 'token')} {(first - loaded) * 1e3:.0f} ms, then "
-          f"{decode_rate:.1f} tokens/s "
-          f"({args.backend}, {args.dtype}; model read in {loaded - start:.1f} s)",
-          file=sys.stderr)
+    print(timing_line(count, len(ids), (start, loaded, first, end), args), file=sys.stderr)
     return 0
+
+
+def timing_line(count: int, prompt_tokens: int, times: tuple[float, float, float, float],
+                args: argparse.Namespace) -> str:
+    """``generate``'s last line (on stderr): the tokens, the time, the speed.
+
+    ``times`` are the clock's readings when the model began to be read, was
+    read, gave its first token and its last. The decoding speed is of the
+    tokens after the first (the first one's time is the prompt's), so it is
+    left out for a single token.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(backend="numpy", dtype="float32")
+    >>> timing_line(11, 3, (0.0, 1.0, 1.25, 2.25), args)  # doctest: +ELLIPSIS
+    '11 tokens in 1.25 s: prompt of 3 tokens 250 ms, then 10.0 tokens/s (numpy, float32; ...'
+    >>> timing_line(1, 3, (0.0, 1.0, 1.25, 1.25), args)
+    '1 token in 0.25 s: prompt of 3 tokens 250 ms (numpy, float32; model read in 1.0 s)'
+    """
+    start, loaded, first, end = times
+    text = f"{_plural(count, 'token')} in {end - loaded:.2f} s"
+    if count:
+        text += f": prompt of {_plural(prompt_tokens, 'token')} {(first - loaded) * 1e3:.0f} ms"
+    if count > 1 and end > first:
+        text += f", then {(count - 1) / (end - first):.1f} tokens/s"
+    return f"{text} ({args.backend}, {args.dtype}; model read in {loaded - start:.1f} s)"
 
 
 #: The subcommands, in the order of the help.
@@ -996,6 +1163,46 @@ def build_parser(prog: str | None = None) -> ArgumentParser:
     return parser
 
 
+#: Options that take a number (or ``--shape``'s numbers).
+NUMBER_OPTIONS = frozenset({"--shape", "--repeat", "--max-new-tokens", "--seed",
+                            "--temperature", "--layer", "--head"})
+
+
+def _attach_negative_values(argv: Sequence[str] | None) -> list[str] | None:
+    """``argv`` with ``--option -1,2`` written ``--option=-1,2`` for :data:`NUMBER_OPTIONS`.
+
+    argparse takes a value that starts with ``-`` for an option unless it is a
+    plain negative number (``-5``), so ``--shape -1,1,16,16`` or ``--seed -1e3``
+    would be "expected one argument"; attached, they reach the check that
+    says what is wrong with them. Nothing after ``--`` is touched.
+
+    Examples
+    --------
+    >>> _attach_negative_values(["bench", "--shape", "-1,1,16,16", "--causal"])
+    ['bench', '--shape=-1,1,16,16', '--causal']
+    """
+    if argv is None:
+        argv = sys.argv[1:]
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            out.append(word)
+            out.extend(words)
+            break
+        if word in NUMBER_OPTIONS:
+            value = next(words, None)
+            if value is not None and value[:1] == "-" and value[1:2] in set("0123456789."):
+                out.append(f"{word}={value}")
+                continue
+            out.append(word)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(word)
+    return out
+
+
 def parse_args(parser: ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, an unknown option reported before a missing command.
 
@@ -1005,7 +1212,7 @@ def parse_args(parser: ArgumentParser, argv: Sequence[str] | None) -> argparse.N
         Unknown arguments (named by the subcommand's parser when there is
         one), a missing command, or whatever argparse refuses.
     """
-    args, extras = parser.parse_known_args(argv)
+    args, extras = parser.parse_known_args(_attach_negative_values(argv))
     if extras:
         culprit = parser.commands.get(args.command, parser) if args.command else parser
         culprit.error(f"unrecognized arguments: {' '.join(extras)}")
@@ -1028,9 +1235,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     Returns
     -------
     int
-        0 when done; 2 for a mistake in the arguments or a missing package,
-        told in one line on stderr before any work; 130 when interrupted
-        (Ctrl-C). ``--help`` and ``--version`` raise :class:`SystemExit` (0).
+        0 when done; 2 for a mistake in the arguments, a refused environment
+        variable or a missing package, told in one line on stderr before any
+        work; 130 when interrupted (Ctrl-C). ``--help`` and ``--version``
+        raise :class:`SystemExit` (0).
     """
     parser = build_parser(prog)
     try:
@@ -1041,6 +1249,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     handlers = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench,
                 "generate": cmd_generate, "warmup": cmd_warmup}
     try:
+        check_environment()
         status = handlers[args.command](args)
         sys.stdout.flush()
     except CLIError as exc:

@@ -921,13 +921,16 @@ def _save_png(tokens: Sequence[str], weights: Any, title: str, filename: str) ->
 
 
 def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
-             backend: str = "numpy", save_png: str | None = None) -> None:
+             backend: str = "numpy", save_png: str | None = None, *,
+             max_shown: int = 32) -> None:
     """Print one head's attention weights of all-MiniLM-L6-v2 for a sentence.
 
     Parameters
     ----------
     sentence : str, optional
-        Default: ``"this movie is really good"``.
+        Default: ``"this movie is really good"``. A sentence of more than 256
+        tokens is cut to its first 256 (as sentence-transformers does), with a
+        line on stderr that says so.
     layer : int
         Encoder layer, 0 to 5.
     head : int
@@ -936,6 +939,10 @@ def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
         Array library the model runs on; see :func:`get_backend`.
     save_png : str, optional
         Also write the heatmap to this PNG file (needs matplotlib).
+    max_shown : int
+        The table and the heatmap show the weights among the first
+        ``max_shown`` tokens (default 32), so that a long sentence stays
+        readable; the output says when tokens are left out.
 
     Raises
     ------
@@ -959,15 +966,28 @@ def run_demo(sentence: str | None = None, layer: int = 0, head: int = 0,
         raise ValueError(f"`head` must be in 0..{model.config.num_heads - 1} (this model has "
                          f"{model.config.num_heads} heads); got {head}")
     tokens, alpha = model.attention_weights(sentence, layer)
+    if len(tokens) >= MAX_SEQ_LENGTH and model.tokenizer is not None:
+        counter = type(model.tokenizer).from_str(model.tokenizer.to_str())
+        counter.no_truncation()
+        total = len(counter.encode(sentence).ids)
+        if total > len(tokens):
+            print(f"note: the sentence has {total:,} tokens ([CLS] and [SEP] included); it was "
+                  f"cut to its first {len(tokens)}, as sentence-transformers does (the length "
+                  "all-MiniLM-L6-v2 was trained with)", file=sys.stderr)
     weights = _to_numpy(alpha[head, ...])  # (T, T)
     title = f"all-MiniLM-L6-v2, layer {layer}, head {head}"
     print(f"{title}  ({backend}, {len(tokens)} tokens)")
     print("row i: how much token i attends to each token; every row sums to 1")
+    shown = min(len(tokens), max(1, max_shown))
+    if shown < len(tokens):
+        print(f"shown: the first {shown} of the {len(tokens)} tokens, so the rows below leave "
+              f"out the weights on the other {len(tokens) - shown}")
     print()
-    print(format_heatmap(tokens, weights))
+    print(format_heatmap(tokens[:shown], weights[:shown, :shown]))
     print()
-    for i, tok in enumerate(tokens):
-        j = int(weights[i].argmax())
+    for i, tok in enumerate(tokens[:shown]):
+        j = int(weights[i].argmax())      # among all the tokens, shown or not
         print(f"  {tok!r:>14} attends most to {tokens[j]!r} ({weights[i, j]:.2f})")
-    if save_png is not None and _save_png(tokens, weights, title, save_png):
+    if save_png is not None and _save_png(tokens[:shown], weights[:shown, :shown], title,
+                                          save_png):
         print(f"\nheatmap written to {_printable(save_png)}")
