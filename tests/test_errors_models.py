@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import struct
 import sys
@@ -200,6 +201,9 @@ COMMANDS = [
     ("shape beyond memory", ["bench", "--shape", "99999999999,1,1,1"],
      ("--shape", "naive baseline needs", "available")),
     ("repeat too large", ["bench", "--repeat", "1e9"], ("--repeat", "at most")),
+    ("heatmap not a PNG", ["demo", "--save-png", "weights.txt"], ("--save-png", ".png")),
+    ("bad environment variable", ["POLYATTN_SCORE_BUDGET=lots", "info"],
+     ("POLYATTN_SCORE_BUDGET", "got 'lots'")),
 ]
 
 
@@ -214,11 +218,25 @@ def test_bad_model_input(case):
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str]:
+    """``polyattn argv`` in this process; leading ``NAME=value`` items set variables."""
     from polyattn.cli import main
 
+    settings = {}
+    while argv and "=" in argv[0] and argv[0].split("=")[0].isupper():
+        name, value = argv[0].split("=", 1)
+        settings[name], argv = value, argv[1:]
+    saved = {name: os.environ.get(name) for name in settings}
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(argv)
+    try:
+        os.environ.update(settings)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     return code, err.getvalue()
 
 
@@ -292,7 +310,8 @@ def _shell(arg: str) -> str:
 
 
 def render_command(argv: list[str]) -> str:
-    shown = " ".join(["polyattn", *map(_shell, argv)])
+    settings = [a for a in argv if "=" in a and a.split("=")[0].isupper()]
+    shown = " ".join([*settings, "polyattn", *map(_shell, argv[len(settings):])])
     message = _run_cli(argv)[1].strip()
     # the memory free now is the machine's, not the message's
     message = re.sub(r"but [^;]* of memory is available", "but … of memory is available",

@@ -494,16 +494,22 @@ def cuda_arithmetic(problem: Problem) -> str:
     return how + "; the one-thread-per-row kernel (decoding shapes)"
 
 
+def numba_cpu_setting() -> str:
+    """``POLYATTN_NUMBA_CPU`` as set ("" when not), once checked (``ValueError`` otherwise)."""
+    setting = os.environ.get("POLYATTN_NUMBA_CPU", "").strip()
+    if setting.lower() not in ("", "1", "true", "on", "yes", "0", "false", "off", "no"):
+        raise ValueError(f"POLYATTN_NUMBA_CPU must be 0/false/off/no (leave numba_cpu out of "
+                         f"implementation='auto') or 1/true/on/yes; got {setting!r}")
+    return setting
+
+
 def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
                      by_name: bool = True) -> str | None:
     """Why the fused Numba CPU kernel cannot run this call (``None``: it can).
 
     ``by_name=False`` (for ``"auto"``) also honours ``POLYATTN_NUMBA_CPU=0``.
     """
-    setting = os.environ.get("POLYATTN_NUMBA_CPU", "").strip()
-    if setting.lower() not in ("", "1", "true", "on", "yes", "0", "false", "off", "no"):
-        raise ValueError(f"POLYATTN_NUMBA_CPU must be 0/false/off/no (leave numba_cpu out of "
-                         f"implementation='auto') or 1/true/on/yes; got {setting!r}")
+    setting = numba_cpu_setting()
     if not by_name and setting.lower() in ("0", "false", "off", "no"):
         return f"turned off for implementation='auto' by POLYATTN_NUMBA_CPU={setting}"
     if not is_numpy(problem.xp):

@@ -33,7 +33,7 @@ import time
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -415,17 +415,9 @@ def _score_budget() -> None:
 
 
 def _numba_cpu_setting() -> None:
-    from ._dispatch import numba_cpu_status
+    from ._dispatch import numba_cpu_setting
 
-    # The setting is parsed before the problem is looked at; a stand-in whose
-    # arrays are not NumPy's ends the check there, without importing Numba.
-    numba_cpu_status(cast(Any, _NoArrays()), by_name=False)
-
-
-class _NoArrays:
-    """A stand-in for an attention call (:func:`_numba_cpu_setting`): no NumPy arrays."""
-
-    xp = None
+    numba_cpu_setting()
 
 
 def _cuda_kernel() -> None:
