@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """
 
     #: The subcommands' parsers by name (set by :func:`build_parser`).
-    commands: dict[str, argparse.ArgumentParser]
+    commands: Mapping[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> Any:  # argparse's signature says NoReturn
         raise UsageError(self.prog, " ".join(message.split()))

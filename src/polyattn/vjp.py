@@ -177,6 +177,7 @@ def _pullback(query: Array, key: Array, value: Array, problem: Problem, name: st
                 gl = _incoming("grad_lse", grad_lse, result_lse, problem, xp)
                 gl = xp.reshape(gl, tuple(lse.shape))             # (B…, H, Tq)
                 gl = xp.where(lse == NEG_INF, 0.0, gl)            # lse is constant there
+            assert problem.v is not None and ran.v is not None    # set by prepare
             if empty:
                 dq, dk, dv = (xp.zeros(tuple(x.shape), dtype=x.dtype, device=device_of(x))
                               for x in (problem.q, problem.k, problem.v))

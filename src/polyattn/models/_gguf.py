@@ -311,10 +311,11 @@ def _tokenizer(meta: dict[str, Any], path: str | os.PathLike[str]) -> BPETokeniz
         raise fail(f"`tokenizer.ggml.token_type` must be an array of {len(tokens)} integers, "
                    f"one per token; got {_show(types)}"
                    + (f" ({len(types)} items)" if isinstance(types, list) else ""))
-    ids = {f"{name}_id": _token_id(meta, f"tokenizer.ggml.{key}_token_id", len(tokens), fail)
-           for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}
+    bos, eos, pad = (_token_id(meta, f"tokenizer.ggml.{key}_token_id", len(tokens), fail)
+                     for key in ("bos", "eos", "padding"))
     try:
-        return BPETokenizer(tokens, merges, token_types=types, **ids)
+        return BPETokenizer(tokens, merges, token_types=types, bos_id=bos, eos_id=eos,
+                            pad_id=pad)
     except ValueError as exc:      # e.g. a merge that makes no token: name the file's key
         message = str(exc).replace("`merges`", "`tokenizer.ggml.merges`")
         raise fail(message) from None
@@ -540,7 +541,7 @@ def parse(path: str | os.PathLike[str]) -> GGUFLayout:
         data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
-    cur = _Cursor(memoryview(data), path)
+    cur = _Cursor(data.data, path)                       # the bytes, unsigned
     magic = bytes(cur.buf[:4])
     if magic != b"GGUF":
         raise cur.error(f"it does not start with the magic bytes b'GGUF' (it starts with "
