@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from helpers import TOLERANCE, assert_namespace_device, rel_error, to_numpy, to_xp
@@ -60,7 +62,13 @@ def test_logsumexp(xp, device, dtype_name, keepdims):
 def test_logsumexp_of_non_finite_rows(xp, device, dtype_name):
     inf, nan = np.inf, np.nan
     x = np.array([[inf, 1.0, -inf], [-inf, -inf, -inf], [inf, nan, 1.0], [inf, inf, -2.0]])
-    got = to_numpy(polyattn.logsumexp(to_xp(x, xp, dtype=dtype_name, device=device)))
+    out = polyattn.logsumexp(to_xp(x, xp, dtype=dtype_name, device=device))
+    with warnings.catch_warnings():
+        # Dask runs the graph when it is computed, after the call: NumPy's warnings for
+        # inf - inf come from its tasks, where no call of polyattn is there to quiet them
+        if type(out).__module__.startswith("dask"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+        got = to_numpy(out)
     assert got[0] == inf and got[3] == inf        # a +inf term makes the sum +inf
     assert got[1] == -inf                         # nothing to sum
     assert np.isnan(got[2])                       # NaN never disappears
