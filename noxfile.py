@@ -169,6 +169,11 @@ def numba_cpu(session: nox.Session) -> None:
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
            *(session.posargs or ["tests/test_numba_cpu.py", "--doctest-modules",
                                  "src/polyattn/implementations/numba_cpu.py"]))
+    if not session.posargs:
+        # the behaviours every implementation owes (non-finite inputs, dtypes), numba_cpu's
+        # share of them: the tests sessions have no Numba
+        run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "tests/test_nonfinite.py", "tests/test_dtype_contract.py", "-k", "numba_cpu")
 
 
 @nox.session(tags=["style"])

@@ -65,7 +65,7 @@ def as_numpy(x):
 def attend(xp, device, implementation, q, k, v, **options):
     """polyattn's output (as NumPy) for float64 NumPy inputs."""
     arrays = on(xp, device, q, k, v)
-    for name in ("attn_mask", "key_lengths"):
+    for name in ("attn_mask", "key_lengths", "alibi_slopes"):
         if isinstance(options.get(name), np.ndarray):
             options[name] = to_xp(options[name], xp, device=device)
     return as_numpy(polyattn.scaled_dot_product_attention(
@@ -105,6 +105,9 @@ QUERY_VARIANTS = {
     "bool_mask": {"attn_mask": "bool"},
     "window": {"is_causal": True, "window": (2, 0)},
     "key_lengths": {"key_lengths": np.array([7, 5])},
+    # soft-capping saturates an infinite score to a finite one: the row is NaN all the same
+    "softcap": {"softcap": 5.0},
+    "softcap_alibi": {"softcap": 5.0, "alibi_slopes": np.array([0.5, 0.25])},
 }
 
 
@@ -127,7 +130,8 @@ def test_non_finite_query_row_gives_a_nan_row(backend, xp, device, implementatio
     q_bad[(*bad, 2)] = bad_value
     rules = {"mask": mask, "is_causal": options.get("is_causal", False),
              "alignment": options.get("causal_alignment", "top_left"),
-             "window": options.get("window"), "key_lengths": options.get("key_lengths")}
+             "window": options.get("window"), "key_lengths": options.get("key_lengths"),
+             "softcap": options.get("softcap"), "alibi_slopes": options.get("alibi_slopes")}
     kk = np.repeat(k, h // hkv, axis=-3)
     got = attend(xp, device, implementation, q_bad, k, v, **options)
     ref, _, _ = ref_attention(q, kk, np.repeat(v, h // hkv, axis=-3), **rules)
@@ -314,6 +318,24 @@ def test_padding_has_no_effect_on_gradients(xp, device, vjp_implementation, bad_
         np.testing.assert_array_equal(dirty, clean, err_msg=name)
     for grad in results[1][1:]:
         assert np.all(grad[np.broadcast_to(pad, grad.shape)] == 0)
+
+
+@pytest.mark.parametrize("bad_value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_padding_gradients_stay_zero_beside_a_non_finite_query(xp, device, vjp_implementation,
+                                                                bad_value):
+    """Keys past ``key_lengths`` do not exist: their gradients are 0 even where a query
+    row holding NaN or inf makes the gradients of the keys it sees NaN."""
+    q, k, v = inputs(12, tq=4, tk=6)
+    q[0, 1, 0, 0] = bad_value
+    lengths = np.array([3, 6])
+    _, pullback = polyattn.attention_vjp(*on(xp, device, q, k, v),
+                                         key_lengths=to_xp(lengths, xp, device=device),
+                                         implementation=vjp_implementation)
+    _, dk, dv = (as_numpy(x) for x in pullback(on(xp, device, np.ones((2, 2, 4, 8)))[0]))
+    for grad in (dk, dv):
+        assert np.all(grad[0, :, 3:] == 0), grad[0, :, 3:]
+        assert np.isnan(grad[0, 1, :3]).any()          # the row's NaN reaches what it sees
+        assert np.isfinite(grad[1]).all()
 
 
 # --------------------------------------------------------------------------- #

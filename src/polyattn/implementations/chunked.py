@@ -220,4 +220,6 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         return filled[0] if len(filled) == 1 else xp.concat(filled, axis=-2)
 
     dq_all = dqs[0] if len(dqs) == 1 else xp.concat(dqs, axis=-2)
-    return (ungroup_heads(dq_all, xp) * scale, blocks(dk, e) * scale, blocks(dv, ev))
+    # keys past key_lengths do not exist: 0, not 0·NaN from a query row holding NaN
+    return (ungroup_heads(dq_all, xp) * scale, drop_padding(blocks(dk, e) * scale, rules, xp),
+            drop_padding(blocks(dv, ev), rules, xp))

@@ -482,18 +482,14 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
 
 
 def _keep_non_finite_rows(call: _Call, out: np.ndarray, lse: np.ndarray) -> None:
-    """NaN in the rows the kernel reports as fully masked (0, lse -inf) whose query holds a
-    non-finite value: inf times keys all negative there makes every score -inf, which is
-    not a fully masked row, and NaN never disappears (DESIGN §4.2). Looked at only where
-    some row is empty."""
-    empty = np.isneginf(lse)                                      # (B, H, Tq)
-    if not empty.any():
-        return
-    b, h, t = np.nonzero(empty)
-    rows = call.q4[call.qmap[b], h, t]                            # (n, E)
-    lost = ~np.isfinite(rows).all(axis=-1)
-    out[b[lost], h[lost], t[lost]] = np.nan
-    lse[b[lost], h[lost], t[lost]] = np.nan
+    """NaN in the rows whose query holds a NaN or an inf, whatever the kernel made of them:
+    inf times keys all negative there makes every score -inf (reported as fully masked:
+    0, lse -inf), and soft-capping saturates an infinite score to a finite one; NaN never
+    disappears (DESIGN §4.2), as on the other paths."""
+    lost = ~np.isfinite(call.q4).all(axis=-1)[call.qmap]          # (B, H, Tq)
+    if lost.any():
+        out[lost] = np.nan
+        lse[lost] = np.nan
 
 
 def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,

@@ -839,9 +839,11 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     if empty is not None:
         out_slice[empty] = 0.0
         lse_slice[empty] = -np.inf
-        # a query holding inf can make every score -inf (inf times keys all negative
-        # there): not a fully masked row, and NaN never disappears (DESIGN §4.2)
-        lost = empty & ~np.isfinite(p.q[ix]).all(axis=-1)
+    # a query row holding NaN or inf is NaN whatever its scores became: every score -inf
+    # (inf times keys all negative there: not a fully masked row) or finite (soft-capping
+    # saturates); NaN never disappears (DESIGN §4.2), as on the other paths
+    lost = ~np.isfinite(p.q[ix]).all(axis=-1)
+    if lost.any():
         out_slice[lost] = np.nan
         lse_slice[lost] = np.nan
 

@@ -137,4 +137,6 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
     dq = ungroup_heads(xp.matmul(ds, kg) * scale, xp)               # (B…, H, Tq, E)
     qg = group_heads(q, hkv, xp)
     dk = xp.sum(xp.matmul(xp.matrix_transpose(ds), qg), axis=-3) * scale  # (B…, Hkv, Tk, E)
-    return dq, dk, dv
+    # keys past key_lengths do not exist: their gradients are 0, not 0·NaN from a query
+    # row holding NaN (as the padding's own zeroing gives under autodiff)
+    return dq, drop_padding(dk, rules, xp), drop_padding(dv, rules, xp)
