@@ -156,6 +156,7 @@ from typing import Any
 import numpy as np
 
 from . import _dropout
+from ._common import non_finite_rows
 from ._rules import Rules
 
 Array = Any
@@ -937,6 +938,20 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     ImportError
         numba-cuda is not installed.
     """
+    out, lse = _attention(q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp,
+                          rules=rules, block_q=block_q, block_k=block_k, decode=decode,
+                          num_splits=num_splits, arithmetic=arithmetic)
+    # a query row holding NaN or inf is NaN whatever the kernels made of its scores (all
+    # -inf: reported as fully masked; soft-capped: finite); NaN never disappears (§4.2)
+    bad = non_finite_rows(q, xp)                                       # (B…, H, Tq, 1)
+    return out + bad, lse + bad[..., 0]
+
+
+def _attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
+               causal_offset: int | None, scale: float, xp: Any, rules: Rules | None,
+               block_q: int | None, block_k: int | None, decode: bool | None,
+               num_splits: int | None, arithmetic: str | None) -> tuple[Array, Array]:
+    """:func:`attention` but for non-finite query rows: the kernel that takes the call."""
     *batch, n_heads, tq, e = q.shape
     tk, ev = v.shape[-2:]
     if arithmetic is not None:
@@ -1222,11 +1237,14 @@ def row_loads(**arrays: Any) -> str:
 def launching(dev: _Device) -> Iterator[Any]:
     """Launch context: the input's GPU made current, its library's current stream
     (yielded), and Numba's occupancy warning for small grids silenced (the grid is
-    the problem's)."""
+    the problem's). On the simulator, whose threads compute in NumPy scalars, NumPy's
+    floating-point warnings too: a GPU raises none, and none escapes a call (§4.2)."""
     device_id = dev.device_id()
     on_device = contextlib.nullcontext() if device_id is None else dev.cuda.gpus[device_id]
     with warnings.catch_warnings(), on_device:
         warnings.simplefilter("ignore", category=_performance_warning())
+        if simulator_enabled():
+            warnings.simplefilter("ignore", category=RuntimeWarning)
         yield dev.stream()
 
 def _rule_tables(rules: Rules, batch: tuple[int, ...], n_heads: int, dtype: Any,
