@@ -205,7 +205,8 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         f"{env['versions']['numpy']}; the NumPy path's pool: {env['polyattn_numpy_threads']} "
         f"threads, default mode {env['polyattn_numpy_threading']!r} "
         f"(SHARED_BLAS={env['shared_blas']!r})",
-        f"- numba_cpu: {env['numba_cpu_tiles']}",
+        f"- numba_cpu: {env['numba_cpu_tiles']}; Numba threading layer: "
+        f"{env.get('numba_threading_layer', 'not recorded')}",
         f"- busy: {env['busy_processes']} busy-loop processes; idle: nothing started by the "
         "script (other work on the machine continues: the load average is recorded)",
         f"- {env['timing']}; {env['reps']} rounds", "",
@@ -251,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
                                           "load_average_start")}, indent=1), flush=True)
     started = time.perf_counter()
     rows = run(args.reps, args.busy, numba)
+    env["numba_threading_layer"] = "not run"
+    if numba:
+        from polyattn.implementations import numba_cpu
+
+        env["numba_threading_layer"] = numba_cpu.threading_layer() or "not run"
     env["load_average_end"] = list(os.getloadavg())
     env["elapsed_s"] = time.perf_counter() - started
     command = "python benchmarks/contention.py " + " ".join(
