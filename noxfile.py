@@ -168,7 +168,7 @@ def numba_cpu(session: nox.Session) -> None:
     session.env["NUMBA_BOUNDSCHECK"] = "1"
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
            *(session.posargs or ["tests/test_numba_cpu.py", "--doctest-modules",
-                                 "src/polyattn/implementations/numba_cpu.py"]))
+                                 "src/polyattn/backends/numba_cpu/launch.py"]))
     if not session.posargs:
         # the behaviours every implementation owes (non-finite inputs, dtypes), numba_cpu's
         # share of them: the tests sessions have no Numba
@@ -178,9 +178,11 @@ def numba_cpu(session: nox.Session) -> None:
 
 @nox.session(tags=["style"])
 def lint(session: nox.Session) -> None:
-    """Lint with ruff."""
-    install(session, "ruff")
+    """Lint with ruff; check the layering (docs/architecture.rst) with import-linter."""
+    install(session, "ruff", "import-linter")
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    # the contracts in pyproject.toml, on the source tree (nothing to install)
+    session.run("lint-imports", env={"PYTHONPATH": "src"})
 
 
 @nox.session(tags=["style"])
@@ -196,11 +198,11 @@ def docs(session: nox.Session) -> None:
     install(session, "-e", ".[test]", "-r", "docs/requirements.txt")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--doctest-modules",
-                "src/polyattn", "--ignore=src/polyattn/implementations/numba_cuda.py",
+                "src/polyattn", "--ignore=src/polyattn/backends/cuda/rows.py",
                 # Numba is not installed here: the numba_cpu session runs these
-                "--ignore=src/polyattn/implementations/numba_cpu.py",
-                "--ignore=src/polyattn/implementations/_numba_cpu_kernels.py",
-                "--ignore=src/polyattn/implementations/_numba_cpu_tiles.py")
+                "--ignore=src/polyattn/backends/numba_cpu/launch.py",
+                "--ignore=src/polyattn/backends/numba_cpu/kernels.py",
+                "--ignore=src/polyattn/backends/numba_cpu/tiles.py")
 
 
 @nox.session(venv_backend="none", tags=["docs"])

@@ -66,7 +66,7 @@ from cpu import CASES, RESULTS, environment, peak_extra_bytes, time_interleaved
 from window import blas_mode, simd_level
 
 import polyattn
-from polyattn.implementations import numpy_chunked
+from polyattn.backends.numpy import forward as numpy_chunked
 
 #: polyattn forward+backward time / torch's that the NumPy path should not exceed.
 TARGET_RATIO = 1.5
@@ -252,7 +252,7 @@ def _case(row: dict[str, Any]) -> str:
 
 
 def numba_cpu_usable() -> bool:
-    from polyattn.implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     return numba_cpu.availability()[0]
 

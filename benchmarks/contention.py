@@ -43,7 +43,7 @@ import numpy as np
 from cpu import environment, naive_numpy, time_interleaved
 
 import polyattn
-from polyattn.implementations import numpy_chunked
+from polyattn.backends.numpy import forward as numpy_chunked
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.reps, args.busy, numba)
     env["numba_threading_layer"] = "not run"
     if numba:
-        from polyattn.implementations import numba_cpu
+        from polyattn.backends.numba_cpu import launch as numba_cpu
 
         env["numba_threading_layer"] = numba_cpu.threading_layer() or "not run"
     env["load_average_end"] = list(os.getloadavg())

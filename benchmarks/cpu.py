@@ -86,7 +86,7 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
     normalisation). Any exact attention built on NumPy's ``matmul`` computes these
     products, so this time is a lower bound for it on this machine.
     """
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     # the NumPy path's own block sizes and rectangles (query heads = key/value heads here)
     p = numpy_chunked._Problem(q, k, v, None, 0 if causal else None, 1.0)
@@ -234,25 +234,25 @@ def _numba_cpu_tiles() -> str:
     """The SIMD vectors and register tiles of the numba_cpu kernel on this CPU."""
     if not numba_cpu_usable():
         return "numba_cpu not usable"
-    from polyattn.implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     return numba_cpu.tiles()
 
 
 def numba_cpu_usable() -> bool:
-    from polyattn.implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     return numba_cpu.availability()[0]
 
 
 def _polyattn_threads() -> int:
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     return numpy_chunked.num_threads()
 
 
 def _polyattn_threading() -> str:
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     return numpy_chunked.threading_mode()
 

@@ -202,7 +202,7 @@ def numpy_baseline(shape: dict[str, int], h: int, reps: int) -> tuple[list[dict[
     """polyattn on NumPy arrays at the scaling shape (its thread pool, one BLAS thread)."""
     import dask
 
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     q, k, v = dask.compute(*dask_inputs(shape["b"], h, shape["t"], shape["e"],
                                         shape["chunk"]), scheduler="threads")
@@ -319,7 +319,7 @@ def numpy_one_task(shape: dict[str, int], reps: int) -> float:
     """The overhead plan's attention as one NumPy call on one thread (best of ``reps``)."""
     import dask
 
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     q, k, v = dask.compute(*dask_inputs(shape["b"], shape["h"], shape["t"], shape["e"],
                                         shape["chunk"]), scheduler="threads")
@@ -337,7 +337,7 @@ def _tiles_on_one_thread(shape: tuple[int, ...], count: int) -> float:
     """Seconds for ``count`` tile-sized NumPy-path calls on one thread (after one warm-up)."""
     from threadpoolctl import threadpool_limits
 
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
@@ -412,7 +412,7 @@ def _merges(parts: int, split: int) -> int:
 def model_row(t: int, n: int, chunk: int, rate: float, overhead_s: float,
               bandwidth: float = MODEL_BANDWIDTH) -> dict[str, Any]:
     """The cost model at one (T, N, chunk) for ``MODEL_LAYER``, causal, B = 1."""
-    from polyattn.implementations.distributed import SPLIT_EVERY
+    from polyattn.backends.dask.plan import SPLIT_EVERY
 
     h, hkv, e, s = (MODEL_LAYER[x] for x in ("h", "hkv", "e", "itemsize"))
     nq = -(-t // chunk)

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulator:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"        # before numba is imported
         selected = [shrink(c) for c in selected if c.library == "cupy"]
-        from polyattn.implementations import numba_cuda
+        from polyattn.backends.cuda import rows as numba_cuda
 
         numba_cuda.BLOCK_Q = 4
     else:

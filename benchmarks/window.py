@@ -50,7 +50,7 @@ import numpy as np
 from cpu import RESULTS, environment, peak_extra_bytes, simd_level, time_interleaved
 
 import polyattn
-from polyattn.implementations import numpy_chunked
+from polyattn.backends.numpy import forward as numpy_chunked
 
 #: Sequence lengths.
 TS = [2048, 4096, 8192, 16384, 32768]

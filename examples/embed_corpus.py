@@ -176,7 +176,7 @@ def load_model(dtype: str) -> Any:
     -------
     polyattn.models.minilm.MiniLM
     """
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
     from polyattn.models.minilm import MiniLM
 
     # One thread per worker process: the workers already use every core between them.

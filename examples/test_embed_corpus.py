@@ -84,7 +84,7 @@ def test_output_file(run):
 def one_thread(monkeypatch):
     """One thread for the NumPy work done here, as on each worker: on a small, busy machine
     threads waiting on each other slow the forward pass down many times."""
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)
     try:

@@ -22,7 +22,7 @@ from helpers import (
     to_numpy,
 )
 
-from polyattn.implementations import chunked
+from polyattn.backends.array_api import blocked as chunked
 
 IMPLEMENTATIONS = tuple(implementations_under_test())
 CPU_IMPLEMENTATIONS = tuple(n for n in IMPLEMENTATIONS if n != "numba_cuda")
@@ -56,7 +56,7 @@ def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> 
     monkeypatch.setattr(chunked, "BLOCK_Q", bq)
     monkeypatch.setattr(chunked, "BLOCK_K", bk)
     try:
-        numpy_chunked = importlib.import_module("polyattn.implementations.numpy_chunked")
+        numpy_chunked = importlib.import_module("polyattn.backends.numpy.forward")
     except ImportError:
         numpy_chunked = None
     if numpy_chunked is not None:
@@ -68,7 +68,7 @@ def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> 
         backend = backend or Backend.NUMPY
         if not kernel_runs_on(backend):
             pytest.skip(f"numba_cuda takes {wanted} arrays in this run, not {backend.value}")
-        from polyattn.implementations import numba_cuda
+        from polyattn.backends.cuda import rows as numba_cuda
 
         monkeypatch.setattr(numba_cuda, "BLOCK_Q", 4)
     return name

@@ -19,7 +19,7 @@ from helpers import (
 )
 
 import polyattn
-from polyattn.implementations import chunked
+from polyattn.backends.array_api import blocked as chunked
 
 IMPLEMENTATIONS = implementations_under_test()
 
@@ -426,7 +426,7 @@ def test_strict_backend_marker(backend):
 
 def test_kernel_writes_bthe_outputs_in_their_order():
     """The kernel's output follows a (B, Tq, H, E) query's memory order (no copy after)."""
-    from polyattn.implementations import numba_cuda
+    from polyattn.backends.cuda import rows as numba_cuda
 
     assert numba_cuda._time_major(np.zeros((2, 5, 3, 4)).transpose(0, 2, 1, 3))
     assert not numba_cuda._time_major(np.zeros((2, 3, 5, 4)))

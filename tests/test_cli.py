@@ -233,7 +233,7 @@ def test_info_and_explain_agree_on_numba_cuda_simulator():
 
 def test_info_lists_native_for_torch_and_jax():
     installed = [lib for lib in ("torch", "jax") if importlib.util.find_spec(lib)]
-    if not installed or importlib.util.find_spec("polyattn.implementations.native") is None:
+    if not installed or importlib.util.find_spec("polyattn.backends.native.fused") is None:
         pytest.skip("needs torch or JAX, and polyattn's native implementation")
     out = run("info")
     impls = next(ln for ln in out.splitlines() if ln.startswith("implementations available:"))

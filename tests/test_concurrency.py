@@ -23,7 +23,7 @@ from _support import IMPLEMENTATIONS, SIMULATOR, assert_bitwise_equal, use_imple
 from helpers import Backend, to_numpy, to_xp
 
 import polyattn
-from polyattn.implementations import chunked
+from polyattn.backends.array_api import blocked as chunked
 
 THREADS = 8
 
@@ -162,7 +162,7 @@ def blas_threads(threadpoolctl):
 
 def test_numpy_blocked_path_ignores_its_thread_count(monkeypatch):
     """The NumPy fast path splits work over threads; no reduction crosses work items."""
-    numpy_chunked = pytest.importorskip("polyattn.implementations.numpy_chunked")
+    numpy_chunked = pytest.importorskip("polyattn.backends.numpy.forward")
     if not hasattr(numpy_chunked, "NUM_THREADS"):
         pytest.skip("the NumPy fast path has no thread-count setting")
     use_implementation("chunked", Backend.NUMPY, monkeypatch)
@@ -182,7 +182,7 @@ def test_numpy_path_leaves_other_threads_blas_alone(monkeypatch):
     """With SHARED_BLAS = "leave", another thread sees BLAS's thread count unchanged while a
     NumPy-path call runs."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", None)   # every core
     monkeypatch.setattr(numpy_chunked, "SHARED_BLAS", "leave")
@@ -215,7 +215,7 @@ def test_numpy_path_thread_count_changed_during_calls(monkeypatch):
     The pool starts empty and grows while calls use it (a larger pool replaces a
     smaller one that calls still hold).
     """
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
     monkeypatch.setattr(numpy_chunked, "BLOCK_K", 16)
@@ -252,7 +252,7 @@ def test_numpy_path_thread_count_changed_during_calls(monkeypatch):
 def test_numpy_path_workers_hold_their_own_blas_to_one_thread(monkeypatch):
     """Where BLAS has a thread-local setter, each worker runs BLAS on one thread."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     libs = numpy_chunked._blas_libraries()
     lacking = [f"{lib.internal_api} {lib.version} ({getattr(lib, 'threading_layer', '?')})"
@@ -279,7 +279,7 @@ def test_numpy_path_without_thread_local_blas_runs_inline(monkeypatch):
     """With SHARED_BLAS = "leave", where BLAS has several threads and no thread-local setter,
     no worker runs an item."""
     pytest.importorskip("threadpoolctl")
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "SHARED_BLAS", "leave")
     libs = numpy_chunked._blas_libraries()
@@ -313,7 +313,7 @@ class _FakeBLAS:
 
 def test_numpy_path_pool_sets_each_workers_blas_once(monkeypatch):
     """The pool's initializer calls the thread-local setter once in each worker, never here."""
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     calls_to_setter = []
     lock = threading.Lock()
@@ -357,7 +357,7 @@ def test_numpy_path_pool_sets_each_workers_blas_once(monkeypatch):
 @pytest.mark.parametrize("failing", ["build_keys", "_online_softmax"])
 def test_numpy_path_pool_raises_the_error_of_a_job(monkeypatch, failing):
     """A job that raises on the pool: the call raises that error, and the pool still works."""
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 8)
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 3)
@@ -401,7 +401,7 @@ def test_numpy_path_holds_shared_blas_to_one_thread_while_its_pool_runs(monkeypa
     one thread while a call's items run on the pool, from whichever thread the call comes,
     and has its threads back afterwards."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", None)
     held = _without_local_setter(numpy_chunked)
@@ -443,7 +443,7 @@ def test_numpy_path_holds_shared_blas_to_one_thread_while_its_pool_runs(monkeypa
 def test_numpy_path_overlapping_calls_give_blas_threads_back_once(monkeypatch):
     """Calls from several threads overlap: the hold begins with the first and ends with the
     last, whichever threads they run in, and BLAS's threads are back after them."""
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 2)
     held = _without_local_setter(numpy_chunked)
@@ -492,7 +492,7 @@ class _CountingBLAS(_FakeBLAS):
 def test_numpy_path_hold_is_shared_by_overlapping_holders(monkeypatch):
     """The first of overlapping holds sets the count to 1, the last (in another thread) gives
     4 back; with SHARED_BLAS = "leave" nothing is set and items run inline."""
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     blas = _CountingBLAS()
     monkeypatch.setattr(numpy_chunked, "_blas_libs", ((blas, None),))
@@ -516,7 +516,7 @@ def test_numpy_path_hold_is_shared_by_overlapping_holders(monkeypatch):
 @pytest.mark.parametrize("libs", ["holdable", "none"])
 def test_numpy_path_shared_blas_setting_is_checked(monkeypatch, libs):
     """An unknown SHARED_BLAS is a ValueError naming it, whatever BLAS is found."""
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     found = ((_CountingBLAS(), None),) if libs == "holdable" else ()
     monkeypatch.setattr(numpy_chunked, "_blas_libs", found)
@@ -532,7 +532,7 @@ _FORKED = """
 import multiprocessing, os, sys
 import numpy as np
 from polyattn import scaled_dot_product_attention as sdpa
-from polyattn.implementations import numpy_chunked
+from polyattn.backends.numpy import forward as numpy_chunked
 
 numpy_chunked.NUM_THREADS = 2
 numpy_chunked.BLOCK_Q = 64                     # several items: the pool runs them
@@ -591,7 +591,7 @@ def test_numpy_path_runs_in_forked_children(tmp_path):
 
 def test_numpy_path_fork_handler_resets_the_pool_and_gives_blas_back(monkeypatch):
     """What the child runs after fork: no pool, free locks, no hold, BLAS's count back."""
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 
     blas = _CountingBLAS()
     monkeypatch.setattr(numpy_chunked, "_blas_libs", ((blas, None),))

@@ -15,7 +15,7 @@ from helpers import Backend, assert_close, assert_lse_close, ref_attention, sele
 
 import polyattn
 from polyattn import scaled_dot_product_attention as sdpa
-from polyattn.implementations import distributed
+from polyattn.backends.dask import plan as distributed
 
 pytestmark = pytest.mark.skipif(
     Backend.DASK not in selected_backends(),
@@ -352,7 +352,7 @@ def test_computed_key_lengths_are_not_computed_early():
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_key_lengths_from_numpy_are_at_hand(chunks):
-    from polyattn._compat import concrete_values
+    from polyattn._interop import concrete_values
 
     lengths = da.from_array(np.array([10, 40]), chunks=chunks)
     np.testing.assert_array_equal(concrete_values(lengths), [10, 40])

@@ -2,7 +2,7 @@
 
 * The cipher against Random123's known-answer vectors, in Array-API calls on
   this session's backend (on JAX with and without 64-bit types: the uint32
-  path) and on NumPy (:func:`~polyattn.implementations._dropout.philox_numpy`).
+  path) and on NumPy (:func:`~polyattn.rules.dropout.philox_numpy`).
 * The keep-mask on this backend is bitwise the one NumPy computes in the same
   process; every session compares against NumPy, so all backends agree.
 * The weights that ``attention_weights(dropout_p=...)`` returns, and those that
@@ -36,7 +36,8 @@ from helpers import (
 )
 
 import polyattn
-from polyattn.implementations import _dropout, chunked
+from polyattn.backends.array_api import blocked as chunked
+from polyattn.rules import dropout as _dropout
 
 IMPLEMENTATIONS = ("reference", "chunked", "auto")
 #: Tests on NumPy arrays alone run in the session that selects NumPy.

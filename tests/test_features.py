@@ -36,7 +36,7 @@ from helpers import (
 )
 
 import polyattn
-from polyattn.implementations import chunked
+from polyattn.backends.array_api import blocked as chunked
 
 sdpa = polyattn.scaled_dot_product_attention
 

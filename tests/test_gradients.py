@@ -37,7 +37,7 @@ from helpers import Backend, assert_close, ref_attention, rel_error, selected_ba
 
 import polyattn
 from polyattn import _dispatch
-from polyattn.implementations import chunked
+from polyattn.backends.array_api import blocked as chunked
 
 IMPLEMENTATIONS = ("reference", "chunked", "native", "auto")
 #: ‖g − g_ref‖ / ‖g_ref‖ allowed for float64 gradients.

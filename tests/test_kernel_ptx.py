@@ -47,14 +47,22 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
 
 from numba import cuda
 
-from polyattn.implementations import (
-    _dropout,
-    numba_cuda,
-    numba_cuda_backward,
-    numba_cuda_tc,
-    numba_cuda_tiled,
-    numba_cuda_tiled_backward,
+from polyattn.backends.cuda import (
+    rows as numba_cuda,
 )
+from polyattn.backends.cuda import (
+    rows_backward as numba_cuda_backward,
+)
+from polyattn.backends.cuda import (
+    tensor_core as numba_cuda_tc,
+)
+from polyattn.backends.cuda import (
+    tiled as numba_cuda_tiled,
+)
+from polyattn.backends.cuda import (
+    tiled_backward as numba_cuda_tiled_backward,
+)
+from polyattn.rules import dropout as _dropout
 
 
 def _nvvm_problem() -> str | None:

@@ -49,9 +49,10 @@ if not SIMULATOR and _gpu_reason() is not None:
 
 import polyattn  # noqa: E402
 from polyattn._problem import prepare  # noqa: E402
-from polyattn.implementations import _dropout, numba_cuda  # noqa: E402
-from polyattn.implementations import reference as reference_implementation  # noqa: E402
-from polyattn.implementations._rules import Rules  # noqa: E402
+from polyattn.backends.array_api import reference as reference_implementation  # noqa: E402
+from polyattn.backends.cuda import rows as numba_cuda  # noqa: E402
+from polyattn.rules import dropout as _dropout  # noqa: E402
+from polyattn.rules.visibility import Rules  # noqa: E402
 
 # Small tiles: small shapes then cover several query blocks and key tiles.
 SMALL_TILES = {"block_q": 8, "block_k": 4}

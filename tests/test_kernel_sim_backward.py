@@ -31,8 +31,9 @@ from test_kernel_sim import (  # also skips this module where the kernel cannot 
 )
 
 import polyattn
-from polyattn.implementations import numba_cuda, numba_cuda_backward
-from polyattn.implementations import reference as reference_implementation
+from polyattn.backends.array_api import reference as reference_implementation
+from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda import rows_backward as numba_cuda_backward
 
 TOL = {"float32": 1e-4, "float64": 1e-12}
 # The backward kernels' tiles: 8 threads per block, 4 rows per shared tile.

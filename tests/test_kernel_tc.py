@@ -23,7 +23,7 @@ import pytest
 if importlib.util.find_spec("numba_cuda") is None:
     pytest.skip("numba-cuda is not installed", allow_module_level=True)
 
-from polyattn.implementations import _mma
+from polyattn.backends.cuda import mma as _mma
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
@@ -146,8 +146,9 @@ if SIMULATOR or _gpu_reason() is None:
         to_numpy,
     )
 
-    from polyattn.implementations import numba_cuda, numba_cuda_tc
-    from polyattn.implementations import reference as reference_implementation
+    from polyattn.backends.array_api import reference as reference_implementation
+    from polyattn.backends.cuda import rows as numba_cuda
+    from polyattn.backends.cuda import tensor_core as numba_cuda_tc
 
 # Relative error against the float64 reference on the same operands: float16's
 # contract (DESIGN §4), bfloat16's rounding of P (8 bits), and float32's.
@@ -298,7 +299,7 @@ def test_public_api_sends_float16_to_tensor_cores():
 
 
 def test_float32_choice(monkeypatch):
-    from polyattn.implementations import numba_cuda_tc as tc
+    from polyattn.backends.cuda import tensor_core as tc
 
     monkeypatch.delenv(tc.FLOAT32_VARIABLE, raising=False)
     assert tc.choose("float32", 128, 64, 64)[0] is None
@@ -317,7 +318,7 @@ def test_float32_choice(monkeypatch):
 
 
 def test_hmma_counts_per_step():
-    from polyattn.implementations import numba_cuda_tc as tc
+    from polyattn.backends.cuda import tensor_core as tc
 
     # Q Kᵀ: two 8-key tiles × (E / 16) k-steps; P V: one 16-key step × (Ev / 8) tiles.
     assert tc.hmma_per_step("f16", 64) == 2 * 4 + 8

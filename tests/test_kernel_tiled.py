@@ -36,8 +36,9 @@ from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixt
 )
 
 import polyattn
-from polyattn.implementations import numba_cuda, numba_cuda_tiled
-from polyattn.implementations import reference as reference_implementation
+from polyattn.backends.array_api import reference as reference_implementation
+from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda import tiled as numba_cuda_tiled
 
 TOL = {"float32": 1e-5, "float64": 1e-12}
 

@@ -20,9 +20,10 @@ if importlib.util.find_spec("numba_cuda") is None:
 
 from test_kernel_tc import SIMULATOR, _gpu_reason
 
-from polyattn.implementations import numba_cuda, numba_cuda_backward
-from polyattn.implementations import numba_cuda_tiled_backward as tiled_backward
-from polyattn.implementations import reference as reference_implementation
+from polyattn.backends.array_api import reference as reference_implementation
+from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda import rows_backward as numba_cuda_backward
+from polyattn.backends.cuda import tiled_backward
 
 # Why the kernels cannot run here (None: on the simulator or a GPU with CuPy); the
 # tests that need no kernel run anyway.

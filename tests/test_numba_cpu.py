@@ -23,7 +23,7 @@ import polyattn
 from polyattn import scaled_dot_product_attention as sdpa
 
 pytest.importorskip("numba", reason="the numba_cpu kernel needs Numba (pip install numba)")
-from polyattn.implementations import numba_cpu
+from polyattn.backends.numba_cpu import launch as numba_cpu
 
 # --- the exponential ---------------------------------------------------------------------
 
@@ -398,8 +398,8 @@ def test_tiles_multiply_like_numpy(dtype):
     and accumulating."""
     from numba import njit
 
-    from polyattn.implementations import _numba_cpu_kernels as compiled
-    from polyattn.implementations import _numba_cpu_tiles as tiles
+    from polyattn.backends.numba_cpu import kernels as compiled
+    from polyattn.backends.numba_cpu import tiles
 
     @njit
     def product(a, a_row, a_col, b, c, alpha, accumulate):
@@ -550,7 +550,7 @@ _NARROW = """
 import numpy as np
 from polyattn import attention_vjp
 from polyattn import scaled_dot_product_attention as sdpa
-from polyattn.implementations import _numba_cpu_tiles as tiles, numba_cpu
+from polyattn.backends.numba_cpu import launch as numba_cpu, tiles
 assert tiles.VECTOR_BYTES == 32 and tiles.TILE_ROWS == 6, numba_cpu.tiles()
 rng = np.random.default_rng(4)
 worst = {"float32": 0.0, "float64": 0.0}

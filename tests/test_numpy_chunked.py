@@ -18,7 +18,8 @@ from helpers import assert_close, assert_lse_close, ref_attention
 
 import polyattn
 from polyattn import _dispatch
-from polyattn.implementations import chunked, numpy_chunked
+from polyattn.backends.array_api import blocked as chunked
+from polyattn.backends.numpy import forward as numpy_chunked
 
 pytestmark = NUMPY_SESSION_ONLY
 
@@ -74,13 +75,13 @@ def test_dispatch_uses_numpy_path(monkeypatch):
     q = np.zeros((1, 2, 256, 16), dtype=np.float32)
     e = polyattn.explain(q, q, q)
     assert e.implementation == "chunked"
-    assert e.module == "polyattn.implementations.numpy_chunked"
+    assert e.module == "polyattn.backends.numpy.forward"
     assert "numpy_chunked" in e.reason and "numpy_chunked" in str(e)
     # the rule that chose it (the budget and where it comes from), no machine's speed figures
     assert "32.0 KiB budget" in e.reason and "NUMPY_SCORE_BUDGET_BYTES" in e.reason
     for text in (e.reason, *e.candidates.values()):
         assert "measured" not in text and "torch" not in text, text
-    assert _dispatch.load("chunked", polyattn._compat.array_namespace(q)).__name__.endswith(
+    assert _dispatch.load("chunked", polyattn._interop.array_namespace(q)).__name__.endswith(
         "numpy_chunked")
     small = polyattn.explain(q[:, :, :8], q[:, :, :8], q[:, :, :8])
     assert small.implementation == "reference"
@@ -549,7 +550,7 @@ def test_rules_with_strided_read_only_inputs(dtype_name, tiles):
 
 def test_rules_with_bthe_views_are_not_copied(dtype_name, monkeypatch):
     """No copy of q, k or v with a window, ALiBi and key lengths either."""
-    from polyattn.implementations._rules import Rules
+    from polyattn.rules.visibility import Rules
 
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)
     q, k, v, _ = bthe_problem(dtype_name, b=1, tq=512, tk=512, h=8, hkv=8, e=32, ev=32)
@@ -617,7 +618,7 @@ def _visible(rules, tq, tk, lengths=None):
 @pytest.mark.parametrize(("bq", "bk"), [(6, 4), (5, 16), (1, 1), (64, 64)])
 def test_band_tiles_cover_each_visible_score_once(window, causal, shift, bq, bk):
     """Each score visible by window, causal mask and key length lies in exactly one rectangle."""
-    from polyattn.implementations._rules import Rules
+    from polyattn.rules.visibility import Rules
 
     tq, tk = 23, 29
     lengths = np.array([0, 29, 11, 1])
@@ -644,7 +645,7 @@ def test_window_work_follows_the_band():
     The rectangles of the default tiles hold the band's T·1025 visible scores and
     a margin of at most the key block width per row.
     """
-    from polyattn.implementations._rules import Rules
+    from polyattn.rules.visibility import Rules
 
     areas = {}
     for t in (8192, 32768):
@@ -691,7 +692,7 @@ def test_public_api_runs_the_numpy_path_with_rules():
     e = polyattn.explain(q, q, q, window=(16, 0), is_causal=True, softcap=3.0,
                          alibi_slopes=np.ones(2, dtype=np.float32), key_lengths=np.array([200]),
                          implementation="chunked")
-    assert e.module == "polyattn.implementations.numpy_chunked"
+    assert e.module == "polyattn.backends.numpy.forward"
 
 
 def test_keys_past_key_lengths_are_never_read(dtype_name, tiles):
@@ -772,7 +773,7 @@ def test_nan_never_disappears_through_auto(monkeypatch, dtype_name):
     monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
     rng = np.random.default_rng(46)
     q, k, v = (rng.standard_normal((2, 4, 96, 16)).astype(dtype_name) for _ in range(3))
-    assert polyattn.explain(q, k, v).module == "polyattn.implementations.numpy_chunked"
+    assert polyattn.explain(q, k, v).module == "polyattn.backends.numpy.forward"
     lengths = np.array([96, 80])
     want = oracle(q, k, v, key_lengths=lengths)[0]
     q[0, 2, 40, 3] = np.nan
@@ -793,7 +794,7 @@ def test_no_floating_point_warning_escapes(dtype_name, tiles):
     their own), and the values say what happened."""
     import warnings
 
-    from polyattn.implementations._rules import Rules
+    from polyattn.rules.visibility import Rules
 
     q, k, v = (x.astype(dtype_name) for x in problem(45, tq=13, tk=17, hkv=4))
     q *= 400                                     # exp underflows in float32 and float64

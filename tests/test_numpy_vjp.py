@@ -20,7 +20,9 @@ from _support import NUMPY_SESSION_ONLY
 from test_numpy_chunked import items_on_threads
 
 from polyattn._problem import prepare
-from polyattn.implementations import numpy_chunked, numpy_vjp, reference
+from polyattn.backends.array_api import reference
+from polyattn.backends.numpy import backward as numpy_vjp
+from polyattn.backends.numpy import forward as numpy_chunked
 
 pytestmark = NUMPY_SESSION_ONLY
 

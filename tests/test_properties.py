@@ -29,10 +29,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polyattn
-from polyattn.implementations import chunked
+from polyattn.backends.array_api import blocked as chunked
 
 try:
-    from polyattn.implementations import numpy_chunked
+    from polyattn.backends.numpy import forward as numpy_chunked
 except ImportError:  # pragma: no cover - the NumPy fast path is optional
     numpy_chunked = None
 

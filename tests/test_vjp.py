@@ -45,7 +45,8 @@ from helpers import (
 )
 
 import polyattn
-from polyattn.implementations import _dropout, chunked
+from polyattn.backends.array_api import blocked as chunked
+from polyattn.rules import dropout as _dropout
 
 IMPLEMENTATIONS = ("reference", "chunked", "auto")
 #: Tests on NumPy arrays alone run in the session that selects NumPy.
@@ -748,7 +749,7 @@ def test_torch_gradcheck_through_the_numpy_fast_path(options, monkeypatch):
     q, k, v = (torch.tensor(rng.standard_normal(s), requires_grad=True)
                for s in ((1, 2, 4, 3), (1, 2, 5, 3), (1, 2, 5, 2)))
     e = polyattn.explain(q, k, v, implementation="chunked", **options)
-    assert e.module == "polyattn.implementations.numpy_chunked", str(e)
+    assert e.module == "polyattn.backends.numpy.forward", str(e)
 
     def f(q: Any, k: Any, v: Any) -> Any:
         return polyattn.scaled_dot_product_attention(q, k, v, implementation="chunked",
@@ -767,11 +768,11 @@ def test_torch_float_mask_requiring_grad_takes_the_generic_path(monkeypatch):
     leaves = [torch.tensor(a, requires_grad=True) for a in (case.q, case.k, case.v, case.mask)]
     q, k, v, mask = leaves
     e = polyattn.explain(q, k, v, attn_mask=mask, implementation="chunked", **case.options)
-    assert e.module == "polyattn.implementations.chunked", str(e)
+    assert e.module == "polyattn.backends.array_api.blocked", str(e)
     assert "attn_mask" in e.reason, e.reason
     detached = polyattn.explain(q, k, v, attn_mask=mask.detach(), implementation="chunked",
                                 **case.options)
-    assert detached.module == "polyattn.implementations.numpy_chunked"
+    assert detached.module == "polyattn.backends.numpy.forward"
     out = polyattn.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                 implementation="chunked", **case.options)
     g = torch.tensor(cotangent(case))

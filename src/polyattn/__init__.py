@@ -6,15 +6,15 @@ CPU, CuPy arrays on an NVIDIA GPU; torch, JAX, Dask and array-api-strict
 arrays work too. See ``python -m polyattn info``.
 """
 
-from .attention import attention_weights, explain, scaled_dot_product_attention
-from .cache import KVCache
-from .masks import causal_mask
-from .merge import merge_attention
-from .multihead import MultiHeadAttention, multi_head_attention
-from .positional import alibi_slopes, sinusoidal_positional_encoding
-from .rotary import apply_rotary_embedding
-from .softmax import logsumexp, softmax
-from .vjp import attention_vjp
+from polyattn.attention import attention_weights, explain, scaled_dot_product_attention
+from polyattn.cache import KVCache
+from polyattn.masks import causal_mask
+from polyattn.merge import merge_attention
+from polyattn.multihead import MultiHeadAttention, multi_head_attention
+from polyattn.positional import alibi_slopes, sinusoidal_positional_encoding
+from polyattn.rotary import apply_rotary_embedding
+from polyattn.softmax import logsumexp, softmax
+from polyattn.vjp import attention_vjp
 
 __version__ = "0.1.0"
 

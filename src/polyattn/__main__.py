@@ -1,5 +1,5 @@
 """``python -m polyattn``: see :mod:`polyattn.cli`."""
 
-from .cli import main
+from polyattn.cli import main
 
 raise SystemExit(main(prog="python -m polyattn"))

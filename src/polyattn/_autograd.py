@@ -22,8 +22,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._compat import Array
-from ._problem import Problem
+from polyattn._interop import Array
+from polyattn._problem import Problem
 
 Forward = Callable[[Array, Array, Array], tuple[Array, Array]]
 Backward = Callable[[Array, Array, Array, Array, Array, Array, Array | None],
@@ -79,7 +79,7 @@ def direct(module: Any, problem: Problem) -> tuple[Forward, Backward]:
 
     forward_only = {}
     if module.__name__.endswith(".numba_cuda"):
-        from .implementations import numba_cuda_tc
+        from polyattn.backends.cuda import tensor_core as numba_cuda_tc
 
         tq, e = problem.q.shape[-2:]
         ev = e if problem.v is None else problem.v.shape[-1]

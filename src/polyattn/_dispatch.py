@@ -15,7 +15,7 @@ them (differentiable the same way), except while ``torch.compile`` traces.
 
 The budget is :data:`SCORE_BUDGET_BYTES` (64 MiB, a memory bound) for every
 namespace but NumPy. On NumPy arrays ``"chunked"`` runs
-:mod:`polyattn.implementations.numpy_chunked`, the multi-threaded blocked
+:mod:`polyattn.backends.numpy.forward`, the multi-threaded blocked
 path, so NumPy uses the smaller :data:`NUMPY_SCORE_BUDGET_BYTES`, near the
 crossover measured between the two. The environment variable
 ``POLYATTN_SCORE_BUDGET`` (bytes) overrides both: a large value keeps the
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from . import _autograd
-from ._compat import device_of, library_name
-from ._problem import Problem
-from .implementations import native
+from polyattn import _autograd
+from polyattn._interop import device_of, library_name
+from polyattn._problem import Problem
+from polyattn.backends.native import fused as native
 
 #: Largest score matrix (bytes, in the compute dtype) that ``"auto"`` lets the
 #: reference path materialise; above it the chunked path runs. Override with the
@@ -170,7 +170,7 @@ def is_cuda(problem: Problem) -> bool:
 
 def load_kernel_module() -> ModuleType:
     """Import the Numba CUDA implementation (only when it is wanted)."""
-    return importlib.import_module("polyattn.implementations.numba_cuda")
+    return importlib.import_module("polyattn.backends.cuda.rows")
 
 
 def kernel_status(problem: Problem) -> tuple[bool, str]:
@@ -235,17 +235,27 @@ def bridged(problem: Problem, name: str) -> bool:
     return name == "numba_cuda" or constant_needs_grad(problem) is None
 
 
+#: The module that runs each implementation.
+MODULES = {"reference": "polyattn.backends.array_api.reference",
+           "chunked": "polyattn.backends.array_api.blocked",
+           "numpy_chunked": "polyattn.backends.numpy.forward",
+           "native": "polyattn.backends.native.fused",
+           "numba_cpu": "polyattn.backends.numba_cpu.launch",
+           "numba_cuda": "polyattn.backends.cuda.rows",
+           "distributed": "polyattn.backends.dask.plan"}
+
+
 def module_name(name: str, xp: Any = None, problem: Problem | None = None) -> str:
     """The module that runs implementation ``name`` on namespace ``xp`` (for ``problem``)."""
     if problem is not None and name == "chunked" and bridged(problem, name):
-        return "polyattn.implementations.numpy_chunked"
+        return "polyattn.backends.numpy.forward"
     if name == "native" and xp is not None:
         return {"torch": "torch.nn.functional.scaled_dot_product_attention",
                 "jax": "jax.nn.dot_product_attention"}.get(library_name(xp),
-                                                           "polyattn.implementations.native")
+                                                           "polyattn.backends.native.fused")
     if name == "chunked" and xp is not None and is_numpy(xp):
         name = "numpy_chunked"
-    return f"polyattn.implementations.{name}"
+    return MODULES[name]
 
 
 def load(name: str, xp: Any = None) -> ModuleType:
@@ -478,7 +488,15 @@ def _dtype_name(dtype: Any) -> str:
 
 def cuda_arithmetic(problem: Problem) -> str:
     """How the CUDA kernel computes this call (tensor cores or exact), for people."""
-    from .implementations import numba_cuda, numba_cuda_tc, numba_cuda_tiled
+    from polyattn.backends.cuda import (
+        rows as numba_cuda,
+    )
+    from polyattn.backends.cuda import (
+        tensor_core as numba_cuda_tc,
+    )
+    from polyattn.backends.cuda import (
+        tiled as numba_cuda_tiled,
+    )
 
     tq, e = problem.q.shape[-2:]
     ev = e if problem.v is None else problem.v.shape[-1]
@@ -514,7 +532,7 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
         return f"turned off for implementation='auto' by POLYATTN_NUMBA_CPU={setting}"
     if not is_numpy(problem.xp):
         return (f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays")
-    from .implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     usable, why = numba_cpu.availability()
     return None if usable else why
@@ -522,14 +540,14 @@ def numba_cpu_status(problem: Problem, for_vjp: bool = False, *,
 
 def numba_cpu_compiled() -> str:
     """Whether the numba_cpu kernel is compiled, cached on disk, or still to compile."""
-    from .implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     return numba_cpu.cache_state()
 
 
 def numba_cpu_tiles() -> str:
     """The SIMD vectors and register tiles of the numba_cpu kernel on this CPU."""
-    from .implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     return numba_cpu.tiles()
 
@@ -541,7 +559,7 @@ def distributed_status(problem: Problem, for_vjp: bool = False) -> str | None:
     if for_vjp:
         return ("the Dask plan has no backward pass; attention_vjp runs the Array-API "
                 "blocked path on Dask arrays")
-    from .implementations import distributed
+    from polyattn.backends.dask import plan as distributed
 
     return distributed.unavailable(problem.q, problem.k, problem.v, problem.mask,
                                    problem.rules)
@@ -549,7 +567,7 @@ def distributed_status(problem: Problem, for_vjp: bool = False) -> str | None:
 
 def distributed_plan(problem: Problem) -> str:
     """The Dask plan's tasks for this call, in one line (built from shapes; nothing runs)."""
-    from .implementations import distributed
+    from polyattn.backends.dask import plan as distributed
 
     rules = problem.rules
     assert rules is not None
@@ -598,7 +616,7 @@ def run(problem: Problem, name: str, *, grad: bool = True,
     NumPy fast path instead (``explain`` then says why numba_cpu is not usable).
     """
     if name == "numba_cpu" and fallback:
-        from .implementations import numba_cpu
+        from polyattn.backends.numba_cpu import launch as numba_cpu
 
         try:
             numba_cpu.kernels()

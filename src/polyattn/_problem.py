@@ -3,7 +3,7 @@
 :func:`prepare` checks every argument (names, shapes, dtypes, devices), then
 broadcasts the batch dimensions, casts to the compute dtype and normalises the
 mask, so that every implementation receives the layout documented in
-:mod:`polyattn.implementations`.
+:mod:`polyattn.backends`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._compat import (
+from polyattn._interop import (
     Array,
     Namespace,
     check_same_device,
@@ -21,7 +21,7 @@ from ._compat import (
     device_of,
     namespace_of,
 )
-from ._validation import (
+from polyattn._validation import (
     ALIGNMENTS,
     LAYOUTS,
     broadcast_shapes,
@@ -36,9 +36,9 @@ from ._validation import (
     check_window,
     shape_str,
 )
-from .implementations._rules import Rules
-from .masks import causal_offset as _causal_offset
-from .masks import normalise_mask
+from polyattn.masks import causal_offset as _causal_offset
+from polyattn.masks import normalise_mask
+from polyattn.rules.visibility import Rules
 
 LAYOUT = "(B…, H, T, E)"
 

@@ -10,7 +10,7 @@ import math
 import numbers
 from typing import Any
 
-from ._compat import Array, Namespace, library_name
+from polyattn._interop import Array, Namespace, library_name
 
 IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda", "distributed",
                    "numba_cpu")
@@ -264,7 +264,7 @@ def check_dropout(p: object, seed: object) -> tuple[float, Array]:
 def _seed_array(seed: Array) -> Array:
     """A 0-d integer array seed as an int, or as it is where its value is not at hand
     (traced by ``jax.jit``: the mask is then computed from the traced value)."""
-    from ._compat import array_namespace, concrete_values
+    from polyattn._interop import array_namespace, concrete_values
 
     if tuple(seed.shape) != ():
         raise TypeError(f"`dropout_seed` must be an int or a 0-d integer array; got an array "

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import _dispatch
-from ._compat import Array, device_of
-from ._problem import Problem, prepare
-from ._validation import IMPLEMENTATIONS, check_bool, check_choice
-from .implementations import reference
-from .implementations._common import NEG_INF, quiet_floating_point
+from polyattn import _dispatch
+from polyattn._interop import Array, device_of
+from polyattn._problem import Problem, prepare
+from polyattn._validation import IMPLEMENTATIONS, check_bool, check_choice
+from polyattn.backends.array_api import reference
+from polyattn.rules.online import NEG_INF, quiet_floating_point
 
 
 def _empty_problem(problem: Problem) -> tuple[Array, Array]:

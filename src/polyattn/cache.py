@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._compat import (
+from polyattn._interop import (
     Array,
     Namespace,
     check_same_device,
@@ -30,8 +30,8 @@ from ._compat import (
     namespace_of,
     resolve_xp,
 )
-from ._validation import check_floating, check_nonnegative_int, shape_str
-from .positional import _float_dtype
+from polyattn._validation import check_floating, check_nonnegative_int, shape_str
+from polyattn.positional import _float_dtype
 
 #: Libraries whose arrays are written in place (the others get a new cache per update).
 MUTABLE = ("numpy", "cupy", "torch", "array_api_strict")

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from polyattn import __version__
 
 #: Array libraries polyattn supports: (import name, distributions to look for).
 LIBRARIES = [
@@ -271,7 +271,7 @@ def cuda_status() -> tuple[bool, str]:
     if _version(("numba-cuda",)) is None:
         return False, "numba-cuda is not installed (pip install 'polyattn[cuda]')"
     if simulator_enabled():
-        from . import explain
+        from polyattn import explain
 
         x = np.zeros((1, 1, 1, 1))
         info = explain(x, x, x, implementation="auto")
@@ -296,7 +296,7 @@ def _device_name(name: Any) -> str:
 
 def _native_libraries() -> list[str]:
     """The installed libraries whose own attention ``implementation="native"`` runs."""
-    if not _installed("polyattn.implementations.native"):
+    if not _installed("polyattn.backends.native.fused"):
         return []
     return [label for module, label in (("torch", "torch"), ("jax", "JAX")) if _installed(module)]
 
@@ -330,7 +330,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         impls.append("numba_cpu")
     print(f"implementations available: {', '.join(impls)}")
     if usable:
-        from .implementations import numba_cpu
+        from polyattn.backends.numba_cpu import launch as numba_cpu
 
         print(f"numba_cpu kernel: {numba_cpu.cache_state()}")
         print(f"numba_cpu tiles: {numba_cpu.tiles()}")
@@ -409,25 +409,25 @@ def _pool_line(pool: dict[str, Any]) -> str:
 # --- environment variables ---------------------------------------------------------------
 
 def _score_budget() -> None:
-    from ._dispatch import score_budget
+    from polyattn._dispatch import score_budget
 
     score_budget()
 
 
 def _numba_cpu_setting() -> None:
-    from ._dispatch import numba_cpu_setting
+    from polyattn._dispatch import numba_cpu_setting
 
     numba_cpu_setting()
 
 
 def _cuda_kernel() -> None:
-    from .implementations import numba_cuda
+    from polyattn.backends.cuda import rows as numba_cuda
 
     numba_cuda.kernel_choice()
 
 
 def _cuda_float32() -> None:
-    from .implementations import numba_cuda_tc
+    from polyattn.backends.cuda import tensor_core as numba_cuda_tc
 
     numba_cuda_tc.float32_choice()
 
@@ -469,7 +469,7 @@ def environment_line() -> str | None:
 
 
 def _numba_cpu_availability() -> tuple[bool, str]:
-    from .implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     return numba_cpu.availability()
 
@@ -479,7 +479,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     usable, why = _numba_cpu_availability()
     if not usable:
         raise CLIError(f"the numba_cpu kernel cannot be compiled: {why}")
-    from .implementations import numba_cpu
+    from polyattn.backends.numba_cpu import launch as numba_cpu
 
     try:
         what, seconds = numba_cpu.warmup()
@@ -563,7 +563,7 @@ def check_backend(name: str) -> None:
 
 
 def _backend_namespace(name: str) -> Any:
-    from ._compat import resolve_xp
+    from polyattn._interop import resolve_xp
 
     check_backend(name)
     module = {"jax": "jax.numpy", "dask": "dask.array"}.get(name, name)
@@ -624,7 +624,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
             raise CLIError(f"--save-png needs matplotlib, which is not installed; install it "
                            f"with {INSTALL['matplotlib']}")
     if args.model == "minilm":
-        from .models import minilm
+        from polyattn.models import minilm
 
         try:
             minilm.check_requirements()
@@ -677,7 +677,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: the toy sentence step by step, or a head of all-MiniLM-L6-v2."""
     check_demo_args(args)
     if args.model == "minilm":
-        from .models import minilm
+        from polyattn.models import minilm
 
         layer = 3 if args.layer is None else args.layer
         head = 1 if args.head is None else args.head
@@ -689,7 +689,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise CLIError(f"--model minilm (the model in {shown(str(minilm.model_dir()))}): "
                            f"{_first_line(exc)}") from exc
         return 0
-    from . import attention_weights, scaled_dot_product_attention, sinusoidal_positional_encoding
+    from polyattn import (
+        attention_weights,
+        scaled_dot_product_attention,
+        sinusoidal_positional_encoding,
+    )
 
     xp = _backend_namespace(args.backend)
     m = demo_matrices()
@@ -846,7 +850,7 @@ def ratio_note(ratio: float, baseline: str) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``bench``: polyattn and the naive formula timed side by side."""
-    from . import explain, scaled_dot_product_attention
+    from polyattn import explain, scaled_dot_product_attention
 
     b, h, t, e = check_bench_args(args)
     rng = np.random.default_rng(0)
@@ -993,7 +997,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
     if args.seed is not None and args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer; got {args.seed}")
     check_backend(args.backend)
-    from .models import smollm2
+    from polyattn.models import smollm2
 
     try:
         smollm2.check_requirements()
@@ -1006,7 +1010,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import codecs
 
     check_generate_args(args)
-    from .models import smollm2
+    from polyattn.models import smollm2
 
     start = time.perf_counter()
     try:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._compat import Array, Namespace, device_of, library_name, namespace_of, resolve_xp
-from ._validation import (
+from polyattn._interop import Array, Namespace, device_of, library_name, namespace_of, resolve_xp
+from polyattn._validation import (
     ALIGNMENTS,
     check_broadcastable_to,
     check_choice,

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._compat import Array, check_same_device, namespace_of
-from ._problem import swap_heads_and_time
-from ._validation import LAYOUTS, check_choice, check_floating, check_min_ndim, shape_str
-from .implementations._common import quiet_floating_point
-from .implementations._merge import merge
+from polyattn._interop import Array, check_same_device, namespace_of
+from polyattn._problem import swap_heads_and_time
+from polyattn._validation import LAYOUTS, check_choice, check_floating, check_min_ndim, shape_str
+from polyattn.rules.merge import merge
+from polyattn.rules.online import quiet_floating_point
 
 __all__ = ["merge_attention"]
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from ._compat import (
+from polyattn._interop import (
     Array,
     Namespace,
     check_same_device,
@@ -31,7 +31,7 @@ from ._compat import (
     namespace_of,
     resolve_xp,
 )
-from ._validation import (
+from polyattn._validation import (
     IMPLEMENTATIONS,
     broadcast_shapes,
     check_bool,
@@ -44,10 +44,10 @@ from ._validation import (
     is_supported_float,
     shape_str,
 )
-from .attention import attention_weights, scaled_dot_product_attention
-from .cache import KVCache
-from .implementations._common import quiet_floating_point
-from .rotary import apply_rotary_embedding
+from polyattn.attention import attention_weights, scaled_dot_product_attention
+from polyattn.cache import KVCache
+from polyattn.rotary import apply_rotary_embedding
+from polyattn.rules.online import quiet_floating_point
 
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")

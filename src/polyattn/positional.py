@@ -19,8 +19,8 @@ import math
 import numbers
 from typing import Any
 
-from ._compat import Array, Namespace, default_float_dtype, resolve_xp
-from ._validation import check_float_dtype, check_nonnegative_int
+from polyattn._interop import Array, Namespace, default_float_dtype, resolve_xp
+from polyattn._validation import check_float_dtype, check_nonnegative_int
 
 
 def sinusoidal_positional_encoding(num_positions: int, d_model: int, /, *, base: float = 10000.0,

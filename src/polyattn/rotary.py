@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 import numbers
 
-from ._compat import Array, check_same_device, device_of, namespace_of
-from ._validation import check_bool, check_floating, check_nonnegative_int, shape_str
-from .implementations._common import quiet_floating_point
+from polyattn._interop import Array, check_same_device, device_of, namespace_of
+from polyattn._validation import check_bool, check_floating, check_nonnegative_int, shape_str
+from polyattn.rules.online import quiet_floating_point
 
 
 def apply_rotary_embedding(x: Array, positions: Array, /, *, base: float = 10000.0,

@@ -8,9 +8,9 @@ zeros and a log-sum-exp of ``-inf`` rather than NaN.
 
 from __future__ import annotations
 
-from ._compat import Array, device_of, namespace_of
-from ._validation import check_bool, check_floating
-from .implementations._common import NEG_INF, log_of_sum, quiet_floating_point, stable_shift
+from polyattn._interop import Array, device_of, namespace_of
+from polyattn._validation import check_bool, check_floating
+from polyattn.rules.online import NEG_INF, log_of_sum, quiet_floating_point, stable_shift
 
 
 def _compute_dtype(x: Array, xp):

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _dispatch
-from ._compat import (
+from polyattn import _dispatch
+from polyattn._interop import (
     Array,
     check_same_device,
     contiguous,
@@ -28,10 +28,16 @@ from ._compat import (
     library_name,
     namespace_of,
 )
-from ._problem import Problem, prepare, swap_heads_and_time
-from ._validation import IMPLEMENTATIONS, check_bool, check_choice, check_floating, shape_str
-from .attention import run, value_features
-from .implementations._common import NEG_INF, quiet_floating_point
+from polyattn._problem import Problem, prepare, swap_heads_and_time
+from polyattn._validation import (
+    IMPLEMENTATIONS,
+    check_bool,
+    check_choice,
+    check_floating,
+    shape_str,
+)
+from polyattn.attention import run, value_features
+from polyattn.rules.online import NEG_INF, quiet_floating_point
 
 Pullback = Callable[..., tuple[Array, Array, Array]]
 

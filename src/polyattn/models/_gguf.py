@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._bpe import BPETokenizer
+from polyattn.models._bpe import BPETokenizer
 
 #: The pre-tokenizer the BPE tokenizer reproduces (llama.cpp's name for it); a file
 #: without ``tokenizer.ggml.pre`` is read with it too.

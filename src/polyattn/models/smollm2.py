@@ -56,12 +56,11 @@ from typing import Any
 import numpy as np
 
 import polyattn
-
-from .._compat import array_namespace, device_of, library_name, resolve_xp
-from .._validation import check_nonnegative_int
-from . import _gguf
-from ._bpe import BPETokenizer, check_token_ids
-from ._gguf import GGUF_HINT, INSTALL_HINT, WEIGHTS_HINT, LlamaConfig
+from polyattn._interop import array_namespace, device_of, library_name, resolve_xp
+from polyattn._validation import check_nonnegative_int
+from polyattn.models import _gguf
+from polyattn.models._bpe import BPETokenizer, check_token_ids
+from polyattn.models._gguf import GGUF_HINT, INSTALL_HINT, WEIGHTS_HINT, LlamaConfig
 
 Array = Any
 Namespace = Any
@@ -872,7 +871,7 @@ def _numpy_params(file: Path) -> tuple[dict[str, Any], LlamaConfig, BPETokenizer
 def _resolve(xp: Any, dtype: Any, device: Any) -> tuple[Namespace, Any, Any]:
     """The namespace, dtype and device a model is loaded into."""
     if isinstance(xp, str):
-        from .minilm import get_backend
+        from polyattn.models.minilm import get_backend
 
         name = xp.replace("-", "_").lower()
         if name not in ("numpy", "torch", "cupy", "jax"):

@@ -69,9 +69,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _mma, numba_cuda
-from ._rules import Rules
-from ._unroll import unroll, unrolled
+from polyattn.backends.cuda import mma as _mma
+from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda.unroll import unroll, unrolled
+from polyattn.rules.visibility import Rules
 
 Array = Any
 

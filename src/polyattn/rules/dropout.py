@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._compat import device_of, library_name
+from polyattn._interop import device_of, library_name
 
 Array = Any
 

@@ -76,9 +76,17 @@ from typing import Any
 
 import numpy as np
 
-from . import _mma, numba_cuda, numba_cuda_backward
-from ._rules import Rules
-from ._unroll import unroll, unrolled
+from polyattn.backends.cuda import (
+    mma as _mma,
+)
+from polyattn.backends.cuda import (
+    rows as numba_cuda,
+)
+from polyattn.backends.cuda import (
+    rows_backward as numba_cuda_backward,
+)
+from polyattn.backends.cuda.unroll import unroll, unrolled
+from polyattn.rules.visibility import Rules
 
 Array = Any
 

@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from . import numba_cuda as fwd
-from ._rules import Rules
+from polyattn.backends.cuda import rows as fwd
+from polyattn.rules.visibility import Rules
 
 Array = Any
 

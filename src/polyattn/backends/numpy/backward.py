@@ -48,8 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ._rules import Rules
-from .numpy_chunked import (
+from polyattn.backends.numpy.forward import (
     _band_tiles,
     _dropout_factor,
     _flat,
@@ -62,6 +61,7 @@ from .numpy_chunked import (
     num_threads,
     threading_mode,
 )
+from polyattn.rules.visibility import Rules
 
 #: Fewest (batch row, key/value head) pairs for the fused pass (:func:`fused`); ``None``:
 #: decided by the cost of each way.
@@ -260,7 +260,8 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     Examples
     --------
     >>> import numpy as np
-    >>> from polyattn.implementations import numpy_chunked, reference
+    >>> from polyattn.backends.array_api import reference
+    >>> from polyattn.backends.numpy import forward as numpy_chunked
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
     >>> kw = dict(mask=None, causal_offset=0, scale=0.5, xp=np)

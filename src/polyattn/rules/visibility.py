@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .._compat import device_of
+from polyattn._interop import device_of
 
 Array = Any
 NEG_INF = -math.inf

@@ -106,8 +106,8 @@ from typing import Any
 
 import numpy as np
 
-from ._dropout import MASK32, philox_numpy, threshold
-from ._rules import Rules
+from polyattn.rules.dropout import MASK32, philox_numpy, threshold
+from polyattn.rules.visibility import Rules
 
 #: Query rows per work item in float32, summed over the G heads of a group
 #: (bq = BLOCK_Q // G); half as many in float64, so a block of scores keeps its size.
@@ -865,7 +865,7 @@ def _output(q: np.ndarray, ev: int) -> np.ndarray:
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
               scale: float, xp: Any, rules: Rules | None = None,
               threads: int | None = None, lse_dtype: Any = None) -> tuple[Any, Any]:
-    """Blocked, multi-threaded attention on NumPy arrays; see :mod:`polyattn.implementations`.
+    """Blocked, multi-threaded attention on NumPy arrays; see :mod:`polyattn.backends`.
 
     ``xp`` is accepted for the common signature; the arrays must be NumPy arrays. They
     may be strided views (no copy is made of ``q`` or ``k``, nor of ``v`` where its rows
@@ -881,8 +881,8 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     A causal sliding window of 2 keys to the left on a (B, H, T, E) problem:
 
     >>> import numpy as np
-    >>> from polyattn.implementations import numpy_chunked
-    >>> from polyattn.implementations._rules import Rules
+    >>> from polyattn.backends.numpy import forward as numpy_chunked
+    >>> from polyattn.rules.visibility import Rules
     >>> q = k = v = np.ones((1, 2, 6, 4))
     >>> rules = Rules(tq=6, tk=6, causal=True, window=(2, 0))
     >>> out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.5,
@@ -926,7 +926,7 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
              grad_lse: Any = None) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention`; see :func:`.numpy_vjp.backward`."""
-    from . import numpy_vjp  # it imports this module
+    from polyattn.backends.numpy import backward as numpy_vjp  # it imports this module
 
     return numpy_vjp.backward(q, k, v, out, lse, grad_out, mask=mask,
                               causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,

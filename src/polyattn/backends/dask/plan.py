@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from ._merge import merge
-from ._rules import Rules
+from polyattn.rules.merge import merge
+from polyattn.rules.visibility import Rules
 
 Array = Any
 
@@ -190,7 +190,7 @@ def _block(x: Array | None, index: tuple[int, ...]) -> Any:
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               causal_offset: int | None, scale: float, xp: Any,
               rules: Rules | None = None) -> tuple[Array, Array]:
-    """The blocked plan on Dask arrays; see :mod:`polyattn.implementations` for the contract.
+    """The blocked plan on Dask arrays; see :mod:`polyattn.backends` for the contract.
 
     Returns lazy Dask arrays ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq), chunked
     like ``q`` along the batch and query axes.
@@ -362,12 +362,12 @@ def _run(q: Array, k: Array, v: Array, mask: Array | None, spec: Spec, offset: i
                   alibi=slopes)
     causal_offset = offset if spec.causal else None
     if isinstance(q, np.ndarray):
-        from . import numpy_chunked
+        from polyattn.backends.numpy import forward as numpy_chunked
 
         return numpy_chunked.attention(q, k, v, mask=mask, causal_offset=causal_offset,
                                        scale=spec.scale, xp=xp, rules=rules,
                                        threads=spec.threads, lse_dtype=np.float64)
-    from . import chunked
+    from polyattn.backends.array_api import blocked as chunked
 
     return chunked.attention(q, k, v, mask=mask, causal_offset=causal_offset,
                              scale=spec.scale, xp=xp, rules=rules, lse_dtype=xp.float64)

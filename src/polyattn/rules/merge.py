@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import log_of_sum, safe_divide, stable_shift
+from polyattn.rules.online import log_of_sum, safe_divide, stable_shift
 
 Array = Any
 

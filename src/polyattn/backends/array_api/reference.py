@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._compat import device_of
-from ._common import (
+from polyattn._interop import device_of
+from polyattn.rules.dropout import keep_grouped
+from polyattn.rules.online import (
     NEG_INF,
     group_heads,
     log_of_sum,
@@ -20,8 +21,7 @@ from ._common import (
     stable_shift,
     ungroup_heads,
 )
-from ._dropout import keep_grouped
-from ._rules import Rules, drop_padding, score_transform
+from polyattn.rules.visibility import Rules, drop_padding, score_transform
 
 Array = Any
 
@@ -67,7 +67,7 @@ def _normalised(s: Array, xp: Any) -> tuple[Array, Array]:
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               causal_offset: int | None, scale: float, xp: Any,
               rules: Rules | None = None) -> tuple[Array, Array]:
-    """Attention by the formula; see :mod:`polyattn.implementations` for the contract."""
+    """Attention by the formula; see :mod:`polyattn.backends` for the contract."""
     rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     k, v = drop_padding(k, rules, xp), drop_padding(v, rules, xp)
     s = _masked_scores(q, k, mask, rules, scale, xp)

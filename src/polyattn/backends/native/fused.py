@@ -40,9 +40,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._compat import device_of, library_name
-from ._common import NEG_INF, causal_allowed, non_finite_rows
-from ._rules import Rules, drop_padding, fold_into_mask
+from polyattn._interop import device_of, library_name
+from polyattn.rules.online import NEG_INF, causal_allowed, non_finite_rows
+from polyattn.rules.visibility import Rules, drop_padding, fold_into_mask
 
 Array = Any
 

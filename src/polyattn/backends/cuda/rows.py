@@ -155,9 +155,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _dropout
-from ._common import non_finite_rows
-from ._rules import Rules
+from polyattn.rules import dropout as _dropout
+from polyattn.rules.online import non_finite_rows
+from polyattn.rules.visibility import Rules
 
 Array = Any
 
@@ -917,7 +917,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     """Fused attention on a CUDA GPU: ``(out, lse)`` in one kernel launch (two with
     split keys).
 
-    See the module docstring for the algorithm and :mod:`polyattn.implementations`
+    See the module docstring for the algorithm and :mod:`polyattn.backends`
     for the shared contract; ``rules`` (windows, key lengths, soft-capping,
     ALiBi, per-row positions) are applied inside the kernel. ``block_q`` and
     ``block_k`` override the tile sizes (threads per block, key rows per tile),
@@ -955,7 +955,7 @@ def _attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     *batch, n_heads, tq, e = q.shape
     tk, ev = v.shape[-2:]
     if arithmetic is not None:
-        from . import numba_cuda_tc
+        from polyattn.backends.cuda import tensor_core as numba_cuda_tc
 
         if numba_cuda_tc.unsupported(arithmetic, tq, e, ev) is None:
             return numba_cuda_tc.attention(q, k, v, mask=mask, causal_offset=causal_offset,
@@ -963,7 +963,7 @@ def _attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
                                            rules=rules)
     if (kernel_choice() == "tiled" and block_q is None and block_k is None and decode is None
             and num_splits is None):
-        from . import numba_cuda_tiled
+        from polyattn.backends.cuda import tiled as numba_cuda_tiled
 
         if numba_cuda_tiled.unsupported(tq) is None:
             return numba_cuda_tiled.attention(q, k, v, mask=mask, causal_offset=causal_offset,
@@ -1052,12 +1052,12 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
     the forward runs the register-tiled kernel (:func:`kernel_choice`, not for
     decoding shapes), else those of :mod:`.numba_cuda_backward` (``block_q`` and
     ``block_k`` set their tile sizes and keep them)."""
-    from . import numba_cuda_tiled
-    from .numba_cuda_backward import backward as kernel_backward
+    from polyattn.backends.cuda import tiled as numba_cuda_tiled
+    from polyattn.backends.cuda.rows_backward import backward as kernel_backward
 
     if (kernel_choice() == "tiled" and block_q is None and block_k is None
             and numba_cuda_tiled.unsupported(q.shape[-2]) is None):
-        from .numba_cuda_tiled_backward import backward as tiled_backward
+        from polyattn.backends.cuda.tiled_backward import backward as tiled_backward
 
         return tiled_backward(q, k, v, out, lse, grad_out, mask=mask,
                               causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,

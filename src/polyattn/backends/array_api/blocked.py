@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._compat import device_of
-from ._common import (
+from polyattn._interop import device_of
+from polyattn.backends.array_api.reference import dropout_factor
+from polyattn.rules.online import (
     NEG_INF,
     group_heads,
     log_of_sum,
@@ -37,8 +38,7 @@ from ._common import (
     stable_shift,
     ungroup_heads,
 )
-from ._rules import Rules, drop_padding, score_transform
-from .reference import dropout_factor
+from polyattn.rules.visibility import Rules, drop_padding, score_transform
 
 Array = Any
 
@@ -109,7 +109,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
               block_q: int | None = None, block_k: int | None = None,
               lse_dtype: Any = None) -> tuple[Array, Array]:
-    """Blocked online-softmax attention; see :mod:`polyattn.implementations`.
+    """Blocked online-softmax attention; see :mod:`polyattn.backends`.
 
     ``block_q`` and ``block_k`` override the module's block sizes; ``lse_dtype``
     (e.g. float64 for float32 inputs) keeps the lse's ``m + log l`` exact enough to

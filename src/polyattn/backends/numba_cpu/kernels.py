@@ -13,7 +13,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._numba_cpu_tiles import (
+from polyattn.backends.numba_cpu.tiles import (
     TILE_ROWS,
     TILE_VECTORS,
     VECTOR_BYTES,

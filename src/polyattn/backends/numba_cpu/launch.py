@@ -58,8 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from ._dropout import key_words, threshold
-from ._rules import Rules
+from polyattn.rules.dropout import key_words, threshold
+from polyattn.rules.visibility import Rules
 
 Array = Any
 
@@ -110,7 +110,7 @@ def _dispatchers() -> dict[str, Any]:
             import numba
 
             _choose_threading_layer(numba)
-            from . import _numba_cpu_kernels as compiled
+            from polyattn.backends.numba_cpu import kernels as compiled
 
             _definitions.update({name: getattr(compiled, name) for name in
                                  ("exp32", "exp64", "attend_item", "forward")})
@@ -119,7 +119,7 @@ def _dispatchers() -> dict[str, Any]:
 
 def signatures() -> list[Any]:
     """The forward kernel's signatures: float32 and float64."""
-    from . import _numba_cpu_kernels as compiled
+    from polyattn.backends.numba_cpu import kernels as compiled
 
     return [compiled.signature(np.float32), compiled.signature(np.float64)]
 
@@ -181,7 +181,7 @@ def backward_kernel(*, announce: bool = True) -> Any:
     """The compiled backward kernel (compiled, or loaded from the cache, on first use;
     announced as by :func:`kernels`)."""
     kernels(announce=announce)
-    from . import _numba_cpu_kernels as compiled
+    from polyattn.backends.numba_cpu import kernels as compiled
 
     with _lock:
         if not _backward:
@@ -217,7 +217,7 @@ def cache_state() -> str:
 def cache_state_on_disk() -> str:
     """Whether Numba's cache on disk holds the compiled kernel for this machine."""
     try:
-        from . import _numba_cpu_kernels as compiled
+        from polyattn.backends.numba_cpu import kernels as compiled
 
         wanted = [(_dispatchers()["forward"], sig) for sig in signatures()]
         wanted += [(compiled.backward, compiled.backward_signature(dt))
@@ -316,7 +316,7 @@ if hasattr(os, "register_at_fork"):  # not on Windows
 
 def tiles() -> str:
     """The SIMD vectors and register tiles the kernel's products run in on this CPU."""
-    from . import _numba_cpu_tiles as t
+    from polyattn.backends.numba_cpu import tiles as t
 
     isa = "AVX-512" if t.VECTOR_BYTES == 64 else "32-byte vectors (AVX2 or narrower)"
     return (f"{isa}: {t.lanes(4)} float32 / {t.lanes(8)} float64 lanes, products in "
@@ -464,7 +464,7 @@ def _largest_first(items: Sequence[tuple[int, ...]]) -> np.ndarray:
 
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
               scale: float, xp: Any, rules: Rules | None = None) -> tuple[Any, Any]:
-    """The fused kernel on NumPy arrays; see :mod:`polyattn.implementations`.
+    """The fused kernel on NumPy arrays; see :mod:`polyattn.backends`.
 
     Every rule of :class:`Rules` is done here, dropout included.
     """
@@ -505,7 +505,7 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     Examples
     --------
     >>> import numpy as np
-    >>> from polyattn.implementations import numba_cpu, reference
+    >>> from polyattn.backends import numba_cpu, reference
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
     >>> kw = dict(mask=None, causal_offset=0, scale=0.5, xp=np)

@@ -1,0 +1,1 @@
+"""Attention in Array-API calls only: ``"reference"`` and the blocked ``"chunked"``."""

@@ -1,0 +1,1 @@
+"""The Dask task-graph plan (``"distributed"``): blocks of the NumPy and Array-API paths."""

@@ -1,0 +1,1 @@
+"""The libraries' own fused attention (``"native"``): torch SDPA and JAX's."""

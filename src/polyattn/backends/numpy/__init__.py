@@ -1,0 +1,1 @@
+"""The NumPy fast path (``"chunked"`` on NumPy arrays): blocks on a thread pool."""

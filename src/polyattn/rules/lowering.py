@@ -1,0 +1,56 @@
+"""The rules as kernel parameters, and the score element compiled for a target.
+
+:func:`reach` turns :class:`~.visibility.Rules` into the four integers every
+kernel takes (the position offset, the key-length shift flag, and the left
+and right reach); :func:`lower` compiles a function of :mod:`.element` for the
+CPU (``numba.njit``) or the GPU (a CUDA device function) with its compute type
+bound. Numba is imported only when something is lowered.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+from polyattn.rules.visibility import Rules
+
+#: An unbounded window side as a reach: farther than any key (positions are int64).
+UNBOUNDED = 2**40
+
+
+def reach(rules: Rules, unbounded: int = UNBOUNDED) -> tuple[int, int, int, int]:
+    """``(offset, shift, left, right)``: ``p_i = i + offset + shift · key_lengths[b]``, and
+    key ``j`` is visible iff ``p_i - left <= j <= p_i + right`` (and ``j < key_lengths[b]``).
+
+    An unbounded side is ``unbounded``; every value is clamped to ``[-unbounded, unbounded]``.
+
+    >>> reach(Rules(4, 6, causal=True, offset=2, window=(3, None)))
+    (2, 0, 3, 0)
+    """
+    offset, shift = (-rules.tq, 1) if rules.lengths_shift else (rules.offset, 0)
+
+    def bounded(x: int | None) -> int:
+        return unbounded if x is None else max(-unbounded, min(int(x), unbounded))
+
+    return (bounded(offset), shift, bounded(rules.left_reach()),
+            bounded(rules.right_reach()))
+
+
+@functools.lru_cache(maxsize=None)
+def lower(function: Callable[..., Any], target: str, compute_type: Any = float) -> Any:
+    """``function`` of :mod:`.element` compiled for ``target`` ("cpu" or "cuda") with ``T``
+    bound to ``compute_type``, inlined into the kernels that call it."""
+    bound = types.FunctionType(function.__code__, {**function.__globals__, "T": compute_type},
+                               function.__name__, function.__defaults__,
+                               function.__closure__)
+    if target == "cuda":
+        from numba import cuda
+
+        return cuda.jit(device=True, inline=True)(bound)
+    if target == "cpu":
+        import numba
+
+        return numba.njit(inline="always", nogil=True)(bound)
+    raise ValueError(f"target must be 'cpu' or 'cuda', got {target!r}")
