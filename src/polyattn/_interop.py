@@ -1,7 +1,10 @@
-"""The one place that talks to ``array_api_compat``.
+"""The one place that knows array libraries.
 
-Everything else in polyattn asks this module for an array namespace, a device
-or a library's name, so that the way namespaces are resolved stays in one file.
+Everything else in polyattn asks this module for an array namespace, a device,
+a library's name (:func:`array_library`, :func:`library_name`), a host copy
+(:func:`to_numpy`) or whether Numba's CUDA simulator is on
+(:func:`simulator_enabled`), so that the way libraries are recognised stays in
+one file (docs/architecture.rst). Nothing here imports a GPU library.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import array_api_compat
 from array_api_compat import is_array_api_obj
 
 __all__ = [
+    "array_library",
     "array_namespace",
     "check_same_device",
     "contiguous",
@@ -22,10 +26,53 @@ __all__ = [
     "namespace_of",
     "resolve_xp",
     "screen",
+    "simulator_enabled",
+    "to_numpy",
 ]
 
 Array = Any
 Namespace = Any
+
+
+def array_library(x: object) -> str:
+    """The top-level module of ``x``'s type: ``"numpy"``, ``"torch"``, ``"cupy"``, ``"jax"``
+    (``jaxlib`` arrays too), ``"dask"``, ``"array_api_strict"``, ...
+
+    >>> import numpy as np
+    >>> array_library(np.zeros(2)), array_library(np.float32(1))
+    ('numpy', 'numpy')
+    """
+    lib = type(x).__module__.split(".")[0]
+    return "jax" if lib == "jaxlib" else lib
+
+
+def simulator_enabled() -> bool:
+    """Whether Numba's CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``)."""
+    import os
+
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+def to_numpy(x: Array) -> Any:
+    """A NumPy copy (or view, where one is free) of an array of any library, on the host.
+
+    CuPy arrays are copied from the GPU, torch tensors detached and copied to the
+    CPU (a view for CPU tensors), array-api-strict arrays unwrapped.
+
+    >>> import numpy as np
+    >>> to_numpy(np.arange(3))
+    array([0, 1, 2])
+    """
+    import numpy as np
+
+    lib = array_library(x)
+    if lib == "cupy":
+        return x.get()
+    if lib == "torch":
+        return x.detach().cpu().numpy()
+    if lib == "array_api_strict":
+        return np.asarray(x._array)
+    return np.asarray(x)
 
 
 def is_array(x: object) -> bool:
@@ -201,7 +248,7 @@ def concrete_values(x: Array) -> Any:
     """
     import numpy as np
 
-    lib = type(x).__module__.split(".")[0]
+    lib = array_library(x)
     try:
         if lib == "numpy":
             return np.asarray(x)
@@ -213,7 +260,7 @@ def concrete_values(x: Array) -> Any:
             return x.detach().cpu().numpy()
         if lib == "cupy":
             return x.get()
-        if lib in ("jax", "jaxlib"):
+        if lib == "jax":
             import jax
 
             if isinstance(x, jax.core.Tracer):
