@@ -304,7 +304,7 @@ def bench_backward_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], d
     cupy, torch = ctx["cupy"], ctx["torch"]
     import array_api_compat.cupy as xp
 
-    from polyattn.backends.cuda import rows as numba_cuda
+    from polyattn.backends.cuda import facade as numba_cuda
 
     b, h, t, e = shape
     rng = cupy.random.default_rng(1)
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         skip(f"CUDA is not usable ({exc})")
     try:
         import polyattn
-        from polyattn.backends.cuda import rows as numba_cuda
+        from polyattn.backends.cuda import facade as numba_cuda
     except ImportError as exc:
         skip(f"polyattn or its kernel module cannot be imported ({exc})")
     probe = cupy.zeros((1, 1, 1, 8), dtype=cupy.float32)

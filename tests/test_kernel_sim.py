@@ -50,7 +50,10 @@ if not SIMULATOR and _gpu_reason() is not None:
 import polyattn  # noqa: E402
 from polyattn._problem import prepare  # noqa: E402
 from polyattn.backends.array_api import reference as reference_implementation  # noqa: E402
-from polyattn.backends.cuda import rows as numba_cuda  # noqa: E402
+from polyattn.backends.cuda import facade as numba_cuda  # noqa: E402
+from polyattn.backends.cuda import launch as cuda_launch  # noqa: E402
+from polyattn.backends.cuda import philox  # noqa: E402
+from polyattn.backends.cuda import rows as cuda_rows  # noqa: E402
 from polyattn.rules import dropout as _dropout  # noqa: E402
 from polyattn.rules.visibility import Rules  # noqa: E402
 
@@ -395,7 +398,7 @@ def test_head_buckets():
 
 
 def test_specializations_cover_every_combination():
-    specs = list(numba_cuda.specializations())
+    specs = list(cuda_rows.specializations())
     attention_kernels = (len(numba_cuda.DTYPES) * len(numba_cuda.HEAD_DIM_BUCKETS)
                          * len(numba_cuda.MASK_KINDS) * 2)  # plain and with score modifiers
     expected = attention_kernels + len(numba_cuda.DTYPES)  # and one split merge per dtype
@@ -576,19 +579,19 @@ def test_keys_outside_the_visible_area_are_never_read():
 # --------------------------------------------------------------------------- #
 
 def test_launch_plan_follows_the_shape():
-    bq, bk = numba_cuda.BLOCK_Q, numba_cuda.MAX_BLOCK_K
+    bq, bk = cuda_rows.BLOCK_Q, cuda_rows.MAX_BLOCK_K
     plan = numba_cuda.launch_plan
-    long_keys = numba_cuda.SPLIT_MIN_KEYS * numba_cuda.MAX_SPLITS
+    long_keys = cuda_launch.SPLIT_MIN_KEYS * cuda_launch.MAX_SPLITS
     rows, lanes, splits = plan(1, long_keys, 4, bq, bk)
     assert rows == 1 and lanes == min(bq, bk) and splits > 1  # one step over a long cache
     rows, lanes, splits = plan(5, long_keys, 4, bq, bk)
     assert rows == 8 and rows * lanes == bq and splits > 1    # a few speculative tokens
     assert plan(1, long_keys, 4, bq, 4)[1] == 4                # no more lanes than tile keys
-    assert plan(1, numba_cuda.SPLIT_MIN_KEYS - 1, 4, bq, bk)[2] == 1
+    assert plan(1, cuda_launch.SPLIT_MIN_KEYS - 1, 4, bq, bk)[2] == 1
     assert plan(bq * 8, bq * 8, 4096, bq, bk) == (bq, 1, 1)   # prefill
-    blocks = numba_cuda.TARGET_BLOCKS
+    blocks = cuda_launch.TARGET_BLOCKS
     assert plan(1, long_keys * 4, blocks, bq, bk)[2] == 1      # the grid is already full
-    assert plan(1, long_keys * 4, 1, bq, bk)[2] == numba_cuda.MAX_SPLITS
+    assert plan(1, long_keys * 4, 1, bq, bk)[2] == cuda_launch.MAX_SPLITS
     assert plan(3, 100, 4, 8, 4, decode=False, num_splits=5) == (8, 1, 5)
 
 
@@ -634,7 +637,7 @@ def test_split_keys_without_rules(splits):
 
 def test_split_keys_chosen_by_shape(monkeypatch):
     # Long keys, one query: the plan splits the keys without being asked.
-    monkeypatch.setattr(numba_cuda, "SPLIT_MIN_KEYS", 8)
+    monkeypatch.setattr(cuda_launch, "SPLIT_MIN_KEYS", 8)
     _, lanes, splits = numba_cuda.launch_plan(1, 40, 2, *SMALL_TILES.values())
     assert lanes > 1 and splits > 1
     rng = np.random.default_rng(29)
@@ -663,7 +666,7 @@ def test_philox_word_is_the_reference_cipher(seed):
     rng = np.random.default_rng(40)
     n = np.concatenate([np.arange(4), rng.integers(0, 2**62, 60), [2**32 - 1, 2**32, 2**63 - 1]])
     key0, key1 = _dropout.key_words(seed)
-    keep_word = numba_cuda.philox_function()
+    keep_word = philox.philox_function()
     got = [int(keep_word(int(x), np.uint64(key0), np.uint64(key1))) for x in n]
     zero = np.zeros_like(n)
     expected = _dropout.philox_numpy(n & _dropout.MASK32, n >> 32, zero, zero, seed)[0]
@@ -756,7 +759,7 @@ def test_dropout_that_keeps_nothing():
 
 @pytest.mark.parametrize("layout", ["BHTE", "BTHE"])
 def test_public_api_numba_cuda_with_every_keyword(layout, monkeypatch):
-    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
+    monkeypatch.setattr(cuda_rows, "BLOCK_Q", 8)
     rng = np.random.default_rng(31)
     q, k, v = make_inputs(rng, (2,), 4, 2, 6, 11, 4, 3)
     if layout == "BTHE":
@@ -774,8 +777,8 @@ def test_public_api_numba_cuda_with_every_keyword(layout, monkeypatch):
 
 
 def test_public_api_numba_cuda_decodes_from_a_kv_cache(monkeypatch):
-    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
-    monkeypatch.setattr(numba_cuda, "SPLIT_MIN_KEYS", 4)  # split even these few keys
+    monkeypatch.setattr(cuda_rows, "BLOCK_Q", 8)
+    monkeypatch.setattr(cuda_launch, "SPLIT_MIN_KEYS", 4)  # split even these few keys
     rng = np.random.default_rng(32)
     # prompts of 5 and 3 tokens (a ragged batch), then one token per step
     prompt_k, prompt_v = rng.standard_normal((2, 2, 2, 5, 4))  # (B, Hkv, T, E) each

@@ -32,7 +32,8 @@ from test_kernel_sim import (  # also skips this module where the kernel cannot 
 
 import polyattn
 from polyattn.backends.array_api import reference as reference_implementation
-from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda import facade as numba_cuda
+from polyattn.backends.cuda import rows
 from polyattn.backends.cuda import rows_backward as numba_cuda_backward
 
 TOL = {"float32": 1e-4, "float64": 1e-12}
@@ -409,7 +410,7 @@ def test_specializations_cover_every_combination():
 def test_attention_vjp_with_every_keyword(layout, tq, monkeypatch):
     """Through the public API: 6 query rows run the one-thread-per-row kernels
     (decoding shapes), 20 the register-tiled forward and backward kernels."""
-    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
+    monkeypatch.setattr(rows, "BLOCK_Q", 8)
     rng = np.random.default_rng(60)
     q, k, v, do = draw(rng, (2,), 4, 2, tq, 11 + tq, 4, 3)
     grad_lse = rng.standard_normal((2, 4, tq))
@@ -464,7 +465,7 @@ def test_torch_gradcheck_through_the_kernel(options, monkeypatch):
     ``gradcheck`` in float64 on torch CPU tensors, which the simulator runs through NumPy
     views; the gradients also match the reference implementation's under torch autograd."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(numba_cuda, "BLOCK_Q", 8)
+    monkeypatch.setattr(rows, "BLOCK_Q", 8)
     rng = np.random.default_rng(5)
     hkv = 1 if options.get("enable_gqa") else 2
     q = torch.tensor(rng.standard_normal((1, 2, 5, 4)), requires_grad=True)

@@ -147,7 +147,7 @@ if SIMULATOR or _gpu_reason() is None:
     )
 
     from polyattn.backends.array_api import reference as reference_implementation
-    from polyattn.backends.cuda import rows as numba_cuda
+    from polyattn.backends.cuda import facade as numba_cuda
     from polyattn.backends.cuda import tensor_core as numba_cuda_tc
 
 # Relative error against the float64 reference on the same operands: float16's

@@ -37,7 +37,8 @@ from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixt
 
 import polyattn
 from polyattn.backends.array_api import reference as reference_implementation
-from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda import facade as numba_cuda
+from polyattn.backends.cuda import launch
 from polyattn.backends.cuda import tiled as numba_cuda_tiled
 
 TOL = {"float32": 1e-5, "float64": 1e-12}
@@ -143,7 +144,7 @@ def test_vector_and_element_loads_agree(dtype, monkeypatch):
     q, k, v = (a.astype(dtype) for a in make_inputs(rng, (2,), 2, 1, 70, 90, 16, 8))
     decisions = []
     fit = numba_cuda.vector_loads_fit
-    monkeypatch.setattr(numba_cuda, "vector_loads_fit",
+    monkeypatch.setattr(launch, "vector_loads_fit",
                         lambda *arrays: decisions.append(fit(*arrays)) or decisions[-1])
 
     def run(q, k, v):
@@ -165,7 +166,7 @@ def test_vector_and_element_loads_agree(dtype, monkeypatch):
 def test_vector_loads_fit():
     x = _aligned_copy(np.zeros((2, 3, 5, 8), np.float32))
     fit = numba_cuda.vector_loads_fit
-    memory = numba_cuda._memory
+    memory = launch._memory
     assert fit(memory(x), memory(np.swapaxes(_aligned_copy(np.zeros((2, 5, 3, 8))), 1, 2)))
     assert fit(memory(x[:, :1]), memory(x[..., 4:]))  # strides of whole 16-byte groups
     assert not fit(memory(x[..., :6]))  # rows of 24 bytes

@@ -21,9 +21,9 @@ if importlib.util.find_spec("numba_cuda") is None:
 from test_kernel_tc import SIMULATOR, _gpu_reason
 
 from polyattn.backends.array_api import reference as reference_implementation
-from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda import facade as numba_cuda
+from polyattn.backends.cuda import launch, tiled_backward
 from polyattn.backends.cuda import rows_backward as numba_cuda_backward
-from polyattn.backends.cuda import tiled_backward
 
 # Why the kernels cannot run here (None: on the simulator or a GPU with CuPy); the
 # tests that need no kernel run anyway.
@@ -250,7 +250,7 @@ def test_vector_and_element_loads_agree(dtype, monkeypatch):
         q, k, v, mask=None, causal_offset=0, scale=0.25, xp=namespace()))
     decisions = []
     fit = numba_cuda.vector_loads_fit
-    monkeypatch.setattr(numba_cuda, "vector_loads_fit",
+    monkeypatch.setattr(launch, "vector_loads_fit",
                         lambda *arrays: decisions.append(fit(*arrays)) or decisions[-1])
 
     def run(grad_out):

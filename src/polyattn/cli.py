@@ -421,7 +421,7 @@ def _numba_cpu_setting() -> None:
 
 
 def _cuda_kernel() -> None:
-    from polyattn.backends.cuda import rows as numba_cuda
+    from polyattn.backends.cuda import facade as numba_cuda
 
     numba_cuda.kernel_choice()
 

@@ -1,4 +1,4 @@
-"""Fused attention on CUDA GPUs: one Numba kernel, online softmax, no T×T matrix.
+"""The one-thread-per-row CUDA kernel: online softmax, no T×T matrix, key lanes, split-K.
 
 Algorithm
 ---------
@@ -23,27 +23,12 @@ One launch covers every (batch, head) pair:
   visible key (``l = 0``) writes ``out = 0`` and ``lse = -inf``.
 
 Scores never leave the thread that computed them: the T×T matrix is never
-written, and no mask is built, on the host or on the device.
-
-Scores and visibility (DESIGN §4.1)
------------------------------------
-Query row ``i`` of batch row ``b`` has position ``p_i = i + offset`` (or
-``i - Tq + key_lengths[b]`` when positions follow the key lengths); key
-``j`` is visible iff ``j < key_lengths[b]`` and
-``p_i - left <= j <= p_i + right``, where causality and the window are folded
-into ``left`` and ``right`` (an unbounded side is a large sentinel). A score
-is ``s = scale·q·k`` → ``softcap·tanh(s/softcap)`` → ``- slope_h·|p_i - j|``
-→ ``+ attn_mask`` (or ``-inf`` where a boolean mask is False) → ``-inf``
-where the key is invisible.
-
-Dropout (DESIGN §4.1) happens in the same pass, with no mask in memory: the
-weight of key ``j`` for row ``i`` of head ``h`` and batch row ``b`` has the
-flat index ``n = ((b·H + h)·Tq + i)·Tk + j``, and is kept iff the first word
-of Philox4x32-10 for the counter ``(n mod 2³², n div 2³², 0, 0)`` under the
-seed's key (:func:`philox_function`, the cipher of :mod:`._dropout`) is at
-least ``threshold(p)``. ``l`` and ``lse`` take the undropped weights, ``acc``
-the kept ones times ``1/(1 - p)``; lanes and splits merge as before. The
-threshold is a run-time argument (0: no dropout, no cipher evaluated).
+written, and no mask is built, on the host or on the device. Every score
+follows the rules of docs/semantics.rst, one (query, key) pair at a time
+through :mod:`polyattn.rules.element` (positions, visibility, the key range
+of a block, soft-capping and ALiBi), then the mask; dropout decides each
+weight by the Philox counter of its flat index (:mod:`.philox`): ``l`` and
+``lse`` take the undropped weights, ``acc`` the kept ones times ``1/(1 - p)``.
 
 Work follows the visible area: each block computes, from its rows' positions
 and its batch row's key length, the keys ``[lo, hi)`` any of its rows can see,
@@ -68,27 +53,7 @@ When the grid would still be small (few pairs, long keys), the keys
 (flash-decoding): each writes its normalised partial ``out`` and ``lse`` to
 scratch arrays in the compute dtype, and a second small kernel merges the
 splits by log-sum-exp (``exp(lse_s - max)`` weights). The plan is chosen
-from shapes alone in :func:`launch_plan`.
-
-Other kernels behind this module
---------------------------------
-float16 and bfloat16 calls (and float32 with ``POLYATTN_CUDA_FLOAT32=3xtf32``)
-run the tensor-core kernel of :mod:`.numba_cuda_tc` (``mma.sync``, FlashAttention-2
-work split) wherever it takes them; other float32 and float64 calls run the
-register-tiled kernel of :mod:`.numba_cuda_tiled` unless ``POLYATTN_CUDA_KERNEL=rows``
-keeps them here. Decoding shapes stay here. :func:`attention` picks (its ``arithmetic`` argument and
-:func:`kernel_choice`); ``explain()`` names the arithmetic and the kernel.
-
-Backward
---------
-:func:`backward` gives ``(dq, dk, dv)`` from the forward's ``out`` and
-``lse`` in two more kernels: those of :mod:`.numba_cuda_tiled_backward`
-(register patches, the FlashAttention-2 split: a dQ pass over query tiles, a
-dK/dV pass over key tiles) where the forward is register-tiled, else those
-of :mod:`.numba_cuda_backward`: one thread per query row for ``dq``, one
-thread per key row for ``dk`` and ``dv``. Both sum ``dk`` and ``dv`` over the
-query heads of a group without atomics and recompute every score and
-dropout decision, with the same rules and specialisations.
+from shapes alone (:func:`.launch.launch_plan`).
 
 Specialisation
 --------------
@@ -103,274 +68,65 @@ neither in their inner loop. Causality, windows, key lengths, positions,
 dropout, the lane layout and the number of splits are run-time values, not
 specialisations. The merge kernel has one specialisation per dtype.
 
-Masks are read in place through their strides: a size-1 axis is indexed at 0,
-and the leading batch axes, which may broadcast in any pattern, are reached
-through a small table ``mask_batch`` (batch index -> mask batch index), so a
-broadcast mask is never materialised. Key lengths (B,) and ALiBi slopes
-(B|1, H|1) are small device arrays.
-
-Arrays
-------
-Any array exposing ``__cuda_array_interface__`` (CuPy arrays, torch CUDA
-tensors) is used in place, strides included; outputs are allocated by the
-input library and returned as its arrays. The kernels run on the library's
-current stream. Leading batch axes are merged with ``reshape`` (a copy only
-when their strides cannot be merged). With ``NUMBA_ENABLE_CUDASIM=1``, NumPy
-arrays run on Numba's CPU simulator (slow; for testing the kernel logic).
-
 Limits and costs
 ----------------
-* Head sizes up to ``MAX_HEAD_DIM`` (256); larger ones raise ``ValueError``
-  (the ``chunked`` implementation has no limit).
 * One thread per query row (per key lane when decoding) means one
   shared-memory load per multiply-add and no tensor cores. ptxas (sm_90)
   keeps ``q_row`` and ``acc`` in registers for float32 head sizes up to 64;
   the 128 and 256 buckets, and float64 from 64 up, keep part of them in
   local memory.
 * The K and V tiles use about ``SHARED_MEMORY_BYTES`` of static shared
-  memory (Numba's static limit is 48 KiB).
-* Leading batch axes whose strides cannot be merged, and a mask whose batch
-  axes cannot be merged, are copied once (never broadcast). Split-K scratch
-  holds ``num_splits · B·H·Tq·(Ev + 1)`` values.
+  memory (Numba's static limit is 48 KiB). Split-K scratch holds
+  ``num_splits · B·H·Tq·(Ev + 1)`` values.
 * Dropout costs one Philox evaluation (ten rounds of two 32×32-bit
   products, done as 64-bit products) per visible weight, a few registers and
   no spills (sm_90, float32, head size 64: 220 registers instead of 217).
-* This module's backward kernels (decoding shapes, ``POLYATTN_CUDA_KERNEL=rows``)
-  are the simple version: at head size 64 (float32, sm_90) they use 255
-  registers and spill, and the dK/dV kernel rereads Q and dO once per key
-  tile.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import importlib.util
 import math
-import os
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from polyattn.rules import dropout as _dropout
-from polyattn.rules.online import non_finite_rows
+from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda, _Device
+from polyattn.backends.cuda.launch import (
+    check_grid,
+    common_dtype,
+    empty_like_layout,
+    head_bucket,
+    kernel_inputs,
+    launch_plan,
+    launching,
+)
+from polyattn.backends.cuda.philox import philox_function
 from polyattn.rules.visibility import Rules
 
 Array = Any
 
-# Tile sizes and limits.
+# Tile sizes.
 BLOCK_Q = 64  # threads per block: query rows (one thread each), or rows × key lanes
 MAX_BLOCK_K = 64  # most key rows per shared-memory tile
 SHARED_MEMORY_BYTES = 32 * 1024  # budget for one K tile plus one V tile (before padding)
-HEAD_DIM_BUCKETS = (8, 16, 32, 64, 128, 256)  # compile-time sizes of q row and acc
-MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
-MAX_GRID_BLOCKS = 2**31 - 1  # one flat grid of B·H·ceil(Tq / rows)·splits blocks
-MASK_KINDS = ("none", "bool", "float")
-DTYPES = ("float32", "float64")
-# Decoding and split-K.
-DECODE_MAX_TQ = 16  # up to this many query rows, threads of a row share its keys
-TARGET_BLOCKS = 264  # split keys until the grid has about this many blocks (2 per SM)
-SPLIT_MIN_KEYS = 256  # fewest keys per split
-MAX_SPLITS = 64
 MERGE_THREADS = 128  # threads per block of the split-merge kernel
-# Positions and reaches are int64; an unbounded window side is this far.
-UNBOUNDED = 2**40
 
-
-# --------------------------------------------------------------------------- #
-# Environment
-# --------------------------------------------------------------------------- #
-
-def simulator_enabled() -> bool:
-    """Whether Numba's CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``)."""
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
-
-
-def _numba_cuda_installed() -> bool:
-    return importlib.util.find_spec("numba_cuda") is not None
-
-
-# ``numba.cuda``, bound on first use. The kernels name it as a module global:
-# the CUDA simulator swaps module globals that refer to it for its own.
+# ``numba.cuda``, bound by the kernel factories; the kernels name it as a module
+# global, which the CUDA simulator swaps for its own.
 cuda: Any = None
 
 
-def _cuda() -> Any:
-    """The ``numba.cuda`` module; ImportError naming the package when it is missing."""
-    global cuda
-    if cuda is None:
-        if not _numba_cuda_installed():
-            raise ImportError(
-                "the numba_cuda implementation needs the numba-cuda package "
-                "(pip install 'numba-cuda[cu13]' or 'numba-cuda[cu12]')"
-            )
-        from numba import cuda as numba_cuda_module
-
-        cuda = numba_cuda_module
-    return cuda
-
-
-def _library(x: Array) -> str:
-    """'numpy', 'cupy', 'torch' or the module name of another array type."""
-    return type(x).__module__.split(".")[0]
-
-
-def _is_cuda_array(x: Array) -> bool:
-    if _library(x) == "torch":
-        return bool(x.is_cuda)
-    return hasattr(x, "__cuda_array_interface__")
-
-
-def availability(xp: Any = None, arrays: Sequence[Array] = ()) -> tuple[bool, str]:
-    """Whether the kernel can run on ``arrays``, and why (for ``explain``).
-
-    Examples
-    --------
-    >>> usable, reason = availability()
-    >>> isinstance(usable, bool) and isinstance(reason, str)
-    True
-    """
-    if not _numba_cuda_installed():
-        return False, "numba-cuda is not installed (pip install 'numba-cuda[cu13]')"
-    libraries = sorted({_library(a) for a in arrays})
-    too_large = [a.shape[-1] for a in arrays if a.ndim >= 1 and a.shape[-1] > MAX_HEAD_DIM]
-    if simulator_enabled():
-        if too_large:
-            return False, (f"head size {too_large[0]} exceeds the kernel's maximum "
-                           f"{MAX_HEAD_DIM}")
-        if all(lib == "numpy" for lib in libraries):
-            return True, ("the Numba CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1): "
-                          "the kernel runs on the CPU, slowly; for testing")
-        return False, (f"the Numba CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1), "
-                       f"so {', '.join(libraries)} CUDA arrays cannot be used")
-    not_cuda = [type(a).__name__ for a in arrays if not _is_cuda_array(a)]
-    if not_cuda:
-        return False, (f"inputs are not CUDA arrays ({', '.join(sorted(set(not_cuda)))}); "
-                       "the kernel needs arrays with __cuda_array_interface__")
-    try:
-        if not _cuda().is_available():
-            return False, "no CUDA GPU or driver found by Numba"
-    except Exception as exc:  # driver errors surface as many types
-        return False, f"CUDA could not be initialised: {exc}"
-    for a in arrays:
-        if a.ndim >= 1 and a.shape[-1] > MAX_HEAD_DIM:
-            return False, (f"head size {a.shape[-1]} exceeds the kernel's maximum "
-                           f"{MAX_HEAD_DIM}")
-    return True, "CUDA arrays, a CUDA GPU and numba-cuda"
-
-
-#: ``POLYATTN_CUDA_KERNEL``: which exact kernel runs float32/float64 calls.
-KERNEL_VARIABLE = "POLYATTN_CUDA_KERNEL"
-KERNEL_CHOICES = ("rows", "tiled")
-
-
-def kernel_choice() -> str:
-    """``POLYATTN_CUDA_KERNEL``: ``"tiled"`` (:mod:`.numba_cuda_tiled`, the default) or
-    ``"rows"`` (one thread per query row, for every shape); ValueError naming the
-    variable otherwise. Decoding shapes take the one-thread-per-row kernel either way.
-
-    Examples
-    --------
-    >>> kernel_choice() in KERNEL_CHOICES
-    True
-    """
-    value = os.environ.get(KERNEL_VARIABLE, "tiled").strip().lower() or "tiled"
-    if value not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_VARIABLE}={os.environ[KERNEL_VARIABLE]!r}: expected one "
-                         f"of {', '.join(KERNEL_CHOICES)}")
-    return value
-
-
 # --------------------------------------------------------------------------- #
-# Kernel factory
+# Kernel factories
 # --------------------------------------------------------------------------- #
-
-def head_bucket(e: int, ev: int) -> int:
-    """The smallest entry of ``HEAD_DIM_BUCKETS`` that holds both head sizes."""
-    size = max(e, ev, 1)
-    for bucket in HEAD_DIM_BUCKETS:
-        if size <= bucket:
-            return bucket
-    raise ValueError(
-        f"the numba_cuda kernel supports head sizes up to {MAX_HEAD_DIM}, got query/key "
-        f"features E = {e} and value features Ev = {ev}; use implementation=\"chunked\""
-    )
-
 
 def default_block_k(dtype: str, bucket: int) -> int:
     """Key rows per tile: as many as fit ``SHARED_MEMORY_BYTES`` (K and V), at most 64."""
     itemsize = np.dtype(dtype).itemsize
     return max(1, min(MAX_BLOCK_K, SHARED_MEMORY_BYTES // (2 * bucket * itemsize)))
 
-
-@functools.cache
-def philox_function() -> Any:
-    """The device function ``keep_word(n, key0, key1)``: the first output word x0 of
-    Philox4x32-10 for the counter ``(n mod 2³², n div 2³², 0, 0)`` (DESIGN §4.1).
-
-    ``n`` is a weight's flat index in (B, H, Tq, Tk) (int64), ``key0``, ``key1``
-    the words of :func:`._dropout.key_words` (uint64 holding 32 bits). Words are
-    uint64 holding 32-bit values: a 32 × 32-bit product fits, and its high and
-    low words are a shift and a mask. A weight is kept iff the word is at least
-    :func:`._dropout.threshold` of ``p``.
-    """
-    _cuda()
-    u64 = np.uint64
-    m0, m1, w0, w1 = u64(_dropout.M0), u64(_dropout.M1), u64(_dropout.W0), u64(_dropout.W1)
-    mask32, shift32, zero = u64(_dropout.MASK32), u64(32), u64(0)
-    rounds = _dropout.ROUNDS
-
-    def keep_word(n, key0, key1):
-        """x0 of Philox4x32-10((n mod 2³², n div 2³², 0, 0); (key0, key1))."""
-        counter = u64(n)
-        c0 = counter & mask32
-        c1 = counter >> shift32
-        c2 = zero
-        c3 = zero
-        k0 = key0
-        k1 = key1
-        for _ in range(rounds):
-            p0 = c0 * m0
-            p1 = c2 * m1
-            c0, c1, c2, c3 = ((p1 >> shift32) ^ c1 ^ k0, p1 & mask32,
-                              (p0 >> shift32) ^ c3 ^ k1, p0 & mask32)
-            k0 = (k0 + w0) & mask32
-            k1 = (k1 + w1) & mask32
-        return c0
-
-    if simulator_enabled():
-        return keep_word  # the simulator runs device code as Python
-    from numba.cuda.extending import intrinsic
-
-    # An intrinsic compiled into each calling kernel for the kernel's target: a
-    # ``cuda.jit(device=True)`` function would ask a GPU for its architecture,
-    # so kernels calling it could not be compiled to PTX without one.
-    @intrinsic
-    def keep_word_intrinsic(typingctx: Any, n: Any, key0: Any, key1: Any) -> Any:
-        from numba import types
-
-        signature = types.uint64(n, key0, key1)
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            return context.compile_internal(builder, keep_word, sig, args)
-
-        return signature, codegen
-
-    return keep_word_intrinsic
-
-
-def dropout_arguments(rules: Rules | None, dtype: str) -> tuple[Any, Any, Any, Any]:
-    """The kernels' dropout arguments: ``1/(1-p)`` in ``dtype``, and the threshold and
-    the two Philox key words as uint64 (threshold 0: no dropout)."""
-    np_t = np.dtype(dtype).type
-    if rules is None or not rules.dropout:
-        return np_t(1.0), np.uint64(0), np.uint64(0), np.uint64(0)
-    key0, key1 = _dropout.key_words(rules.dropout_seed)
-    return (np_t(rules.dropout_scale), np.uint64(_dropout.threshold(rules.dropout_p)),
-            np.uint64(key0), np.uint64(key1))
 
 
 def _signature(dtype: str, mask_kind: str) -> Any:
@@ -408,7 +164,8 @@ def _merge_signature(dtype: str) -> Any:
 def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
                          block_k: int | None = None) -> Any:
     """The Python kernel function for one specialisation (not yet compiled)."""
-    _cuda()
+    global cuda
+    cuda = _cuda()
     from numba import types
 
     if block_k is None:
@@ -653,7 +410,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 @functools.cache
 def make_merge_function(dtype: str) -> Any:
     """The kernel that merges split-K partials by log-sum-exp (not yet compiled)."""
-    _cuda()
+    global cuda
+    cuda = _cuda()
     np_t = np.dtype(dtype).type
     ZERO, NEG_INF = np_t(0.0), np_t(-np.inf)
 
@@ -726,249 +484,25 @@ def specializations() -> Iterator[tuple[Any, Any]]:
         yield make_merge_function(dtype), _merge_signature(dtype)
 
 
+
 # --------------------------------------------------------------------------- #
 # Launcher
 # --------------------------------------------------------------------------- #
 
-def _mask_layout(mask: Array, batch: tuple[int, ...], full: tuple[int, int, int],
-                 xp: Any) -> tuple[Array, np.ndarray]:
-    """The mask as (Bm, Hm, Tqm, Tkm) and the table batch index -> mask batch index."""
-    mbatch = tuple(mask.shape[:-3])
-    expected = (*batch, *full)
-    if mask.ndim != len(expected) or any(
-        m not in (1, f) for m, f in zip(mask.shape, expected, strict=True)
-    ):
-        raise ValueError(
-            f"`mask` of shape {tuple(mask.shape)} does not broadcast to {expected} "
-            "axis by axis (each axis must be 1 or the full size)"
-        )
-    n_mask_batch = math.prod(mbatch)
-    table = np.broadcast_to(np.arange(n_mask_batch, dtype=np.int64).reshape(mbatch), batch)
-    mask4 = xp.reshape(mask, (n_mask_batch, *mask.shape[-3:]))  # (Bm, Hm, Tqm, Tkm)
-    return mask4, np.ascontiguousarray(table).reshape(-1)
-
-
-class _Device:
-    """Moves arrays between the input library and Numba, and picks stream and GPU."""
-
-    def __init__(self, like: Array) -> None:
-        self.cuda = _cuda()
-        self.lib = _library(like)
-        self.like = like
-        self.simulated = self.lib == "numpy"
-        if self.simulated and not simulator_enabled():
-            raise TypeError(
-                "implementation='numba_cuda' needs CUDA arrays (CuPy arrays or torch CUDA "
-                f"tensors); got {type(like).__module__}.{type(like).__name__} on the CPU. "
-                "Use implementation='reference' or 'chunked' for CPU arrays, or set "
-                "NUMBA_ENABLE_CUDASIM=1 to run the kernel on the Numba CUDA simulator"
-            )
-        if not self.simulated and simulator_enabled():
-            raise RuntimeError(
-                "the Numba CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1): it runs "
-                f"the kernel on NumPy arrays only, not on {self.lib} CUDA arrays"
-            )
-        if not self.simulated and not _is_cuda_array(like):
-            raise TypeError(
-                "implementation='numba_cuda' needs CUDA arrays exposing "
-                f"__cuda_array_interface__; got {type(like).__name__}"
-            )
-
-    def device_id(self) -> int | None:
-        if self.lib == "cupy":
-            return int(self.like.device.id)
-        if self.lib == "torch":
-            index = self.like.device.index
-            if index is None:
-                import torch
-
-                index = torch.cuda.current_device()
-            return int(index)
-        return None
-
-    def stream(self) -> Any:
-        """Numba's view of the input library's current stream."""
-        cuda = self.cuda
-        ptr = 0
-        if self.lib == "cupy":
-            import cupy
-
-            ptr = cupy.cuda.get_current_stream().ptr
-        elif self.lib == "torch":
-            import torch
-
-            ptr = torch.cuda.current_stream(self.like.device).cuda_stream
-        return cuda.external_stream(ptr) if ptr else cuda.default_stream()
-
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> Array:
-        """An uninitialised output array of the input library on the input device."""
-        if self.lib == "cupy":
-            import cupy
-
-            with self.like.device:
-                return cupy.empty(shape, dtype=dtype)
-        if self.lib == "torch":
-            import torch
-
-            return torch.empty(shape, dtype=dtype, device=self.like.device)
-        if self.simulated:
-            return np.empty(shape, dtype=dtype)
-        return self.cuda.device_array(shape, dtype=np.dtype(str(dtype)))
-
-    def from_numpy(self, a: np.ndarray) -> Array:
-        """A small host table as an array of the input library on the input device."""
-        if self.lib == "cupy":
-            import cupy
-
-            with self.like.device:
-                return cupy.asarray(a)
-        if self.lib == "torch":
-            import torch
-
-            return torch.as_tensor(a, device=self.like.device)
-        if self.simulated:
-            return a
-        return self.cuda.to_device(a)
-
-    def view(self, x: Array) -> Any:
-        """A Numba device array over ``x`` without copying (simulator: a contiguous copy)."""
-        if self.simulated:
-            return self.cuda.to_device(np.ascontiguousarray(x))
-        if self.lib == "torch":
-            x = x.detach()
-        return self.cuda.as_cuda_array(x, sync=False)
-
-
-def _time_major(x: Array) -> bool:
-    """Whether a (…, H, T, E) array steps through T faster than H in memory: a view of
-    a (…, T, H, E) array."""
-    if x.ndim < 3 or x.shape[-3] < 2 or x.shape[-2] < 2:
-        return False
-    strides = x.stride() if callable(getattr(x, "stride", None)) else x.strides
-    return bool(strides[-3] < strides[-2])
-
-
-def _dtype_name(x: Array) -> str:
-    name = str(x.dtype).rsplit(".", 1)[-1]
-    if name not in DTYPES:
-        raise TypeError(
-            f"the numba_cuda kernel computes in float32 or float64, got {name} "
-            "(the caller casts float16 to float32)"
-        )
-    return name
-
-
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def launch_plan(tq: int, tk: int, n_pairs: int, block_q: int, block_k: int, *,
-                decode: bool | None = None,
-                num_splits: int | None = None) -> tuple[int, int, int]:
-    """``(rows, lanes, splits)``: query rows per block, threads per row, key splits.
-
-    A block has ``rows · lanes`` threads. By shape: with ``Tq <= DECODE_MAX_TQ``
-    a block holds the smallest power of two of rows that covers Tq (at most
-    ``block_q``) and up to ``block_q`` threads in all become key lanes, as many
-    as a key tile has keys (a power of two); otherwise one thread per row.
-    Keys are split while the grid has fewer than ``TARGET_BLOCKS`` blocks and
-    each split keeps at least ``SPLIT_MIN_KEYS`` keys. ``decode`` and
-    ``num_splits`` override the choice.
-
-    Examples
-    --------
-    >>> launch_plan(1, 32768, 8, 64, 64)     # one decoding step over a long cache
-    (1, 64, 33)
-    >>> launch_plan(4, 32768, 8, 64, 32)     # four tokens; 32-key tiles: 32 lanes at most
-    (4, 16, 33)
-    >>> launch_plan(4096, 4096, 64, 64, 64)  # prefill: one thread per row, no split
-    (64, 1, 1)
-    """
-    if decode is None:
-        decode = tq <= DECODE_MAX_TQ
-    rows = min(block_q, _power_of_two_at_least(tq)) if decode else block_q
-    lanes = min(block_q // rows, block_k)
-    lanes = 1 << (lanes.bit_length() - 1)  # a power of two, for the tree merge
-    if num_splits is None:
-        blocks = n_pairs * -(-tq // rows)
-        num_splits = min(-(-TARGET_BLOCKS // max(blocks, 1)), tk // SPLIT_MIN_KEYS, MAX_SPLITS)
-    return rows, lanes, max(1, int(num_splits))
-
-
-def _visibility(rules: Rules | None, causal_offset: int | None, tq: int,
-                tk: int) -> tuple[Rules, int, int, int, int]:
-    """The rules, and the kernel's position offset, shift flag, left and right reach."""
-    if rules is None:
-        rules = Rules.from_causal_offset(causal_offset, tq, tk)
-    offset, shift = (-tq, 1) if rules.lengths_shift else (rules.offset, 0)
-    left, right = rules.left_reach(), rules.right_reach()
-
-    def bounded(x: int | None) -> int:
-        return UNBOUNDED if x is None else max(-UNBOUNDED, min(int(x), UNBOUNDED))
-
-    return rules, bounded(offset), shift, bounded(left), bounded(right)
-
-
 def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
               block_q: int | None = None, block_k: int | None = None,
-              decode: bool | None = None, num_splits: int | None = None,
-              arithmetic: str | None = None) -> tuple[Array, Array]:
-    """Fused attention on a CUDA GPU: ``(out, lse)`` in one kernel launch (two with
-    split keys).
+              decode: bool | None = None,
+              num_splits: int | None = None) -> tuple[Array, Array]:
+    """``(out, lse)`` from this kernel, in one launch (two with split keys).
 
-    See the module docstring for the algorithm and :mod:`polyattn.backends`
-    for the shared contract; ``rules`` (windows, key lengths, soft-capping,
-    ALiBi, per-row positions) are applied inside the kernel. ``block_q`` and
-    ``block_k`` override the tile sizes (threads per block, key rows per tile),
-    ``decode`` and ``num_splits`` the launch plan (:func:`launch_plan`); they
-    exist for tests and tuning (and keep this kernel). Other exact calls, but
-    decoding shapes, run the register-tiled kernel of :mod:`.numba_cuda_tiled`
-    (``POLYATTN_CUDA_KERNEL=rows`` keeps them here).
-    ``arithmetic`` (``"f16"``, ``"bf16"``, ``"3xtf32"``) runs the tensor-core
-    kernel of :mod:`.numba_cuda_tc` on float32 inputs where it can take the
-    call (:func:`.numba_cuda_tc.unsupported`), else the exact kernels.
-
-    Raises
-    ------
-    ValueError
-        A head size above ``MAX_HEAD_DIM`` or a mask that does not broadcast.
-    TypeError
-        CPU arrays without the simulator, or a dtype other than float32/float64.
-    ImportError
-        numba-cuda is not installed.
+    Arguments as :func:`.facade.attention`; ``block_q`` and ``block_k`` override
+    the tile sizes (threads per block, key rows per tile), ``decode`` and
+    ``num_splits`` the launch plan (:func:`.launch.launch_plan`).
     """
-    out, lse = _attention(q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp,
-                          rules=rules, block_q=block_q, block_k=block_k, decode=decode,
-                          num_splits=num_splits, arithmetic=arithmetic)
-    # a query row holding NaN or inf is NaN whatever the kernels made of its scores (all
-    # -inf: reported as fully masked; soft-capped: finite); NaN never disappears (§4.2)
-    bad = non_finite_rows(q, xp)                                       # (B…, H, Tq, 1)
-    return out + bad, lse + bad[..., 0]
-
-
-def _attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-               causal_offset: int | None, scale: float, xp: Any, rules: Rules | None,
-               block_q: int | None, block_k: int | None, decode: bool | None,
-               num_splits: int | None, arithmetic: str | None) -> tuple[Array, Array]:
-    """:func:`attention` but for non-finite query rows: the kernel that takes the call."""
-    *batch, n_heads, tq, e = q.shape
+    *batch_list, n_heads, tq, e = q.shape
     tk, ev = v.shape[-2:]
-    if arithmetic is not None:
-        from polyattn.backends.cuda import tensor_core as numba_cuda_tc
-
-        if numba_cuda_tc.unsupported(arithmetic, tq, e, ev) is None:
-            return numba_cuda_tc.attention(q, k, v, mask=mask, causal_offset=causal_offset,
-                                           scale=scale, xp=xp, arithmetic=arithmetic,
-                                           rules=rules)
-    if (kernel_choice() == "tiled" and block_q is None and block_k is None and decode is None
-            and num_splits is None):
-        from polyattn.backends.cuda import tiled as numba_cuda_tiled
-
-        if numba_cuda_tiled.unsupported(tq) is None:
-            return numba_cuda_tiled.attention(q, k, v, mask=mask, causal_offset=causal_offset,
-                                              scale=scale, xp=xp, rules=rules)
-    batch = tuple(batch)
+    batch = tuple(batch_list)
     bucket = head_bucket(e, ev)
     dtype = common_dtype(query=q, key=k, value=v)
     dev = _Device(q)
@@ -1007,268 +541,3 @@ def _attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     out = xp.reshape(out, (*batch, n_heads, tq, ev))  # (B…, H, Tq, Ev)
     lse = xp.reshape(lse, (*batch, n_heads, tq))  # (B…, H, Tq)
     return out, lse
-
-
-def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None,
-                 causal_offset: int | None, scale: float, xp: Any, rules: Rules | None,
-                 kernel_for: Any, rows: int, threads: int,
-                 vector_flag: bool = False) -> tuple[Array, Array]:
-    """``(out, lse)`` from one launch of a kernel whose blocks own ``rows`` query rows
-    of one (batch, head) pair each, with ``threads`` threads, and take the arrays
-    and scalars of :func:`kernel_inputs` then ``out`` and ``lse``: the tensor-core
-    and register-tiled kernels. ``kernel_for(mask_kind, mods)`` gives the compiled
-    kernel; with ``vector_flag`` it takes one more scalar, 1 where q, k and v may be
-    read by vector loads (:func:`vector_loads_fit`), else 0."""
-    *batch, n_heads, tq, _ = q.shape
-    ev = v.shape[-1]
-    dev = _Device(q)
-    n_batch = math.prod(batch)
-    out = empty_like_layout(dev, q, (n_batch, n_heads, tq, ev), xp)  # (B, H, Tq, Ev)
-    lse = dev.empty((n_batch, n_heads, tq), q.dtype)  # (B, H, Tq)
-    if n_batch * n_heads * tq > 0:
-        inputs = kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
-        kernel = kernel_for(inputs.mask_kind, inputs.mods)
-        n_blocks = n_batch * n_heads * -(-tq // rows)
-        check_grid(n_blocks, f"B·H·ceil(Tq/{rows})", q)
-        out_d, lse_d = dev.view(out), dev.view(lse)
-        with launching(dev) as stream:
-            flag = (np.int64(inputs.vector_loads),) if vector_flag else ()
-            kernel[n_blocks, threads, stream](*inputs.arrays, out_d, lse_d, *inputs.scalars,
-                                              *flag)
-        if dev.simulated:
-            out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
-    out = xp.reshape(out, (*batch, n_heads, tq, ev))  # (B…, H, Tq, Ev)
-    lse = xp.reshape(lse, (*batch, n_heads, tq))  # (B…, H, Tq)
-    return out, lse
-
-
-def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
-             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
-             rules: Rules | None = None, grad_lse: Array | None = None,
-             block_q: int | None = None, block_k: int | None = None,
-             ) -> tuple[Array, Array, Array]:
-    """Gradients ``(dq, dk, dv)`` of :func:`attention` on a CUDA GPU, in two kernel
-    launches: the register-tiled kernels of :mod:`.numba_cuda_tiled_backward` where
-    the forward runs the register-tiled kernel (:func:`kernel_choice`, not for
-    decoding shapes), else those of :mod:`.numba_cuda_backward` (``block_q`` and
-    ``block_k`` set their tile sizes and keep them)."""
-    from polyattn.backends.cuda import tiled as numba_cuda_tiled
-    from polyattn.backends.cuda.rows_backward import backward as kernel_backward
-
-    if (kernel_choice() == "tiled" and block_q is None and block_k is None
-            and numba_cuda_tiled.unsupported(q.shape[-2]) is None):
-        from polyattn.backends.cuda.tiled_backward import backward as tiled_backward
-
-        return tiled_backward(q, k, v, out, lse, grad_out, mask=mask,
-                              causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
-                              grad_lse=grad_lse)
-    return kernel_backward(q, k, v, out, lse, grad_out, mask=mask,
-                           causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
-                           grad_lse=grad_lse, block_q=block_q, block_k=block_k)
-
-
-
-# --------------------------------------------------------------------------- #
-# What every launch shares (the forward and the backward kernels)
-# --------------------------------------------------------------------------- #
-
-def common_dtype(**arrays: Array) -> str:
-    """The compute dtype's name, the same for every named array (TypeError otherwise)."""
-    (first, x0), *rest = arrays.items()
-    dtype = _dtype_name(x0)
-    for name, x in rest:
-        if _dtype_name(x) != dtype:
-            raise TypeError(f"`{name}` has dtype {x.dtype} but `{first}` has {x0.dtype}")
-    return dtype
-
-
-def empty_like_layout(dev: _Device, x: Array, shape: tuple[int, int, int, int],
-                      xp: Any) -> Array:
-    """An uninitialised (B, H, T, F) output in ``x``'s dtype; time-major when ``x`` is.
-
-    A (B…, T, H, F) array seen as (B…, H, T, F) (``layout="BTHE"``) gets an output
-    laid out the same way, so that the caller's view back is row-major.
-    """
-    n_batch, heads, t, f = shape
-    if _time_major(x):
-        out = dev.empty((n_batch, t, heads, f), x.dtype)  # (B, T, H, F)
-        return xp.permute_dims(out, (0, 2, 1, 3))  # (B, H, T, F), a view
-    return dev.empty(shape, x.dtype)  # (B, H, T, F)
-
-
-def check_grid(n_blocks: int, formula: str, q: Array) -> None:
-    """ValueError when a flat grid of ``n_blocks`` exceeds the CUDA limit."""
-    if n_blocks > MAX_GRID_BLOCKS:
-        raise ValueError(
-            f"{formula} = {n_blocks} thread blocks exceed the CUDA grid limit "
-            f"{MAX_GRID_BLOCKS} (query {tuple(q.shape)}); split the batch"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelInputs:
-    """One call in the kernels' form.
-
-    ``arrays``: device views of q (B, H, Tq, E), k, v (B, Hkv, Tk, ·), the mask
-    (Bm, Hm, Tqm, Tkm) (a never-read placeholder without one), its batch table,
-    the key lengths and the ALiBi slopes. ``scalars``: scale, softcap (0: none),
-    the dropout arguments of :func:`dropout_arguments`, the position offset, the
-    shift flag and the left and right reach. ``vector_loads``: whether q, k and v
-    may be read by vector loads (:func:`vector_loads_fit`).
-    """
-
-    mask_kind: str
-    mods: bool
-    arrays: tuple[Any, ...]
-    scalars: tuple[Any, ...]
-    vector_loads: bool = False
-
-
-def kernel_inputs(q: Array, k: Array, v: Array, mask: Array | None,
-                  causal_offset: int | None, rules: Rules | None, scale: float, xp: Any,
-                  dev: _Device) -> KernelInputs:
-    """:class:`KernelInputs` of a call with at least one query row."""
-    *batch_list, n_heads, tq, e = q.shape
-    *_, n_kv_heads, tk, ev = v.shape
-    batch = tuple(batch_list)
-    n_batch = math.prod(batch)
-    dtype = _dtype_name(q)
-    np_t = np.dtype(dtype).type
-    q4 = xp.reshape(q, (n_batch, n_heads, tq, e))  # (B, H, Tq, E)
-    k4 = xp.reshape(k, (n_batch, n_kv_heads, tk, e))  # (B, Hkv, Tk, E)
-    v4 = xp.reshape(v, (n_batch, n_kv_heads, tk, ev))  # (B, Hkv, Tk, Ev)
-    if mask is None:
-        mask_kind = "none"
-        mask4 = q4[:1, :1, :1, :1]  # never read
-        table = np.zeros(1, dtype=np.int64)
-    else:
-        mask_name = str(mask.dtype).rsplit(".", 1)[-1]
-        if mask_name == "bool":
-            mask_kind = "bool"
-        elif mask_name == dtype:
-            mask_kind = "float"
-        else:
-            raise TypeError(f"`mask` must be bool or {dtype}, got {mask.dtype}")
-        mask4, table = _mask_layout(mask, batch, (n_heads, tq, tk), xp)
-    rules, offset, shift, left, right = _visibility(rules, causal_offset, tq, tk)
-    lengths, slopes = _rule_tables(rules, batch, n_heads, q.dtype, dev, xp)
-    mods = rules.softcap is not None or rules.alibi is not None
-    softcap = np_t(0.0 if rules.softcap is None else rules.softcap)
-    arrays = tuple(dev.view(a) for a in (q4, k4, v4, mask4, dev.from_numpy(table), lengths,
-                                         slopes))
-    scalars = (np_t(scale), softcap, *dropout_arguments(rules, dtype), offset, shift, left,
-               right)
-    sources = (q4, k4, v4) if dev.simulated else arrays[:3]
-    return KernelInputs(mask_kind, mods, arrays, scalars,
-                        vector_loads_fit(*(_memory(x) for x in sources)))
-
-
-Memory = tuple[int, tuple[int, ...], tuple[int, ...], int]
-
-
-def _memory(x: Any) -> Memory:
-    """(address, shape, byte strides, item size) of an array that describes its memory
-    (``__cuda_array_interface__``: CuPy, torch CUDA tensors, Numba device arrays;
-    ``__array_interface__``: NumPy) or a torch tensor."""
-    if callable(getattr(x, "data_ptr", None)) and callable(getattr(x, "stride", None)):
-        size = x.element_size()  # torch (whose interface refuses tensors needing grad)
-        return x.data_ptr(), tuple(x.shape), tuple(st * size for st in x.stride()), size
-    face = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
-    shape = tuple(face["shape"])
-    itemsize = np.dtype(face["typestr"]).itemsize
-    strides = face.get("strides")
-    if strides is None:  # C-contiguous
-        strides, step = [], itemsize
-        for n in reversed(shape):
-            strides.insert(0, step)
-            step *= n
-    return face["data"][0] or 0, shape, tuple(strides), itemsize
-
-
-def vector_loads_problem(x: Memory) -> str | None:
-    """Why the register-tiled kernel cannot read the array ``x`` (:func:`_memory`) 16
-    bytes at a time with 32-bit addresses; None when it can."""
-    address, shape, strides, itemsize = x
-    if shape[-1] * itemsize % 16:
-        return f"its rows are {shape[-1] * itemsize} bytes, not whole 16-byte groups"
-    if strides[-1] != itemsize:
-        return "the elements of a row are not consecutive in memory"
-    if address % 16:
-        return f"its first element is {address % 16} bytes past a 16-byte boundary"
-    for axis, (n, st) in enumerate(zip(shape[:-1], strides[:-1], strict=True)):
-        if n > 1 and (st < 0 or st % 16):
-            return (f"axis {axis} steps {st} bytes (of strides {strides}), not a "
-                    "non-negative multiple of 16")
-    if sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if n > 0) + 16 >= 2**31:
-        return "it spans 2 GiB or more (32-bit byte offsets)"
-    return None
-
-
-def vector_loads_fit(*arrays: Memory) -> bool:
-    """Whether the register-tiled kernel may read every one of these arrays (given
-    by :func:`_memory`) 16 bytes at a time, addressed in 32-bit integers: rows of
-    consecutive elements whose length is a multiple of 16 bytes, the other strides
-    non-negative multiples of 16 bytes, a 16-byte aligned start, and every byte
-    offset below 2³¹ (:func:`vector_loads_problem`). Any (B, H, T, E) or
-    (B, T, H, E) array of its own memory with E a multiple of 4 (float32) or 2
-    (float64), below 2 GiB, qualifies; other arrays are read one element at a time
-    with 64-bit indices.
-
-    >>> x = np.zeros((2, 3, 5, 8), np.float32)
-    >>> vector_loads_fit(_memory(x)), vector_loads_fit(_memory(x[..., :6]))
-    (True, False)
-    """
-    return all(vector_loads_problem(x) is None for x in arrays)
-
-
-def row_loads(**arrays: Any) -> str:
-    """How the register-tiled kernel reads the named arrays' rows, for people."""
-    for name, x in arrays.items():
-        try:
-            why = vector_loads_problem(_memory(x))
-        except (AttributeError, KeyError, TypeError):
-            return "rows read element by element unless the arrays' memory allows 16-byte loads"
-        if why is not None:
-            return f"rows read element by element, 64-bit indices (`{name}`: {why})"
-    return "rows read 16 bytes per load, 32-bit addresses"
-
-
-@contextlib.contextmanager
-def launching(dev: _Device) -> Iterator[Any]:
-    """Launch context: the input's GPU made current, its library's current stream
-    (yielded), and Numba's occupancy warning for small grids silenced (the grid is
-    the problem's). On the simulator, whose threads compute in NumPy scalars, NumPy's
-    floating-point warnings too: a GPU raises none, and none escapes a call (§4.2)."""
-    device_id = dev.device_id()
-    on_device = contextlib.nullcontext() if device_id is None else dev.cuda.gpus[device_id]
-    with warnings.catch_warnings(), on_device:
-        warnings.simplefilter("ignore", category=_performance_warning())
-        if simulator_enabled():
-            warnings.simplefilter("ignore", category=RuntimeWarning)
-        yield dev.stream()
-
-def _rule_tables(rules: Rules, batch: tuple[int, ...], n_heads: int, dtype: Any,
-                 dev: _Device, xp: Any) -> tuple[Array, Array]:
-    """Key lengths as int64 (B,) (or (1,) holding Tk) and ALiBi slopes (B, H|1) (or a
-    zero (1, 1)), as arrays of the input library on its device."""
-    n_batch = math.prod(batch)
-    if rules.key_lengths is None:
-        lengths = dev.from_numpy(np.full(1, rules.tk, dtype=np.int64))
-    else:
-        lengths = xp.broadcast_to(rules.key_lengths, batch)  # (B…,)
-        lengths = xp.astype(xp.reshape(lengths, (n_batch,)), xp.int64)  # (B,)
-    if rules.alibi is None:
-        slopes = dev.from_numpy(np.zeros((1, 1), dtype=_dtype_name(dev.like)))
-    else:
-        heads = n_heads if rules.alibi.shape[-1] > 1 else 1
-        slopes = xp.broadcast_to(rules.alibi, (*batch, heads))  # (B…, H|1)
-        slopes = xp.astype(xp.reshape(slopes, (n_batch, heads)), dtype)  # (B, H|1)
-    return lengths, slopes
-
-
-def _performance_warning() -> type[Warning]:
-    try:
-        from numba.core.errors import NumbaPerformanceWarning
-    except ImportError:  # pragma: no cover
-        return RuntimeWarning
-    return NumbaPerformanceWarning

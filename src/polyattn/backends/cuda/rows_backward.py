@@ -2,7 +2,7 @@
 
 Given the forward's ``out`` and ``lse``, the gradient ``dO`` of the output
 (and optionally ``dlse`` of the log-sum-exp), the gradients follow
-FlashAttention-2 (DESIGN §4.1, last point), every score recomputed from
+FlashAttention-2 (docs/semantics.rst), every score recomputed from
 ``q``, ``k`` and ``lse``:
 
     P  = exp(s − lse)                 (0 for a row with lse = −inf)
@@ -40,7 +40,6 @@ score modifiers); dropout is the run-time threshold of the forward.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -48,12 +47,16 @@ from typing import Any
 
 import numpy as np
 
+from polyattn.backends.cuda import environment
 from polyattn.backends.cuda import rows as fwd
+from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS
+from polyattn.backends.cuda.launch import check_grid, launch_backward
+from polyattn.backends.cuda.philox import philox_function
 from polyattn.rules.visibility import Rules
 
 Array = Any
 
-# ``numba.cuda``, bound on first use; a module global, as in :mod:`.numba_cuda`
+# ``numba.cuda``, bound on first use; a module global, as in :mod:`.rows`
 # (the CUDA simulator swaps module globals that refer to it for its own).
 cuda: Any = None
 
@@ -62,7 +65,7 @@ def _cuda() -> Any:
     """The ``numba.cuda`` module (ImportError naming the package when it is missing)."""
     global cuda
     if cuda is None:
-        cuda = fwd._cuda()
+        cuda = environment._cuda()
     return cuda
 
 
@@ -107,7 +110,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     U_ZERO = np.uint64(0)
     HEAD, BK = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
-    keep_word = fwd.philox_function()
+    keep_word = philox_function()
 
     def dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq, scale,
                   softcap, drop_scale, threshold, key0, key1, offset, shift, left, right):
@@ -281,7 +284,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     U_ZERO = np.uint64(0)
     HEAD, BT = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
-    keep_word = fwd.philox_function()
+    keep_word = philox_function()
 
     def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
                     scale, softcap, drop_scale, threshold, key0, key1, offset, shift, left,
@@ -474,13 +477,13 @@ def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
     return _cuda().jit(_signature(dtype, mask_kind, 2))(fn)
 
 
-def specializations(buckets: tuple[int, ...] = fwd.HEAD_DIM_BUCKETS,
+def specializations(buckets: tuple[int, ...] = HEAD_DIM_BUCKETS,
                     ) -> Iterator[tuple[Any, Any]]:
     """Every (Python kernel function, Numba signature) pair of the backward pass with
     a head bucket in ``buckets``."""
-    for dtype in fwd.DTYPES:
+    for dtype in DTYPES:
         for bucket in buckets:
-            for mask_kind in fwd.MASK_KINDS:
+            for mask_kind in MASK_KINDS:
                 for mods in (False, True):
                     yield (make_dq_function(dtype, bucket, mask_kind, mods),
                            _signature(dtype, mask_kind, 1))
@@ -497,12 +500,12 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
              rules: Rules | None = None, grad_lse: Array | None = None,
              block_q: int | None = None, block_k: int | None = None,
              ) -> tuple[Array, Array, Array]:
-    """Gradients ``(dq, dk, dv)`` of :func:`.numba_cuda.attention`, shaped like
+    """Gradients ``(dq, dk, dv)`` of :func:`.facade.attention`, shaped like
     ``(q, k, v)``, in two kernel launches.
 
     ``out`` and ``lse`` are the forward's results, ``grad_out`` (B…, H, Tq, Ev)
     the gradient of ``out``, ``grad_lse`` (B…, H, Tq) that of ``lse`` (or
-    ``None``). The arguments follow :func:`.numba_cuda.attention` (arrays of
+    ``None``). The arguments follow :func:`.facade.attention` (arrays of
     the input library, strided views included); ``block_q`` (threads per block)
     and ``block_k`` (rows per shared tile) override the tile sizes, for tests.
 
@@ -523,8 +526,8 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         tile = None if block_k is None else bk
         dq_blocks = n_batch * n_heads * -(-tq // rows)
         kv_blocks = n_batch * n_kv_heads * -(-tk // rows)
-        fwd.check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
-        fwd.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
+        check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
+        check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
         compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
             dq_blocks, rows, stream](*inputs.arrays, *arrays, dq_d, *inputs.scalars)
         compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
@@ -533,55 +536,3 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
     return launch_backward(q, k, v, out, lse, grad_out, mask=mask,
                            causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
                            grad_lse=grad_lse, launch=launch)
-
-
-def launch_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array,
-                    /, *, mask: Array | None, causal_offset: int | None, scale: float,
-                    xp: Any, rules: Rules | None, grad_lse: Array | None,
-                    launch: Any) -> tuple[Array, Array, Array]:
-    """What the backward launchers share: dtype and head bucket, ``D = rowsum(dO ∘ O)
-    − dlse`` with the input library, the kernels' inputs, the gradients' arrays
-    (zeros where there is no score), and shapes back. ``launch(dtype, bucket,
-    inputs, (dO, lse, D), dq, (dk, dv), stream)`` launches the kernels, the
-    arrays flattened to (B, H, …) device views; ``inputs.vector_loads`` covers dO
-    too."""
-    *batch_list, n_heads, tq, e = q.shape
-    *_, n_kv_heads, tk, ev = v.shape
-    batch = tuple(batch_list)
-    bucket = fwd.head_bucket(e, ev)
-    named = {"query": q, "key": k, "value": v, "out": out, "lse": lse, "grad_out": grad_out}
-    if grad_lse is not None:
-        named["grad_lse"] = grad_lse
-    dtype = fwd.common_dtype(**named)
-    dev = fwd._Device(q)
-    n_batch = math.prod(batch)
-
-    dq = fwd.empty_like_layout(dev, q, (n_batch, n_heads, tq, e), xp)  # (B, H, Tq, E)
-    dk = fwd.empty_like_layout(dev, k, (n_batch, n_kv_heads, tk, e), xp)  # (B, Hkv, Tk, E)
-    dv = fwd.empty_like_layout(dev, v, (n_batch, n_kv_heads, tk, ev), xp)  # (B, Hkv, Tk, Ev)
-    if n_batch * n_heads * tq * tk == 0:
-        # No score: every gradient is 0.
-        dq, dk, dv = (xp.zeros_like(a) for a in (dq, dk, dv))
-    else:
-        # D = rowsum(dO ∘ O) − dlse, with the input library.
-        delta = xp.sum(grad_out * out, axis=-1)  # (B…, H, Tq)
-        if grad_lse is not None:
-            delta = delta - grad_lse
-        delta = xp.reshape(delta, (n_batch, n_heads, tq))  # (B, H, Tq)
-        lse3 = xp.reshape(lse, (n_batch, n_heads, tq))  # (B, H, Tq)
-        do4 = xp.reshape(grad_out, (n_batch, n_heads, tq, ev))  # (B, H, Tq, Ev)
-        inputs = fwd.kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
-        extra = tuple(dev.view(a) for a in (do4, lse3, delta))
-        # vector loads where dO allows them too
-        do_memory = fwd._memory(do4 if dev.simulated else extra[0])
-        inputs = dataclasses.replace(
-            inputs, vector_loads=inputs.vector_loads and fwd.vector_loads_fit(do_memory))
-        dq_d, dk_d, dv_d = dev.view(dq), dev.view(dk), dev.view(dv)
-        with fwd.launching(dev) as stream:
-            launch(dtype, bucket, inputs, extra, dq_d, (dk_d, dv_d), stream)
-        if dev.simulated:
-            dq, dk, dv = dq_d.copy_to_host(), dk_d.copy_to_host(), dv_d.copy_to_host()
-    dq = xp.reshape(dq, (*batch, n_heads, tq, e))  # (B…, H, Tq, E)
-    dk = xp.reshape(dk, (*batch, n_kv_heads, tk, e))  # (B…, Hkv, Tk, E)
-    dv = xp.reshape(dv, (*batch, n_kv_heads, tk, ev))  # (B…, Hkv, Tk, Ev)
-    return dq, dk, dv

@@ -1,7 +1,7 @@
 """Attention on tensor cores: a Numba CUDA kernel built on warp-wide ``mma.sync``.
 
 Both products of attention, ``S = Q Kᵀ`` and ``O = P V``, run as
-``mma.sync`` instructions (:mod:`._mma`), with the softmax and the
+``mma.sync`` instructions (:mod:`.mma`), with the softmax and the
 accumulators in float32 registers:
 
 ``"f16"`` / ``"bf16"``
@@ -34,7 +34,7 @@ registers as the A operand (the C layout of two 8-key tiles is the A layout
 of one 16-key step), are multiplied with the V tile. Steps of 16 keys keep a
 lane's scores in eight registers (a whole tile's 32 went to local memory).
 
-The rules are those of :mod:`.numba_cuda` (DESIGN §4.1), applied to each
+The rules are those of :mod:`.rows` (docs/semantics.rst), applied to each
 element of S: scale, soft-capping, ALiBi, the mask (read through its strides),
 causality, windows and key lengths as visibility, dropout by Philox counters
 on the weight's flat index. Blocks load only the key tiles their rows can see.
@@ -46,17 +46,17 @@ Limits
   accumulator then takes 64 registers per lane; 64 for 3xTF32, whose Q
   fragments are held twice).
 * No split-K: decoding shapes (``Tq <= DECODE_MAX_TQ``) go to the exact
-  kernel of :mod:`.numba_cuda`, which splits long caches across blocks.
+  kernel of :mod:`.rows`, which splits long caches across blocks.
 * f16/bf16 fragments of K and V come from shared memory by ``ldmatrix`` (x4:
   two 8×16 fragments per instruction); the tiles are stored by plain 32-bit
   stores (no ``cp.async``) and are not double-buffered; 3xTF32 reads its
   float32 tiles word by word.
 * The forward pass only: gradients come from the exact backward kernels of
-  :mod:`.numba_cuda_backward`, which recompute the weights in float32 from the
+  :mod:`.rows_backward`, which recompute the weights in float32 from the
   saved ``lse``.
 
 On Numba's CUDA simulator the same kernel source runs with
-:func:`._mma.simulated_ops`: each ``mma.sync`` gathers the warp's registers,
+:func:`.mma.simulated_ops`: each ``mma.sync`` gathers the warp's registers,
 rebuilds the matrices through the PTX layouts and multiplies them, so the
 kernel's index arithmetic is tested without a GPU.
 """
@@ -69,8 +69,11 @@ from typing import Any
 
 import numpy as np
 
+from polyattn._interop import simulator_enabled
 from polyattn.backends.cuda import mma as _mma
-from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda.environment import MASK_KINDS, _cuda, kernel_choice
+from polyattn.backends.cuda.launch import DECODE_MAX_TQ, common_dtype, launch_tiles
+from polyattn.backends.cuda.philox import philox_function
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -81,7 +84,6 @@ WARPS = 4
 THREADS = WARPS * 32
 HEAD_DIM_BUCKETS = (16, 32, 64, 128)
 MAX_HEAD = {"f16": 128, "bf16": 128, "3xtf32": 64}
-MASK_KINDS = numba_cuda.MASK_KINDS
 
 # ``numba.cuda``, bound by the kernel factory; the kernels name it as a module
 # global, which the CUDA simulator swaps for its own.
@@ -110,7 +112,7 @@ def unsupported(arithmetic: str, tq: int, e: int, ev: int) -> str | None:
     if head_bucket(arithmetic, e, ev) is None:
         return (f"head size {max(e, ev)} exceeds the tensor-core kernel's maximum "
                 f"{MAX_HEAD[arithmetic]} for {arithmetic}")
-    if tq <= numba_cuda.DECODE_MAX_TQ:
+    if tq <= DECODE_MAX_TQ:
         return (f"{tq} query rows: decoding shapes use the exact kernel's key lanes and "
                 "split-K")
     return None
@@ -141,10 +143,10 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                          mods: bool = False) -> Any:
     """The Python kernel function for one specialisation (not yet compiled)."""
     global cuda
-    cuda = numba_cuda._cuda()
+    cuda = _cuda()
     from numba import types
 
-    ops = _mma.device_ops(numba_cuda.simulator_enabled())
+    ops = _mma.device_ops(simulator_enabled())
     HALF_OPERANDS = arithmetic != "3xtf32"
     mma16 = ops.mma_bf16 if arithmetic == "bf16" else ops.mma_f16
     pack = ops.pack_bf16x2 if arithmetic == "bf16" else ops.pack_f16x2
@@ -153,8 +155,8 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     ldmatrix_x4 = ops.ldmatrix_x4
     # ldmatrix reads 16-byte rows: the tiles start on 16 bytes (the simulator
     # takes no alignment).
-    ALIGN = None if numba_cuda.simulator_enabled() else 16
-    keep_word = numba_cuda.philox_function()
+    ALIGN = None if simulator_enabled() else 16
+    keep_word = philox_function()
 
     f32, u32 = types.float32, types.uint32
     ZERO, ONE, NEG_INF = np.float32(0.0), np.float32(1.0), np.float32(-np.inf)
@@ -549,7 +551,7 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
 def compiled_kernel(arithmetic: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
     """The kernel for one specialisation, compiled on first use and cached."""
     fn = make_kernel_function(arithmetic, bucket, mask_kind, mods)
-    return numba_cuda._cuda().jit(_signature(mask_kind))(fn)
+    return _cuda().jit(_signature(mask_kind))(fn)
 
 
 def specializations() -> list[tuple[Any, Any]]:
@@ -583,7 +585,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
 
     q, k and v are float32 (B…, H, T, E) arrays (float16 and bfloat16 inputs
     arrive converted; the kernel converts them back to the operand type
-    exactly); see :func:`.numba_cuda.attention` for the other arguments.
+    exactly); see :func:`.facade.attention` for the other arguments.
 
     Raises
     ------
@@ -597,12 +599,12 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     why = unsupported(arithmetic, tq, e, ev)
     if why is not None:
         raise ValueError(f"the tensor-core kernel cannot take this call: {why}")
-    dtype = numba_cuda.common_dtype(query=q, key=k, value=v)
+    dtype = common_dtype(query=q, key=k, value=v)
     if dtype != "float32":
         raise TypeError(f"the tensor-core kernel takes float32 arrays, got {dtype}")
     bucket = head_bucket(arithmetic, e, ev)
     assert bucket is not None
-    return numba_cuda.launch_tiles(
+    return launch_tiles(
         q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
         kernel_for=lambda mask_kind, mods: compiled_kernel(arithmetic, bucket, mask_kind,
                                                            mods),
@@ -654,7 +656,7 @@ def choose(result_dtype: str, tq: int, e: int, ev: int) -> tuple[str | None, str
     wanted = {"float16": "f16", "bfloat16": "bf16"}.get(name)
     # Both variables are checked on every call, whichever dtype it has.
     float32 = float32_choice()
-    numba_cuda.kernel_choice()
+    kernel_choice()
     if name == "float32" and float32 == "3xtf32":
         wanted = "3xtf32"
     compute = "float64" if name == "float64" else "float32"

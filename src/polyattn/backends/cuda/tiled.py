@@ -1,6 +1,6 @@
 """Exact attention on CUDA GPUs, register-tiled: the FlashAttention-2 work split in FFMA.
 
-The same online softmax as :mod:`.numba_cuda`, in the arithmetic of the inputs
+The same online softmax as :mod:`.rows`, in the arithmetic of the inputs
 (float32 or float64, no tensor cores), laid out for throughput rather than
 one thread per query row:
 
@@ -14,9 +14,9 @@ one thread per query row:
   4·R independent multiply-adds: the accumulators form no long dependent
   chain;
 * loops over a thread's patch are unrolled before compilation
-  (:mod:`._unroll`), so the patch stays in registers, and each phase of a
+  (:mod:`.unroll`), so the patch stays in registers, and each phase of a
   tile indexes from a zero the compiler cannot see through
-  (:func:`._mma.gpu_ops`' ``opaque_zero``), so that Numba's 64-bit index
+  (:func:`.mma.gpu_ops`' ``opaque_zero``), so that Numba's 64-bit index
   arithmetic is redone where it is used instead of being held in registers
   across the whole key loop; the mask's and the modifiers' parameters are
   read per tile. With launch bounds of 4 blocks of 128 threads (2 of 256) per
@@ -30,11 +30,11 @@ one thread per query row:
   are double-buffered through registers: the next chunk's loads are issued
   before the current chunk's multiply-adds and stored to shared memory after
   them (a tile's first V chunk before its softmax);
-* where q, k and v allow it (:func:`.numba_cuda.vector_loads_fit`: rows of
+* where q, k and v allow it (:func:`.launch.vector_loads_fit`: rows of
   whole 16-byte groups, 16-byte aligned, below 2 GiB, such as any
   (B, H, T, E) or (B, T, H, E) array with E a multiple of 4 in float32, 2 in
   float64), a thread reads up to 16 bytes of a row per load (``ld.global.nc``
-  of 4 float32 or 2 float64 values, :func:`._mma.gpu_ops`' ``load_vector``),
+  of 4 float32 or 2 float64 values, :func:`.mma.gpu_ops`' ``load_vector``),
   its address computed in 32-bit integers; other inputs are read an element at
   a time with Numba's 64-bit indexing (a kernel argument picks the path; both
   give the same bits);
@@ -48,17 +48,17 @@ one thread per query row:
   probability and one V value per multiply-add, V streamed ``VK`` keys at a
   time.
 
-Every rule of :mod:`.numba_cuda` is applied in the kernel, per score: scale,
+Every rule of :mod:`.rows` is applied in the kernel, per score: scale,
 soft-capping, ALiBi, the mask (read through its strides), causality, windows
 and key lengths as visibility, dropout by Philox counters on the weight's
 flat index; key tiles no row of the block can see are never loaded; rows with
 no visible key give 0 and ``lse = -inf``; NaN propagates.
 
 Limits: query tiles of fewer than ``DECODE_MAX_TQ`` + 1 rows (decoding) go to
-the one-thread-per-row kernel of :mod:`.numba_cuda`, whose key lanes and
+the one-thread-per-row kernel of :mod:`.rows`, whose key lanes and
 split-K suit them; so do calls that ask for its tile sizes. The backward pass
-is :mod:`.numba_cuda_tiled_backward`'s, laid out alike. On Numba's CUDA
-simulator the shuffles are emulated (:func:`._mma.simulated_ops`).
+is :mod:`.tiled_backward`'s, laid out alike. On Numba's CUDA
+simulator the shuffles are emulated (:func:`.mma.simulated_ops`).
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ from typing import Any
 
 import numpy as np
 
+from polyattn._interop import simulator_enabled
 from polyattn.backends.cuda import mma as _mma
-from polyattn.backends.cuda import rows as numba_cuda
+from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda
+from polyattn.backends.cuda.launch import DECODE_MAX_TQ, common_dtype, head_bucket, launch_tiles
+from polyattn.backends.cuda.philox import philox_function
 from polyattn.backends.cuda.unroll import unroll, unrolled
 from polyattn.rules.visibility import Rules
 
@@ -78,9 +81,6 @@ Array = Any
 
 BLOCK_Q = 64  # query rows per block
 DC = 16  # features of Qᵀ and Kᵀ per shared-memory chunk
-HEAD_DIM_BUCKETS = numba_cuda.HEAD_DIM_BUCKETS
-MASK_KINDS = numba_cuda.MASK_KINDS
-DTYPES = numba_cuda.DTYPES
 
 # ``numba.cuda``, bound by the kernel factory (the simulator swaps it for its own).
 cuda: Any = None
@@ -139,7 +139,7 @@ def q_resident(dtype: str, bucket: int) -> bool:
 
 def unsupported(tq: int) -> str | None:
     """Why this kernel leaves a call to the one-thread-per-row kernel (None: it takes it)."""
-    if tq <= numba_cuda.DECODE_MAX_TQ:
+    if tq <= DECODE_MAX_TQ:
         return (f"{tq} query rows: decoding shapes use the key lanes and split-K of the "
                 "one-thread-per-row kernel")
     return None
@@ -161,7 +161,7 @@ def _signature(dtype: str, mask_kind: str) -> Any:
         t, t,  # scale, softcap (0: none)
         t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
         i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
-        i64,  # 1: q, k and v may be read by vector loads (numba_cuda.vector_loads_fit)
+        i64,  # 1: q, k and v may be read by vector loads (launch.vector_loads_fit)
     )
 
 
@@ -169,12 +169,12 @@ def _signature(dtype: str, mask_kind: str) -> Any:
 def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
     """The Python kernel function for one specialisation (not yet compiled)."""
     global cuda
-    cuda = numba_cuda._cuda()
+    cuda = _cuda()
     from numba import types
 
-    ops = _mma.device_ops(numba_cuda.simulator_enabled())
+    ops = _mma.device_ops(simulator_enabled())
     row_max, row_sum, opaque_zero = ops.octet_max, ops.octet_sum, ops.opaque_zero
-    keep_word = numba_cuda.philox_function()
+    keep_word = philox_function()
 
     acc_t = getattr(types, dtype)
     np_t = np.dtype(dtype).type
@@ -552,9 +552,9 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
     """The kernel for one specialisation, compiled on first use and cached."""
     fn = make_kernel_function(dtype, bucket, mask_kind, mods)
-    if numba_cuda.simulator_enabled():
-        return numba_cuda._cuda().jit(_signature(dtype, mask_kind))(fn)
-    return numba_cuda._cuda().jit(_signature(dtype, mask_kind),
+    if simulator_enabled():
+        return _cuda().jit(_signature(dtype, mask_kind))(fn)
+    return _cuda().jit(_signature(dtype, mask_kind),
                                   launch_bounds=launch_bounds(dtype, bucket))(fn)
 
 
@@ -570,7 +570,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
               rules: Rules | None = None) -> tuple[Array, Array]:
     """``(out, lse)`` in the inputs' dtype (float32 or float64), one kernel launch.
 
-    Arguments as :func:`.numba_cuda.attention`, which calls this for every call
+    Arguments as :func:`.facade.attention`, which calls this for every call
     it does not keep (:func:`unsupported`).
 
     Raises
@@ -582,9 +582,9 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     why = unsupported(tq)
     if why is not None:
         raise ValueError(f"the register-tiled kernel cannot take this call: {why}")
-    bucket = numba_cuda.head_bucket(e, v.shape[-1])
-    dtype = numba_cuda.common_dtype(query=q, key=k, value=v)
-    return numba_cuda.launch_tiles(
+    bucket = head_bucket(e, v.shape[-1])
+    dtype = common_dtype(query=q, key=k, value=v)
+    return launch_tiles(
         q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
         kernel_for=lambda mask_kind, mods: compiled_kernel(dtype, bucket, mask_kind, mods),
         rows=BLOCK_Q, threads=threads(bucket), vector_flag=True)

@@ -1,13 +1,13 @@
 """The backward pass of the register-tiled kernel: FlashAttention-2's split in FFMA.
 
-The gradients of :mod:`.numba_cuda_backward` (its docstring gives the maths:
+The gradients of :mod:`.rows_backward` (its docstring gives the maths:
 ``P = exp(s − lse)``, ``dV = (P∘Z)ᵀ dO``, ``dS = P∘(dP∘Z − D)∘(1 − tanh²)``,
 ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``, with ``D = rowsum(dO∘O) − dlse``
 computed with the input library before the launch), laid out as the
-forward of :mod:`.numba_cuda_tiled`: blocks of 64 rows, eight threads per
+forward of :mod:`.tiled`: blocks of 64 rows, eight threads per
 row group, each thread a patch of ``R`` rows × 4 columns of every 32-column
 tile, the operands through shared memory feature-major (``DC`` features at
-a time), loops over a patch unrolled (:mod:`._unroll`) so that it stays in
+a time), loops over a patch unrolled (:mod:`.unroll`) so that it stays in
 registers, each phase indexing from an opaque zero. Two kernels, no atomics,
 deterministic:
 
@@ -48,7 +48,7 @@ propagates, or 0, whose product is then 0 as in the row kernels). ``dV +=
 (P∘Z)ᵀ dO`` has no such guard: a non-finite ``dO`` row reaches every key of
 its tile. Keys past ``min(Tk, key_lengths[b])`` are never read.
 
-Where q, k, v and dO allow it (:func:`.numba_cuda.vector_loads_fit`), the
+Where q, k, v and dO allow it (:func:`.launch.vector_loads_fit`), the
 chunks are read as in the forward, 16 bytes per load with 32-bit address
 arithmetic; other inputs element by element with 64-bit indices (a kernel
 argument picks the path; both give the same bits).
@@ -76,15 +76,12 @@ from typing import Any
 
 import numpy as np
 
-from polyattn.backends.cuda import (
-    mma as _mma,
-)
-from polyattn.backends.cuda import (
-    rows as numba_cuda,
-)
-from polyattn.backends.cuda import (
-    rows_backward as numba_cuda_backward,
-)
+from polyattn._interop import simulator_enabled
+from polyattn.backends.cuda import mma as _mma
+from polyattn.backends.cuda import rows_backward as numba_cuda_backward
+from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda
+from polyattn.backends.cuda.launch import check_grid, launch_backward
+from polyattn.backends.cuda.philox import philox_function
 from polyattn.backends.cuda.unroll import unroll, unrolled
 from polyattn.rules.visibility import Rules
 
@@ -96,9 +93,6 @@ BK = 32  # keys per tile of the dQ kernel
 BQT = 32  # query rows per tile of the dK/dV kernel
 DC = 16  # features per feature-major shared-memory chunk
 SHARED_LIMIT = 48 * 1024  # static shared memory of one block, bytes
-HEAD_DIM_BUCKETS = numba_cuda.HEAD_DIM_BUCKETS
-MASK_KINDS = numba_cuda.MASK_KINDS
-DTYPES = numba_cuda.DTYPES
 
 # ``numba.cuda``, bound by the kernel factories (the simulator swaps it for its own).
 cuda: Any = None
@@ -164,9 +158,9 @@ def v_keys(dtype: str, bucket: int) -> int:
 
 
 def _signature(dtype: str, mask_kind: str, outputs: int) -> Any:
-    """The signature of :func:`.numba_cuda_backward._signature` and one more int64: 1
+    """The signature of :func:`.rows_backward._signature` and one more int64: 1
     where q, k, v and dO may be read by vector loads
-    (:func:`.numba_cuda.vector_loads_fit`)."""
+    (:func:`.launch.vector_loads_fit`)."""
     from numba import types
 
     base = numba_cuda_backward._signature(dtype, mask_kind, outputs)
@@ -197,15 +191,15 @@ def _constants(dtype: str, bucket: int, rows: int) -> dict[str, Any]:
 def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
     """The Python dQ kernel function for one specialisation (not yet compiled)."""
     global cuda
-    cuda = numba_cuda._cuda()
+    cuda = _cuda()
     from numba import types
 
-    ops = _mma.device_ops(numba_cuda.simulator_enabled())
+    ops = _mma.device_ops(simulator_enabled())
     opaque_zero = ops.opaque_zero
     # Values per global load where the inputs allow vector loads (``vec``): 16 bytes.
     W = 16 // np.dtype(dtype).itemsize
     load = getattr(ops, f"load_vector{W}")
-    keep_word = numba_cuda.philox_function()
+    keep_word = philox_function()
     acc_t = getattr(types, dtype)
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BQ = BLOCK_Q
@@ -467,15 +461,15 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
 def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
     """The Python dK/dV kernel function for one specialisation (not yet compiled)."""
     global cuda
-    cuda = numba_cuda._cuda()
+    cuda = _cuda()
     from numba import types
 
-    ops = _mma.device_ops(numba_cuda.simulator_enabled())
+    ops = _mma.device_ops(simulator_enabled())
     opaque_zero = ops.opaque_zero
     # Values per global load where the inputs allow vector loads (``vec``): 16 bytes.
     W = 16 // np.dtype(dtype).itemsize
     load = getattr(ops, f"load_vector{W}")
-    keep_word = numba_cuda.philox_function()
+    keep_word = philox_function()
     acc_t = getattr(types, dtype)
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BKV = BLOCK_KV
@@ -768,9 +762,9 @@ def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> 
     """The dQ kernel for one specialisation, compiled on first use and cached."""
     fn = make_dq_function(dtype, bucket, mask_kind, mods)
     sig = _signature(dtype, mask_kind, 1)
-    if numba_cuda.simulator_enabled():
-        return numba_cuda._cuda().jit(sig)(fn)
-    return numba_cuda._cuda().jit(sig, launch_bounds=launch_bounds(dtype, dq_threads(bucket)))(
+    if simulator_enabled():
+        return _cuda().jit(sig)(fn)
+    return _cuda().jit(sig, launch_bounds=launch_bounds(dtype, dq_threads(bucket)))(
         fn)
 
 
@@ -779,9 +773,9 @@ def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -
     """The dK/dV kernel for one specialisation, compiled on first use and cached."""
     fn = make_dkdv_function(dtype, bucket, mask_kind, mods)
     sig = _signature(dtype, mask_kind, 2)
-    if numba_cuda.simulator_enabled():
-        return numba_cuda._cuda().jit(sig)(fn)
-    return numba_cuda._cuda().jit(
+    if simulator_enabled():
+        return _cuda().jit(sig)(fn)
+    return _cuda().jit(
         sig, launch_bounds=launch_bounds(dtype, dkdv_threads(bucket)))(fn)
 
 
@@ -804,10 +798,10 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
              mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
              rules: Rules | None = None, grad_lse: Array | None = None,
              ) -> tuple[Array, Array, Array]:
-    """Gradients ``(dq, dk, dv)`` of :func:`.numba_cuda.attention`, shaped like
+    """Gradients ``(dq, dk, dv)`` of :func:`.facade.attention`, shaped like
     ``(q, k, v)``, in two kernel launches.
 
-    The contract of :func:`.numba_cuda_backward.backward` (without its tile
+    The contract of :func:`.rows_backward.backward` (without its tile
     sizes): ``out`` and ``lse`` are the forward's results, ``grad_out``
     (B…, H, Tq, Ev) the gradient of ``out``, ``grad_lse`` (B…, H, Tq) that of
     ``lse`` (or ``None``).
@@ -825,8 +819,8 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         n_kv_heads, tk = dkdv_d[0].shape[1:3]
         dq_blocks = n_batch * n_heads * -(-tq // BLOCK_Q)
         kv_blocks = n_batch * n_kv_heads * -(-tk // BLOCK_KV)
-        numba_cuda.check_grid(dq_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
-        numba_cuda.check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{BLOCK_KV})", q)
+        check_grid(dq_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
+        check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{BLOCK_KV})", q)
         vec = np.int64(inputs.vector_loads)
         compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods)[
             dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *arrays, dq_d,
@@ -835,6 +829,6 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
             kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *arrays, *dkdv_d,
                                                      *inputs.scalars, vec)
 
-    return numba_cuda_backward.launch_backward(
+    return launch_backward(
         q, k, v, out, lse, grad_out, mask=mask, causal_offset=causal_offset, scale=scale,
         xp=xp, rules=rules, grad_lse=grad_lse, launch=launch)
