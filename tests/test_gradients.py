@@ -555,10 +555,13 @@ def test_torch_numba_cuda_refuses_a_mask_that_requires_grad(torch):
 def test_torch_dispatch_sends_gradients_to_numba_cuda(torch, native, monkeypatch):
     """With a usable kernel (simulated), inputs that require grad may reach it (its backward
     pass is wired into autograd), unless a float mask requires a gradient too."""
-    monkeypatch.setattr(_dispatch, "kernel_status", lambda problem: (True, "test"))
-    monkeypatch.setattr(_dispatch, "is_cuda", lambda problem: True)
+    from polyattn.backends import cuda, native as native_backend
+
+    monkeypatch.setattr(cuda, "_availability", lambda problem: (True, "test"))
+    monkeypatch.setattr(_dispatch, "preference",
+                        lambda problem: ("CUDA_PREFERENCE", _dispatch.CUDA_PREFERENCE))
     if not native:
-        monkeypatch.setattr(_dispatch, "native_status", lambda problem, lse: "switched off")
+        monkeypatch.setattr(native_backend, "supports", lambda problem, needs: "switched off")
     q, k, v = _torch_qkv(torch, True)
     e = polyattn.explain(q, k, v)
     assert e.implementation == ("native" if native else "numba_cuda")

@@ -24,6 +24,7 @@ from typing import Any
 
 from polyattn._interop import Array
 from polyattn._problem import Problem
+from polyattn.backends import Backend
 
 Forward = Callable[[Array, Array, Array], tuple[Array, Array]]
 Backward = Callable[[Array, Array, Array, Array, Array, Array, Array | None],
@@ -44,58 +45,67 @@ def _from_numpy(a: Any, like: Any) -> Any:
     return torch.from_numpy(np.asarray(a)).to(like.device)
 
 
-def numpy_bridge(module: Any, problem: Problem) -> tuple[Forward, Backward]:
-    """``module``'s forward and backward passes over NumPy views of torch CPU tensors."""
+def numpy_bridge(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
+    """``backend``'s forward and backward passes over NumPy views of torch CPU tensors."""
     import array_api_compat.numpy as np_xp
 
     rules = problem.rules
     if rules is not None:
         rules = dataclasses.replace(rules, key_lengths=_to_numpy(rules.key_lengths),
                                     alibi=_to_numpy(rules.alibi))
-    extra = {} if rules is None or rules.simple else {"rules": rules}
-    common = {"mask": _to_numpy(problem.mask), "causal_offset": problem.causal_offset,
-              "scale": problem.scale, "xp": np_xp, **extra}
+    viewed = dataclasses.replace(problem, xp=np_xp, mask=_to_numpy(problem.mask), rules=rules)
+
+    def on(q: Array, k: Array, v: Array) -> Problem:
+        return dataclasses.replace(viewed, q=_to_numpy(q), k=_to_numpy(k), v=_to_numpy(v))
 
     def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-        out, lse = module.attention(_to_numpy(q), _to_numpy(k), _to_numpy(v), **common)
+        out, lse = backend.forward(on(q, k, v))
         return _from_numpy(out, q), _from_numpy(lse, q)
 
     def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array,
                  grad_lse: Array | None) -> tuple[Array, Array, Array]:
-        grads = module.backward(*(_to_numpy(x) for x in (q, k, v, out, lse, grad_out)),
-                                grad_lse=_to_numpy(grad_lse), **common)
+        grads = backend.backward(on(q, k, v), _to_numpy(out), _to_numpy(lse),
+                                 _to_numpy(grad_out), _to_numpy(grad_lse))
         return tuple(_from_numpy(g, q) for g in grads)  # type: ignore[return-value]
 
     return forward, backward
 
 
-def direct(module: Any, problem: Problem) -> tuple[Forward, Backward]:
-    """``module``'s forward and backward passes on the problem's own arrays."""
-    extra = {}
-    if problem.rules is not None and not problem.rules.simple:
-        extra["rules"] = problem.rules
-    common = {"mask": problem.mask, "causal_offset": problem.causal_offset,
-              "scale": problem.scale, "xp": problem.xp, **extra}
+def direct(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
+    """``backend``'s forward and backward passes on the problem's own arrays."""
 
-    forward_only = {}
-    if module.__name__.endswith(".numba_cuda"):
-        from polyattn.backends.cuda import tensor_core as numba_cuda_tc
-
-        tq, e = problem.q.shape[-2:]
-        ev = e if problem.v is None else problem.v.shape[-1]
-        forward_only["arithmetic"] = numba_cuda_tc.choose(str(problem.result_dtype), tq, e,
-                                                          ev)[0]
+    def on(q: Array, k: Array, v: Array) -> Problem:
+        if q is problem.q and k is problem.k and v is problem.v:
+            return problem
+        return dataclasses.replace(problem, q=q, k=k, v=v)
 
     def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-        return module.attention(q, k, v, **common,  # type: ignore[no-any-return]
-                                **forward_only)
+        return backend.forward(on(q, k, v))
 
     def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array,
                  grad_lse: Array | None) -> tuple[Array, Array, Array]:
-        return module.backward(q, k, v, out, lse, grad_out,  # type: ignore[no-any-return]
-                               grad_lse=grad_lse, **common)
+        return backend.backward(on(q, k, v), out, lse, grad_out, grad_lse)
 
     return forward, backward
+
+
+def passes(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
+    """The passes of ``backend`` for ``problem``: over NumPy views of torch CPU tensors where
+    it computes on NumPy arrays (:attr:`Backend.HOST`), else on the arrays themselves."""
+    if backend.HOST and problem.torch_cpu:
+        return numpy_bridge(backend, problem)
+    return direct(backend, problem)
+
+
+def differentiable(backend: Backend, problem: Problem, generic: Backend, *,
+                   grad: bool = True) -> tuple[Array, Array]:
+    """``(out, lse)`` of ``backend``; where torch autograd records the call and the backend
+    is not made of torch operations (:data:`polyattn.backends.BY_AUTOGRAD`), through one
+    ``torch.autograd.Function`` whose second derivatives come from ``generic``."""
+    forward, backward = passes(backend, problem)
+    if grad and backend.DIFFERENTIATED == "autograd" and problem.requires_grad:
+        return torch_attention(problem, (forward, backward), direct(generic, problem))
+    return forward(problem.q, problem.k, problem.v)
 
 
 @functools.cache

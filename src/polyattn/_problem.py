@@ -19,6 +19,7 @@ from polyattn._interop import (
     concrete_values,
     contiguous,
     device_of,
+    library_name,
     namespace_of,
 )
 from polyattn._validation import (
@@ -90,6 +91,71 @@ class Problem:
         import torch
 
         return bool(torch.is_grad_enabled())
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the inputs live on a CUDA device (CuPy, or torch CUDA tensors)."""
+        lib = library_name(self.xp)
+        return lib == "cupy" or (lib == "torch" and
+                                 getattr(device_of(self.q), "type", None) == "cuda")
+
+    @property
+    def torch_cpu(self) -> bool:
+        """Whether the inputs are plain torch tensors on the CPU, outside compiler tracing.
+
+        Such tensors can be viewed as NumPy arrays without a copy, so the paths
+        written for NumPy (its fast path, the kernel on the simulator) can run on them.
+        """
+        if library_name(self.xp) != "torch":
+            return False
+        import torch
+
+        if torch.compiler.is_compiling():
+            return False
+        functorch = getattr(torch._C, "_functorch", None)
+        for x in (self.q, self.k, self.v, self.mask):
+            if x is None:
+                continue
+            if type(x) is not torch.Tensor or x.device.type != "cpu" or x.is_sparse:
+                return False
+            if functorch is not None and functorch.is_functorch_wrapped_tensor(x):
+                return False
+        return True
+
+    @property
+    def constant_needing_grad(self) -> str | None:
+        """The argument among ``attn_mask`` and ``alibi_slopes`` that torch records a
+        gradient for (``None``: neither). The fused backward passes give gradients for
+        query, key and value only."""
+        if not self.requires_grad:
+            return None
+        alibi = None if self.rules is None else self.rules.alibi
+        for name, x in (("attn_mask", self.mask), ("alibi_slopes", alibi)):
+            if x is not None and getattr(x, "requires_grad", False):
+                return name
+        return None
+
+    def features(self) -> dict[str, str]:
+        """The position and score keywords in use, for people (``explain()``)."""
+        rules = self.rules
+        if rules is None:
+            return {}
+        lengths = rules.key_lengths
+        found = {"window": rules.window, "softcap": rules.softcap,
+                 "alibi_slopes": None if rules.alibi is None else tuple(rules.alibi.shape),
+                 "dropout_p": f"{rules.dropout_p} (seed {rules.dropout_seed})"
+                 if rules.dropout else None,
+                 "key_lengths": None if lengths is None else str(tuple(lengths.shape)) + (
+                     " (query positions count back from each row's length)"
+                     if rules.lengths_shift else "")}
+        return {k: str(v) for k, v in found.items() if v is not None}
+
+    def keywords(self) -> dict[str, Any]:
+        """The keyword arguments every implementation's ``attention`` and ``backward`` take
+        (:mod:`polyattn.backends`): ``rules`` only where they are more than causal."""
+        extra = {} if self.rules is None or self.rules.simple else {"rules": self.rules}
+        return {"mask": self.mask, "causal_offset": self.causal_offset, "scale": self.scale,
+                "xp": self.xp, **extra}
 
     def finish(self, x: Array, trailing: int) -> Array:
         """Undo the (1,) head axis added for (T, E) inputs; ``trailing`` axes follow it."""

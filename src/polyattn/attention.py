@@ -14,7 +14,7 @@ from polyattn import _dispatch
 from polyattn._interop import Array, device_of
 from polyattn._problem import Problem, prepare
 from polyattn._validation import IMPLEMENTATIONS, check_bool, check_choice
-from polyattn.backends.array_api import reference
+from polyattn.backends import array_api
 from polyattn.rules.online import NEG_INF, quiet_floating_point
 
 
@@ -286,9 +286,7 @@ def _weights(problem: Problem) -> Array:
         alpha = xp.zeros((*problem.q.shape[:-1], problem.tk), dtype=problem.compute_dtype,
                          device=device_of(problem.q))
     else:
-        alpha = reference.weights(problem.q, problem.k, mask=problem.mask,
-                                  causal_offset=problem.causal_offset, scale=problem.scale, xp=xp,
-                                  rules=problem.rules)
+        alpha = array_api.weights(problem)
     if alpha.dtype != problem.result_dtype:
         alpha = xp.astype(alpha, problem.result_dtype)
     return problem.finish(alpha, 2)

@@ -1,9 +1,15 @@
-"""The interchangeable attention implementations.
+"""The interchangeable attention implementations: one protocol, one package per family.
 
-Every module here offers the same internal function, called by
-:mod:`polyattn.attention` after validation::
+Each family package (``array_api``, ``native``, ``numpy``, ``numba_cpu``,
+``cuda``, ``dask``) exports the names of :class:`Backend`, except two that
+export objects with them: ``array_api`` holds two implementations
+(``REFERENCE`` and ``CHUNKED``), and in ``numpy`` the modules ``forward.py``
+and ``backward.py`` take those names (``FAST_PATH``). :func:`backend` imports
+a family only when it is wanted, and a family's ``__init__`` imports its own
+modules only inside its functions, so importing polyattn imports no Numba,
+CuPy or torch (docs/architecture.rst).
 
-    attention(q, k, v, /, *, mask, causal_offset, scale, xp, rules=None) -> (out, lse)
+A backend receives a validated ``Problem`` (:mod:`polyattn._problem`):
 
 q (B…, H, Tq, E), k (B…, Hkv, Tk, E), v (B…, Hkv, Tk, Ev)
     One leading batch shape B… (already broadcast), one floating dtype (the
@@ -19,14 +25,93 @@ causal_offset
 scale
     Python float multiplying ``q · k``.
 rules
-    ``None`` (only ``causal_offset`` applies) or a :class:`._rules.Rules`
-    with windows, key lengths, soft-capping or ALiBi (DESIGN §4.1). When
-    given it is complete: it carries the causal flag and the query
-    positions itself, and ``causal_offset`` is its static 0.1 form.
+    A :class:`polyattn.rules.visibility.Rules` with windows, key lengths,
+    soft-capping, ALiBi or dropout (docs/semantics.rst); the modules below the
+    families take it as ``rules=`` only when it is more than causal
+    (``Problem.keywords()``).
 
-It returns ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq) in the compute
-dtype. A fully masked row gives ``out = 0`` and ``lse = -inf``. Every
+``forward`` returns ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq) in the
+compute dtype. A fully masked row gives ``out = 0`` and ``lse = -inf``. Every
 problem has at least one score: the caller answers Tq, Tk, B or H = 0 itself.
-
-Nothing here imports the public modules; ``numba_cuda`` is imported lazily.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+#: ``needs``: the call returns the log-sum-exp (``return_lse=True``).
+LSE = "lse"
+#: ``needs``: :func:`polyattn.attention_vjp` runs the backend's own backward pass.
+BACKWARD = "backward"
+#: ``needs``: torch autograd records the call (a backend it wraps gives gradients of
+#: query, key and value only, so a mask or slopes requiring one rule it out).
+AUTOGRAD = "autograd"
+#: ``needs``: the backend's code must be compiled now (``"auto"`` falls back where not).
+COMPILED = "compiled"
+
+#: ``DIFFERENTIATED``: the input library's autodiff sees through the backend's operations.
+BY_LIBRARY = "library"
+#: ``DIFFERENTIATED``: its own backward pass, wrapped by :mod:`polyattn._autograd` for torch.
+BY_AUTOGRAD = "autograd"
+
+
+class Backend(Protocol):
+    """What a family package (or, for ``array_api``, each of its two objects) offers."""
+
+    #: The public implementation name (``"numba_cpu"``, ...).
+    NAME: str
+    #: :data:`BY_LIBRARY` or :data:`BY_AUTOGRAD`.
+    DIFFERENTIATED: str
+    #: Whether it computes on NumPy arrays, so that torch CPU tensors reach it as NumPy
+    #: views of them (:func:`polyattn._autograd.numpy_bridge`).
+    HOST: bool
+
+    def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
+        """Why it cannot run the call with ``needs`` (:data:`LSE`, ...); ``None``: it can."""
+
+    def forward(self, problem: Any) -> tuple[Any, Any]:
+        """``(out, lse)`` of the call."""
+
+    def backward(self, problem: Any, out: Any, lse: Any, grad_out: Any,
+                 grad_lse: Any) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)``, FlashAttention-2's backward pass from ``out`` and ``lse``."""
+
+    def describe(self, problem: Any) -> dict[str, str]:
+        """Lines for ``explain()``: ``"module"`` (what runs), ``"reason"`` (appended to the
+        reason it was chosen, optional), and lines of its own (label -> text)."""
+
+
+#: Implementation name -> (family package, object in it; ``None``: the package itself).
+FAMILIES: dict[str, tuple[str, str | None]] = {
+    "reference": ("array_api", "REFERENCE"),
+    "chunked": ("array_api", "CHUNKED"),
+    "native": ("native", None),
+    "numba_cpu": ("numba_cpu", None),
+    "numba_cuda": ("cuda", None),
+    "distributed": ("dask", None),
+}
+
+
+def family(name: str) -> Backend:
+    """The backend of implementation ``name`` (its family imported now); for
+    ``"chunked"`` the Array-API blocked path (:func:`backend` picks the NumPy one)."""
+    package, attribute = FAMILIES[name]
+    module = importlib.import_module(f"{__name__}.{package}")
+    return module if attribute is None else getattr(module, attribute)  # type: ignore[return-value]
+
+
+def numpy_path() -> Backend:
+    """The NumPy fast path: what ``"chunked"`` runs on NumPy arrays."""
+    return importlib.import_module(f"{__name__}.numpy").FAST_PATH  # type: ignore[no-any-return]
+
+
+def backend(name: str, problem: Any) -> Backend:
+    """The backend that runs implementation ``name`` for ``problem``: ``"chunked"`` is the
+    NumPy fast path wherever it can run the call (NumPy arrays, NumPy views of torch CPU
+    tensors), else the Array-API blocked path."""
+    if name == "chunked":
+        fast = numpy_path()
+        if fast.supports(problem, needs=frozenset({AUTOGRAD})) is None:
+            return fast
+    return family(name)

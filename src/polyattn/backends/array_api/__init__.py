@@ -1,1 +1,64 @@
-"""Attention in Array-API calls only: ``"reference"`` and the blocked ``"chunked"``."""
+"""Attention in Array-API calls only: ``"reference"`` and the blocked ``"chunked"``.
+
+Two implementations, so two :class:`polyattn.backends.Backend` objects:
+:data:`REFERENCE` (:mod:`.reference`, the formula) and :data:`CHUNKED`
+(:mod:`.blocked`, an online softmax over key blocks). Both run on every
+library, and its autodiff (torch, JAX) differentiates them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ArrayApiPath:
+    """One Array-API implementation: its name and the module below this package."""
+
+    NAME: str
+    module: str
+    DIFFERENTIATED: str = "library"
+    HOST: bool = False
+
+    def _code(self) -> Any:
+        return importlib.import_module(f"{__name__}.{self.module}")
+
+    def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
+        """Always ``None``: every call runs, on every library."""
+        return None
+
+    def forward(self, problem: Any) -> tuple[Any, Any]:
+        return self._code().attention(  # type: ignore[no-any-return]
+            problem.q, problem.k, problem.v, **problem.keywords())
+
+    def backward(self, problem: Any, out: Any, lse: Any, grad_out: Any,
+                 grad_lse: Any) -> tuple[Any, Any, Any]:
+        return self._code().backward(  # type: ignore[no-any-return]
+            problem.q, problem.k, problem.v, out, lse, grad_out, grad_lse=grad_lse,
+            **problem.keywords())
+
+    def describe(self, problem: Any) -> dict[str, str]:
+        lines = {"module": f"{__name__}.{self.module}"}
+        constant = problem.constant_needing_grad if self.NAME == "chunked" else None
+        if constant is not None and problem.torch_cpu:
+            lines["reason"] = (f"`{constant}` requires a gradient, which the NumPy fast path "
+                               "(numpy_chunked) does not give, so the Array-API blocked path "
+                               "runs on the torch tensors and autograd differentiates it")
+        return lines
+
+
+#: ``"reference"``: the formula, the score matrix materialised.
+REFERENCE = ArrayApiPath("reference", "reference")
+#: ``"chunked"`` on libraries other than NumPy: key blocks and an online softmax.
+CHUNKED = ArrayApiPath("chunked", "blocked")
+
+
+def weights(problem: Any) -> Any:
+    """The attention weights (B…, H, Tq, Tk) by the formula (:func:`polyattn.attention_weights`)."""
+    from polyattn.backends.array_api import reference
+
+    return reference.weights(problem.q, problem.k, mask=problem.mask,
+                             causal_offset=problem.causal_offset, scale=problem.scale,
+                             xp=problem.xp, rules=problem.rules)

@@ -1,1 +1,49 @@
-"""The Dask task-graph plan (``"distributed"``): blocks of the NumPy and Array-API paths."""
+"""The Dask task-graph plan (``"distributed"``): blocks of the NumPy and Array-API paths.
+
+One task per (query chunk, key chunk) that some query sees, merged through the
+log-sum-exp (:mod:`.plan`). It has no backward pass of its own:
+:func:`polyattn.attention_vjp` runs the Array-API blocked path on Dask arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyattn._interop import library_name
+
+NAME = "distributed"
+DIFFERENTIATED = "library"
+HOST = False
+
+
+def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
+    """Why the Dask plan cannot run this call (``None``: it can)."""
+    if library_name(problem.xp) != "dask":
+        return f"inputs are {library_name(problem.xp)} arrays, not Dask arrays"
+    if "backward" in needs:
+        return ("the Dask plan has no backward pass; attention_vjp runs the Array-API "
+                "blocked path on Dask arrays")
+    from polyattn.backends.dask import plan
+
+    return plan.unavailable(problem.q, problem.k, problem.v, problem.mask, problem.rules)
+
+
+def forward(problem: Any) -> tuple[Any, Any]:
+    from polyattn.backends.dask import plan
+
+    return plan.attention(problem.q, problem.k, problem.v, **problem.keywords())
+
+
+def backward(problem: Any, out: Any, lse: Any, grad_out: Any,
+             grad_lse: Any) -> tuple[Any, Any, Any]:
+    raise NotImplementedError(supports(problem, needs=frozenset({"backward"})))
+
+
+def describe(problem: Any) -> dict[str, str]:
+    """The plan's tasks for this call, in one line (built from shapes; nothing runs)."""
+    from polyattn.backends.dask import plan
+
+    rules = problem.rules
+    q, k, _ = plan.rechunked(problem.q, problem.k, problem.v)
+    return {"module": plan.__name__,
+            "plan": plan.make_plan(q, k, rules, rules.lengths_at_hand).describe()}

@@ -1,1 +1,47 @@
-"""The libraries' own fused attention (``"native"``): torch SDPA and JAX's."""
+"""The libraries' own fused attention (``"native"``): torch SDPA and JAX's.
+
+Used only where the library's function computes the call exactly
+(:func:`.fused.unavailable` says why not); the library's autodiff
+differentiates it, and it has no backward pass of polyattn's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyattn._interop import library_name
+
+NAME = "native"
+DIFFERENTIATED = "library"
+HOST = False
+
+#: The function that runs, per library.
+FUNCTIONS = {"torch": "torch.nn.functional.scaled_dot_product_attention",
+             "jax": "jax.nn.dot_product_attention"}
+
+
+def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
+    """Why the input library's own attention cannot run this call exactly (``None``: it can)."""
+    if "backward" in needs:
+        return ("attention_vjp runs polyattn's own backward passes, and the native "
+                "functions return no log-sum-exp for one")
+    from polyattn.backends.native import fused
+
+    return fused.unavailable(problem.xp, problem.q, problem.k, problem.v,
+                             return_lse="lse" in needs, rules=problem.rules)
+
+
+def forward(problem: Any) -> tuple[Any, Any]:
+    """``(out, None)``: the native functions return no log-sum-exp."""
+    from polyattn.backends.native import fused
+
+    return fused.attention(problem.q, problem.k, problem.v, **problem.keywords())
+
+
+def backward(problem: Any, out: Any, lse: Any, grad_out: Any,
+             grad_lse: Any) -> tuple[Any, Any, Any]:
+    raise NotImplementedError("the native functions are differentiated by their library")
+
+
+def describe(problem: Any) -> dict[str, str]:
+    return {"module": FUNCTIONS.get(library_name(problem.xp), "polyattn.backends.native.fused")}

@@ -1,1 +1,53 @@
-"""The fused SIMD register-tile CPU kernel (``"numba_cpu"``), forward and backward."""
+"""The fused SIMD register-tile CPU kernel (``"numba_cpu"``), forward and backward.
+
+On NumPy arrays. The entry points are in :mod:`.launch`; this module imports
+it (and so Numba) only inside its functions. Its backward pass is its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyattn._interop import library_name
+
+NAME = "numba_cpu"
+DIFFERENTIATED = "autograd"
+HOST = True
+
+
+def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
+    """Why the kernel cannot run this call (``None``: it can). With ``"compiled"`` in
+    ``needs`` it compiles the kernel (or loads it from Numba's cache) now."""
+    if library_name(problem.xp) != "numpy":
+        return f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays"
+    from polyattn.backends.numba_cpu import launch
+
+    usable, why = launch.availability()
+    if usable and "compiled" in needs:
+        try:
+            launch.kernels()
+        except launch.KernelUnavailable as exc:
+            return str(exc)
+    return None if usable else why
+
+
+def forward(problem: Any) -> tuple[Any, Any]:
+    from polyattn.backends.numba_cpu import launch
+
+    return launch.attention(problem.q, problem.k, problem.v, **problem.keywords())
+
+
+def backward(problem: Any, out: Any, lse: Any, grad_out: Any,
+             grad_lse: Any) -> tuple[Any, Any, Any]:
+    from polyattn.backends.numba_cpu import launch
+
+    return launch.backward(problem.q, problem.k, problem.v, out, lse, grad_out,
+                           grad_lse=grad_lse, **problem.keywords())
+
+
+def describe(problem: Any) -> dict[str, str]:
+    """Whether the kernel is compiled, cached on disk or still to compile; its tiles."""
+    from polyattn.backends.numba_cpu import launch
+
+    return {"module": launch.__name__, "numba_cpu kernel": launch.cache_state(),
+            "numba_cpu tiles": launch.tiles()}
