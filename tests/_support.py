@@ -1,9 +1,20 @@
-"""Shared pieces of the reliability tests: which implementations run, and small helpers.
+"""Shared pieces of the behaviour tests: which implementations run, and small helpers.
 
-Every CPU implementation (``"reference"``, ``"chunked"``, ``"auto"``) runs on
-every backend. ``"numba_cuda"`` joins where it can run: on the CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``, NumPy arrays only, tiny shapes) or on a CUDA GPU
-(the CuPy backend).
+Tests are parametrised by implementation case ids (:func:`helpers.implementations_under_test`):
+``"reference"``, ``"chunked"`` and ``"auto"`` on every backend, ``"native"`` on torch and
+JAX, ``"numba_cpu"`` on NumPy where Numba is installed, ``"distributed"`` on Dask, and
+the CUDA kernel families ``"numba_cuda-rows"``, ``"numba_cuda-tiled"`` and
+``"numba_cuda-tc"`` where the kernel can run: on the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, NumPy arrays only, tiny shapes) or on a CUDA GPU (the
+CuPy backend). :func:`use_implementation` turns an id into the ``implementation=``
+name, selecting the kernel family and skipping backends the implementation does not
+take.
+
+:data:`EVERY_IMPLEMENTATION` has every CUDA family; :data:`CASES` (the broad
+behaviour files, whose shapes are mostly decoding-sized) has the one-thread-per-row
+family only: the tiled and tensor-core families take more than 16 query rows, and
+``test_rules.py`` runs every rule on each of them. :data:`IMPLEMENTATIONS` are plain
+``implementation=`` names, for modules that pass them on as they are.
 """
 
 from __future__ import annotations
@@ -14,9 +25,12 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import (
+    CUDA_FAMILIES,
+    ONLY_ON,
     Backend,
     implementations_under_test,
     kernel_mode,
+    public_name,
     selected_backends,
     skip_unless_native_on,
     to_numpy,
@@ -24,7 +38,16 @@ from helpers import (
 
 from polyattn.backends.array_api import blocked as chunked
 
-IMPLEMENTATIONS = tuple(implementations_under_test())
+#: Every implementation case, each CUDA kernel family included (``test_rules.py``).
+EVERY_IMPLEMENTATION = tuple(implementations_under_test())
+#: The cases of the broad behaviour files: every implementation, and of the CUDA kernel
+#: the one-thread-per-row family only (most of their shapes are decoding-sized, which
+#: the other families leave to it; ``test_rules.py`` runs every rule on each family).
+CASES = tuple(implementations_under_test(cuda_families=("numba_cuda-rows",)))
+#: The implementation names of the modules that call ``implementation=name`` directly:
+#: those that take every backend's arrays, and ``"numba_cuda"`` (its default kernels).
+IMPLEMENTATIONS = tuple(n for n in implementations_under_test(cuda_families=("numba_cuda",))
+                        if n not in ONLY_ON)
 CPU_IMPLEMENTATIONS = tuple(n for n in IMPLEMENTATIONS if n != "numba_cuda")
 SIMULATOR = kernel_mode() == "simulator"
 
@@ -37,18 +60,26 @@ NUMPY_SESSION_ONLY = pytest.mark.skipif(
 
 def kernel_runs_on(backend: Backend) -> bool:
     """Whether the kernel accepts this backend's arrays in this run."""
-    return "numba_cuda" in IMPLEMENTATIONS and backend is (
+    return any(public_name(n) == "numba_cuda" for n in EVERY_IMPLEMENTATION) and backend is (
         Backend.NUMPY if SIMULATOR else Backend.CUPY)
 
 
 def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> str:
-    """Prepare ``name`` for small test shapes and return it.
+    """Prepare the implementation case ``name`` for small test shapes and return the
+    ``implementation=`` name to call with.
 
     The blocked implementations get tiny blocks so that a handful of queries
     and keys spans several blocks (and every block-boundary code path runs),
-    except on JAX (see below).
-    ``"numba_cuda"`` is skipped, with the reason, on backends it cannot take.
+    except on JAX (see below). A CUDA family id (``"numba_cuda-tiled"``...) sets the
+    variables that select its kernel. An implementation that takes one library
+    only (``"numba_cpu"``: NumPy, ``"distributed"``: Dask, ``"numba_cuda"``: NumPy on the
+    simulator, CuPy on a GPU) is skipped, with the reason, on the other backends.
     """
+    implementation = public_name(name)
+    only = ONLY_ON.get(implementation)
+    if only is not None and (backend or Backend.NUMPY) is not only:
+        pytest.skip(f"{implementation} takes {only.value} arrays, not "
+                    f"{(backend or Backend.NUMPY).value}")
     # JAX compiles every operation anew for each block shape, so there the blocks
     # hold these tests' small problems whole; block boundaries are exercised on
     # the other backends (and on JAX by test_attention.py and test_properties.py).
@@ -62,16 +93,33 @@ def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> 
     if numpy_chunked is not None:
         monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 6, raising=False)
         monkeypatch.setattr(numpy_chunked, "BLOCK_K", 4, raising=False)
-    skip_unless_native_on(backend, name, monkeypatch)
-    if name == "numba_cuda":
+    skip_unless_native_on(backend, implementation, monkeypatch)
+    if implementation == "numba_cuda":
         wanted = "numpy (CUDA simulator)" if SIMULATOR else "cupy (CUDA GPU)"
         backend = backend or Backend.NUMPY
         if not kernel_runs_on(backend):
             pytest.skip(f"numba_cuda takes {wanted} arrays in this run, not {backend.value}")
-        from polyattn.backends.cuda import rows as numba_cuda
+        for variable, value in CUDA_FAMILIES.get(name, {}).items():
+            monkeypatch.setenv(variable, value)
+        if name in ("numba_cuda", "numba_cuda-rows"):
+            from polyattn.backends.cuda import rows as numba_cuda
 
-        monkeypatch.setattr(numba_cuda, "BLOCK_Q", 4)
-    return name
+            monkeypatch.setattr(numba_cuda, "BLOCK_Q", 4)
+    return implementation
+
+
+def cuda_family_ran(name: str, explanation: Any) -> None:
+    """Check that ``explain()`` names the CUDA kernel family of case ``name`` (or skip
+    the case where the family does not take the call, which another family then runs)."""
+    if public_name(name) != "numba_cuda" or name not in CUDA_FAMILIES:
+        return
+    how = explanation.arithmetic
+    wanted = {"numba_cuda-rows": "one-thread-per-row", "numba_cuda-tiled": "register-tiled",
+              "numba_cuda-tc": "tensor cores"}[name]
+    if wanted not in how:
+        if name == "numba_cuda-rows":
+            raise AssertionError(f"{name}: explain() says {how!r}")
+        pytest.skip(f"{name} does not take this call ({how}); another family runs it")
 
 
 def rounded(a: np.ndarray, dtype_name: str) -> np.ndarray:

@@ -102,15 +102,56 @@ def selected_backends() -> list[Backend]:
 NATIVE_BACKENDS = (Backend.TORCH, Backend.JAX)
 
 
-def implementations_under_test() -> list[str]:
-    """The implementations tests run: the CPU ones, plus the kernel where it can run,
-    plus ``"native"`` where torch or JAX is among the backends of this run."""
+#: The Numba CUDA kernel families, as test ids, and the settings that make
+#: ``implementation="numba_cuda"`` run each: the one-thread-per-row kernel, the
+#: register-tiled kernel (more than 16 query rows) and the tensor-core kernel (float16,
+#: bfloat16, and float32 as 3xTF32; more than 16 query rows).
+CUDA_FAMILIES = {
+    "numba_cuda-rows": {"POLYATTN_CUDA_KERNEL": "rows"},
+    "numba_cuda-tiled": {"POLYATTN_CUDA_KERNEL": "tiled", "POLYATTN_CUDA_FLOAT32": "exact"},
+    "numba_cuda-tc": {"POLYATTN_CUDA_KERNEL": "tiled", "POLYATTN_CUDA_FLOAT32": "3xtf32"},
+}
+
+
+def public_name(case: str) -> str:
+    """The ``implementation=`` name of a case id (``"numba_cuda-tiled"``: ``"numba_cuda"``)."""
+    return case.split("-", 1)[0]
+
+
+def numba_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
+def implementations_under_test(*, cuda_families: tuple[str, ...] = tuple(CUDA_FAMILIES)
+                               ) -> list[str]:
+    """The implementations tests run, as case ids (pass ``public_name(id)`` to the API).
+
+    The CPU ones; ``"native"`` where torch or JAX is among the backends of this run;
+    ``"numba_cpu"`` where Numba is installed and NumPy selected; ``"distributed"`` where
+    Dask is selected; and each of ``cuda_families`` where the CUDA kernel can run
+    (simulator or GPU). Every id contains its implementation's name, so that
+    ``pytest -k numba_cpu`` (or ``-k numba_cuda``, ``-k numba_cuda-tiled``,
+    ``-k distributed``) selects one.
+    """
     names = ["reference", "chunked", "auto"]
-    if any(b in NATIVE_BACKENDS and b in available_backends() for b in selected_backends()):
+    selected = selected_backends()
+    installed = available_backends()
+    if any(b in NATIVE_BACKENDS and b in installed for b in selected):
         names.append("native")
+    if Backend.NUMPY in selected and numba_installed():
+        names.append("numba_cpu")
+    if Backend.DASK in selected and Backend.DASK in installed:
+        names.append("distributed")
     if kernel_mode() is not None:
-        names.append("numba_cuda")
+        names.extend(cuda_families)
     return names
+
+
+#: The only array library each of these implementations takes (the others take every one).
+#: numba_cuda takes NumPy arrays on the simulator and CuPy arrays on a GPU.
+ONLY_ON = {"numba_cpu": Backend.NUMPY, "distributed": Backend.DASK}
 
 
 #: Why ``"native"`` may refuse a call (DESIGN §3.1); any other refusal fails the test.
@@ -120,6 +161,7 @@ NATIVE_REFUSALS = (
     "values with as many features",         # JAX needs Ev == E
     "has no native attention function",     # libraries other than torch and JAX
     "softcap: ",                            # soft-capping is not additive: no mask expresses it
+    "dropout_p: ",                          # their own generators, not the Philox counters
 )
 
 
@@ -164,7 +206,7 @@ def skip_unless_kernel_runs_on(request: Any, implementation: str) -> None:
     On the simulator the kernel takes NumPy arrays; on a GPU, CuPy arrays.
     Tests without a ``backend`` parameter use NumPy arrays.
     """
-    if implementation != "numba_cuda":
+    if public_name(implementation) != "numba_cuda":
         return
     wanted = Backend.NUMPY if kernel_mode() == "simulator" else Backend.CUPY
     params = getattr(request.node, "callspec", None)
@@ -297,6 +339,35 @@ def ref_scores(q, k, *, mask=None, is_causal=False, alignment="top_left", scale=
             s = s + mask.astype(np.float64)
     s = np.where(visible, s, -np.inf)
     return s[0] if matrix else s
+
+
+def ref_attention_vjp(q, k, v, grad_out, grad_lse=None, *, enable_gqa=False, scale=None,
+                      softcap=None, **rules):
+    """float64 gradients ``(dq, dk, dv)`` of ``sum(out·grad_out) + sum(lse·grad_lse)``, by
+    the closed form of softmax attention: ``dv = αᵀ g``, ``ds = α ∘ (g vᵀ − rowsum(g ∘ out)
+    + grad_lse)``, through softcap's ``1 − tanh²``, ``dq = scale · ds k``, ``dk = scale · dsᵀ
+    q`` (summed over each key/value head's query group). ``rules`` as for
+    :func:`ref_attention` (a mask must not add leading axes).
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    g = np.asarray(grad_out, dtype=np.float64)
+    group = q.shape[-3] // k.shape[-3] if enable_gqa else 1
+    kk, vv = (np.repeat(x, group, axis=-3) for x in (k, v))
+    out, _, w = ref_attention(q, kk, vv, scale=scale, softcap=softcap, **rules)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dv = np.einsum("...qk,...qf->...kf", w, g)
+    ds = w * (np.einsum("...qf,...kf->...qk", g, vv) - np.sum(g * out, -1, keepdims=True))
+    if grad_lse is not None:
+        ds = ds + w * np.asarray(grad_lse, dtype=np.float64)[..., None]
+    if softcap is not None:
+        raw = np.einsum("...qe,...ke->...qk", q, kk) * scale
+        ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+    dq = scale * np.einsum("...qk,...ke->...qe", ds, kk)
+    dk = scale * np.einsum("...qk,...qe->...ke", ds, q)
+    if group > 1:
+        dk = dk.reshape(*k.shape[:-3], k.shape[-3], group, *k.shape[-2:]).sum(-3)
+        dv = dv.reshape(*v.shape[:-3], v.shape[-3], group, *v.shape[-2:]).sum(-3)
+    return dq, dk, dv
 
 
 TOLERANCE = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
