@@ -61,6 +61,21 @@ SHARED_VENVS = {
 MODEL_TESTS = ("tests/test_smollm2.py", "tests/test_smollm2_units.py", "tests/test_tokenizer.py",
                "tests/test_gguf_reader.py", "tests/test_minilm_files.py",
                "tests/test_errors_models.py")
+#: Tests that do not depend on the array library under test (the command line, the
+#: package's metadata, README's blocks): tests(numpy) runs them, whose environment has
+#: NumPy and torch; the other sessions run only LIBRARY_CASES of them.
+LIBRARY_INDEPENDENT_TESTS = ("tests/test_cli.py", "tests/test_packaging.py",
+                             "tests/test_readme.py")
+#: The cases of LIBRARY_INDEPENDENT_TESTS that need a library only that session has.
+LIBRARY_CASES = {"jax": ("tests/test_cli.py::test_demo_on_other_backends",),
+                 "dask": ("tests/test_readme.py::test_readme_block_runs",)}
+#: Each compiled family's own mechanics (launch plans, tiles, thread pools), as globs:
+#: files of tests/, or the family's folder tests/backends/<family>/ once they move there.
+NUMBA_CPU_MECHANICS = ("tests/test_numba_cpu.py", "tests/backends/numba_cpu")
+CUDA_MECHANICS = ("tests/test_kernel_sim*.py", "tests/test_kernel_t[ci]*.py",
+                  "tests/backends/cuda")
+#: PTX compilation (no simulator, no GPU): the kernel_ptx sessions.
+PTX_TESTS = ("tests/test_kernel_ptx.py", "tests/backends/cuda/test_*ptx*.py")
 #: The environment each backend's tests run in.
 BACKEND_VENV = {"numpy": "torch", "torch": "torch", "array_api_strict": "array_api_strict",
                 "jax": "jax", "dask": "dask", "cupy": "cupy"}
@@ -85,6 +100,24 @@ def shared_venv(session: nox.Session, name: str) -> Path:
     return bin_dir
 
 
+def paths(*patterns: str) -> list[str]:
+    """The files and folders (relative to the repository) that match ``patterns``."""
+    return sorted({str(p) for pattern in patterns for p in Path().glob(pattern)})
+
+
+def required_paths(*patterns: str) -> list[str]:
+    """:func:`paths`, at least one (pytest given no path would run the whole suite)."""
+    found = paths(*patterns)
+    if not found:
+        raise ValueError(f"no test file or folder matches {patterns}")
+    return found
+
+
+def ignoring(*patterns: str) -> list[str]:
+    """pytest's ``--ignore`` of every path that matches ``patterns``."""
+    return [f"--ignore={path}" for path in paths(*patterns)]
+
+
 def run_in(session: nox.Session, bin_dir: Path, program: str, *args: str) -> None:
     """Run ``program`` from the shared environment whose ``bin`` folder is ``bin_dir``."""
     session.run(str(bin_dir / program), *args, external=True)
@@ -103,8 +136,10 @@ def tests(session: nox.Session, backend: str) -> None:
     bin_dir = shared_venv(session, BACKEND_VENV[backend])
     session.env["POLYATTN_TEST_BACKENDS"] = backend
     # the model's tests need its weights, installed beside torch: the model session runs them
+    once = () if backend == "numpy" else (*ignoring(*LIBRARY_INDEPENDENT_TESTS),
+                                          *LIBRARY_CASES.get(backend, ()))
     args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider",
-                               *(f"--ignore={path}" for path in MODEL_TESTS),
+                               *ignoring(*MODEL_TESTS), *once,
                                *(PARALLEL if backend in PARALLEL_BACKENDS else ())]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
@@ -122,16 +157,13 @@ def kernel_sim(session: nox.Session) -> None:
     if session.posargs:
         run_in(session, bin_dir, "python", "-m", "pytest", *session.posargs)
         return
+    mechanics = required_paths(*CUDA_MECHANICS)
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *PARALLEL, "tests/test_kernel_sim.py", "tests/test_kernel_sim_backward.py",
-           "tests/test_kernel_tc.py", "tests/test_kernel_tiled.py",
-           "tests/test_kernel_tiled_backward.py")
-    # the public API's tests, with implementation="numba_cuda" on the simulator
+           *PARALLEL, *mechanics)
+    # every behaviour's numba_cuda cases (rows, tiled, tensor-core) on the simulator
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *PARALLEL, "tests", "-k", "numba_cuda", "--ignore=tests/test_kernel_sim.py",
-           "--ignore=tests/test_kernel_sim_backward.py", "--ignore=tests/test_kernel_ptx.py",
-           "--ignore=tests/test_kernel_tc.py", "--ignore=tests/test_kernel_tiled.py",
-           "--ignore=tests/test_kernel_tiled_backward.py")
+           *PARALLEL, "tests", "-k", "numba_cuda", *ignoring(*CUDA_MECHANICS, *PTX_TESTS,
+                                                             *MODEL_TESTS))
 
 
 @nox.session(venv_backend="none", tags=["kernel"])
@@ -142,7 +174,7 @@ def kernel_ptx(session: nox.Session) -> None:
     (NVIDIA's wheels) check registers, spills and the SASS."""
     bin_dir = shared_venv(session, "kernel")
     args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
-                               "tests/test_kernel_ptx.py"]
+                               *required_paths(*PTX_TESTS)]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
 
@@ -154,7 +186,7 @@ def kernel_ptx_all(session: nox.Session) -> None:
     bin_dir = shared_venv(session, "kernel")
     session.env["POLYATTN_PTX_SWEEP"] = "all"
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-           *PARALLEL, *(session.posargs or ["tests/test_kernel_ptx.py"]))
+           *PARALLEL, *(session.posargs or required_paths(*PTX_TESTS)))
 
 
 @nox.session(venv_backend="none", tags=["cpu"])
@@ -166,14 +198,16 @@ def numba_cpu(session: nox.Session) -> None:
     # Numba checks no index unless asked: the tests ask, so an index out of range is an
     # IndexError here rather than memory read or written elsewhere
     session.env["NUMBA_BOUNDSCHECK"] = "1"
+    if session.posargs:
+        run_in(session, bin_dir, "python", "-m", "pytest", *session.posargs)
+        return
+    mechanics = required_paths(*NUMBA_CPU_MECHANICS)
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *(session.posargs or ["tests/test_numba_cpu.py", "--doctest-modules",
-                                 "src/polyattn/backends/numba_cpu/launch.py"]))
-    if not session.posargs:
-        # the behaviours every implementation owes (non-finite inputs, dtypes), numba_cpu's
-        # share of them: the tests sessions have no Numba
-        run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "tests/test_nonfinite.py", "tests/test_dtype_contract.py", "-k", "numba_cpu")
+           *mechanics, "--doctest-modules", "src/polyattn/backends/numba_cpu/launch.py")
+    # every behaviour's numba_cpu cases: the tests sessions have no Numba
+    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "tests", "-k", "numba_cpu", *ignoring(*NUMBA_CPU_MECHANICS, *PTX_TESTS,
+                                                 *MODEL_TESTS))
 
 
 @nox.session(tags=["style"])
