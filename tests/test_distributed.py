@@ -148,60 +148,6 @@ def test_no_array_is_captured_in_a_task():
 
 # --- results: every keyword against the float64 oracle -------------------------------------
 
-CASES = {
-    "plain": {},
-    "causal": {"is_causal": True},
-    "causal_bottom_right": {"is_causal": True, "alignment": "bottom_right"},
-    "window": {"window": (9, 3)},
-    "causal_window_softcap": {"is_causal": True, "window": (12, 0), "softcap": 2.0},
-    "alibi": {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])},
-    "key_lengths": {"key_lengths": np.array([17, 41])},
-    "key_lengths_causal": {"key_lengths": np.array([17, 3]), "is_causal": True},
-    "key_lengths_bottom_right": {"key_lengths": np.array([30, 9]), "is_causal": True,
-                                 "alignment": "bottom_right", "window": (6, 0)},
-    "lengths_bottom_right_alibi": {"key_lengths": np.array([41, 22]), "is_causal": True,
-                                   "alignment": "bottom_right",
-                                   "alibi_slopes": np.array([0.3, 0.2, 0.1, 0.05])},
-    "bool_mask": {"mask": "bool"},
-    "float_mask_causal": {"mask": "float", "is_causal": True},
-}
-
-
-def _call_options(case: dict, rng, tq: int, tk: int, *, as_dask: bool):
-    """(polyattn keywords, oracle keywords) for a case."""
-    ours, oracle = {}, {}
-    for name, value in case.items():
-        if name == "mask":
-            m = (rng.random((2, 1, tq, tk)) > 0.3 if value == "bool"
-                 else rng.standard_normal((1, 4, tq, tk)))
-            ours["attn_mask"] = _dask(m, 8) if as_dask else m
-            oracle["mask"] = m
-        elif name == "alignment":
-            ours["causal_alignment"] = oracle["alignment"] = value
-        elif isinstance(value, np.ndarray):
-            ours[name] = da.from_array(value) if as_dask else value
-            oracle[name] = value
-        else:
-            ours[name] = oracle[name] = value
-    return ours, oracle
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_the_oracle(case, dtype):
-    rng = np.random.default_rng(sorted(CASES).index(case))
-    q, k, v = _inputs(rng)
-    ours, oracle = _call_options(CASES[case], rng, 37, 41, as_dask=True)
-    args = [_dask(x.astype(dtype), c) for x, c in ((q, 8), (k, 9), (v, 9))]
-    out, lse = sdpa(*args, enable_gqa=True, return_lse=True, **ours)
-    assert polyattn.explain(*args, enable_gqa=True, **ours).implementation == "distributed"
-    ref, ref_lse, _ = ref_attention(q, k, v, enable_gqa=True, **oracle)
-    out, lse = dask.compute(out, lse)
-    assert out.dtype == np.dtype(dtype) and lse.dtype == np.dtype(dtype)
-    assert_close(out, ref, dtype)
-    assert_lse_close(lse, ref_lse, dtype)
-
-
 def test_uneven_chunks_batch_chunks_and_bthe_layout():
     rng = np.random.default_rng(5)
     q, k, v = _inputs(rng, b=3, tq=23, tk=50)

@@ -134,7 +134,6 @@ needs_kernel = pytest.mark.skipif(
 
 if SIMULATOR or _gpu_reason() is None:
     from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixture)
-        feature_options,
         make_inputs,
         make_mask,
         namespace,
@@ -229,22 +228,6 @@ def test_causal_masks_and_fully_masked_rows(alignment, kind):
     (out, lse), ref = run_tc("f16", q, k, v, mask=mask, is_causal=True, alignment=alignment)
     assert_close((out, lse), ref, "f16")
     assert np.all(out[1, :, 5] == 0) and np.all(np.isneginf(lse[1, :, 5]))
-
-
-@needs_kernel
-@pytest.mark.parametrize("combo", [("window", "key_lengths"), ("softcap", "alibi")],
-                         ids="+".join)
-def test_rules(combo):
-    rng = np.random.default_rng(4)
-    q, k, v = make_inputs(rng, (2,), 2, 2, 40, 75, 16, 16)
-    options = feature_options(combo, rng, batch=(2,), h=2, tk=75)
-    assert_close(*run_tc("f16", q, k, v, is_causal=True, **options), "f16")
-
-
-@needs_kernel
-def test_dropout_is_the_reference_mask():
-    q, k, v = make_inputs(np.random.default_rng(5), (1,), 2, 1, 30, 70, 16, 16)
-    assert_close(*run_tc("f16", q, k, v, dropout=(0.3, 2**40 + 11)), "f16")
 
 
 @needs_kernel

@@ -23,7 +23,6 @@ if not SIMULATOR and _gpu_reason() is not None:
                 allow_module_level=True)
 
 from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixture)
-    feature_options,
     make_inputs,
     make_mask,
     namespace,
@@ -98,20 +97,6 @@ def test_causal_masks_and_fully_masked_rows(alignment, kind):
                                 alignment=alignment)
     assert_close((out, lse), ref, "float32")
     assert np.all(out[1, :, 5] == 0) and np.all(np.isneginf(lse[1, :, 5]))
-
-
-@pytest.mark.parametrize("combo", [("window", "key_lengths"), ("softcap", "alibi")],
-                         ids="+".join)
-def test_rules(combo):
-    rng = np.random.default_rng(13)
-    q, k, v = make_inputs(rng, (2,), 2, 2, 40, 75, 8, 8)
-    options = feature_options(combo, rng, batch=(2,), h=2, tk=75)
-    assert_close(*run_tiled("float64", q, k, v, is_causal=True, **options), "float64")
-
-
-def test_dropout_is_the_reference_mask():
-    q, k, v = make_inputs(np.random.default_rng(14), (1,), 2, 1, 30, 70, 8, 8)
-    assert_close(*run_tiled("float32", q, k, v, dropout=(0.3, 2**40 + 11)), "float32")
 
 
 def test_nan_rows():
