@@ -86,13 +86,15 @@ def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> 
     bq, bk = (16, 16) if backend is Backend.JAX else (3, 4)
     monkeypatch.setattr(chunked, "BLOCK_Q", bq)
     monkeypatch.setattr(chunked, "BLOCK_K", bk)
-    try:
-        numpy_chunked = importlib.import_module("polyattn.backends.numpy.forward")
-    except ImportError:
-        numpy_chunked = None
-    if numpy_chunked is not None:
-        monkeypatch.setattr(numpy_chunked, "BLOCK_Q", 6, raising=False)
-        monkeypatch.setattr(numpy_chunked, "BLOCK_K", 4, raising=False)
+    for where in ("polyattn.backends.numpy.plan", "polyattn.backends.numpy.forward"):
+        try:  # the NumPy fast path's block sizes, in the module that defines them
+            numpy_blocks = importlib.import_module(where)
+        except ImportError:
+            continue
+        if "BLOCK_Q" in vars(numpy_blocks):
+            monkeypatch.setattr(numpy_blocks, "BLOCK_Q", 6)
+            monkeypatch.setattr(numpy_blocks, "BLOCK_K", 4)
+            break
     skip_unless_native_on(backend, implementation, monkeypatch)
     if implementation == "numba_cuda":
         wanted = "numpy (CUDA simulator)" if SIMULATOR else "cupy (CUDA GPU)"
