@@ -20,25 +20,45 @@ from polyattn.rules.visibility import Rules
 UNBOUNDED = 2**40
 
 
-def reach(rules: Rules, unbounded: int = UNBOUNDED) -> tuple[int, int, int, int]:
+def reach(rules: Rules, unbounded: int = UNBOUNDED, *, covering: bool = False,
+          ) -> tuple[int, int, int, int]:
     """``(offset, shift, left, right)``: ``p_i = i + offset + shift · key_lengths[b]``, and
     key ``j`` is visible iff ``p_i - left <= j <= p_i + right`` (and ``j < key_lengths[b]``).
 
     An unbounded side is ``unbounded``; every value is clamped to ``[-unbounded, unbounded]``.
+    With ``covering``, a side that reaches every key from every query position (of
+    :meth:`Rules.offset_range`) is unbounded too: a window wider than the problem is no
+    window, and the paths that treat a window's edges specially skip that work.
 
     >>> reach(Rules(4, 6, causal=True, offset=2, window=(3, None)))
     (2, 0, 3, 0)
+    >>> reach(Rules(4, 6, window=(3, 5)), covering=True) == (0, 0, UNBOUNDED, UNBOUNDED)
+    True
     """
     offset, shift = (-rules.tq, 1) if rules.lengths_shift else (rules.offset, 0)
+    left, right = rules.left_reach(), rules.right_reach()
+    if covering:
+        lo_off, hi_off = rules.offset_range()
+        if left is not None and left >= rules.tq - 1 + hi_off:   # p_i - left <= 0 for all i
+            left = None
+        if right is not None and right >= rules.tk - 1 - lo_off:  # p_i + right >= Tk - 1
+            right = None
 
     def bounded(x: int | None) -> int:
         return unbounded if x is None else max(-unbounded, min(int(x), unbounded))
 
-    return (bounded(offset), shift, bounded(rules.left_reach()),
-            bounded(rules.right_reach()))
+    return bounded(offset), shift, bounded(left), bounded(right)
 
 
-@functools.lru_cache(maxsize=None)
+def window(rules: Rules) -> tuple[int | None, int | None] | None:
+    """``rules``' reaches as a window of :class:`Rules` (``None``: an unbounded side, or no
+    window at all), each side that covers the whole problem dropped (:func:`reach`)."""
+    _, _, left, right = reach(rules, covering=True)
+    sides = tuple(None if x == UNBOUNDED else x for x in (left, right))
+    return None if sides == (None, None) else (sides[0], sides[1])
+
+
+@functools.cache
 def lower(function: Callable[..., Any], target: str, compute_type: Any = float) -> Any:
     """``function`` of :mod:`.element` compiled for ``target`` ("cpu" or "cuda") with ``T``
     bound to ``compute_type``, inlined into the kernels that call it."""

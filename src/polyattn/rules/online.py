@@ -6,6 +6,8 @@ import contextlib
 import math
 from typing import Any
 
+from polyattn._interop import array_library
+
 Array = Any
 NEG_INF = -math.inf
 
@@ -17,12 +19,12 @@ def quiet_floating_point(x: object) -> contextlib.AbstractContextManager[Any]:
     """``np.errstate(all="ignore")`` where ``x`` is an array of a library that computes
     through NumPy (NumPy, array-api-strict, Dask); a context that does nothing elsewhere.
 
-    No floating-point warning escapes a call (DESIGN §4.2): NaN and inf in the
+    No floating-point warning escapes a call (docs/semantics.rst): NaN and inf in the
     results say what happened. Decided from the type's module, so ``torch.compile``
     traces straight through (``np.errstate`` would break its graph). NumPy's
     error state belongs to one thread: code run on worker threads sets its own.
     """
-    if type(x).__module__.split(".")[0] in NUMPY_BACKED:
+    if array_library(x) in NUMPY_BACKED:
         import numpy as np
 
         return np.errstate(all="ignore")
@@ -80,24 +82,3 @@ def ungroup_heads(x: Array, xp: Any) -> Array:
     """Merge (Hkv, G) back into one head axis: (B…, Hkv, G, T, F) -> (B…, H, T, F)."""
     *batch, hkv, g, t, f = x.shape
     return xp.reshape(x, (*batch, hkv * g, t, f))  # (B…, H, T, F)
-
-
-def causal_allowed(q_start: int, q_stop: int, k_start: int, k_stop: int, offset: int,
-                   xp: Any, device: Any) -> Array:
-    """Boolean (q_stop - q_start, k_stop - k_start): key j visible to query i."""
-    i = xp.arange(q_start, q_stop, device=device)
-    j = xp.arange(k_start, k_stop, device=device)
-    return j[None, :] <= i[:, None] + offset  # (Tq, Tk)
-
-
-def apply_masks(s: Array, mask: Array | None, causal: Array | None, xp: Any) -> Array:
-    """Add a float mask, or set ``-inf`` where a bool mask or ``causal`` is False.
-
-    ``s`` and ``mask`` have the grouped layout (B…, Hkv, G, Tq, Tk) (the mask
-    with size-1 axes where it broadcasts); ``causal`` is (Tq, Tk).
-    """
-    if mask is not None:
-        s = xp.where(mask, s, NEG_INF) if mask.dtype == xp.bool else s + mask
-    if causal is not None:
-        s = xp.where(causal, s, NEG_INF)
-    return s

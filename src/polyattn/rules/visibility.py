@@ -229,6 +229,16 @@ def score_transform(s: Array, rules: Rules, mask: Array | None, q0: int, q1: int
     return s
 
 
+def score_transform_grad(raw: Array, rules: Rules, xp: Any) -> Array | None:
+    """d(score that enters the softmax) / d(scaled score) at the scaled scores ``raw``:
+    soft-capping's ``1 - tanh²(raw / softcap)``; ``None`` where it is 1 (ALiBi and masks
+    add constants)."""
+    if rules.softcap is None:
+        return None
+    t = xp.tanh(raw / rules.softcap)
+    return 1.0 - t * t
+
+
 def fold_into_mask(rules: Rules, mask: Array | None, hkv: int, xp: Any, dtype: Any,
                    device: Any) -> Array | None:
     """``attn_mask`` (B…, H, Tq, Tk)-broadcastable with ALiBi and visibility folded in.

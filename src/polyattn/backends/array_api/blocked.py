@@ -38,7 +38,12 @@ from polyattn.rules.online import (
     stable_shift,
     ungroup_heads,
 )
-from polyattn.rules.visibility import Rules, drop_padding, score_transform
+from polyattn.rules.visibility import (
+    Rules,
+    drop_padding,
+    score_transform,
+    score_transform_grad,
+)
 
 Array = Any
 
@@ -199,9 +204,9 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
             if z is not None:
                 dp = dp * z
             ds = p * (dp - db)
-            if rules.softcap is not None:
-                t = xp.tanh(raw / rules.softcap)
-                ds = ds * (1.0 - t * t)
+            grad = score_transform_grad(raw, rules, xp)          # soft-capping's chain rule
+            if grad is not None:
+                ds = ds * grad
             dv_blk = xp.sum(xp.matmul(xp.matrix_transpose(pz), dob), axis=-3)
             dk_blk = xp.sum(xp.matmul(xp.matrix_transpose(ds), qb), axis=-3)
             dv[kb] = dv_blk if dv[kb] is None else dv[kb] + dv_blk

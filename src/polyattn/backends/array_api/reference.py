@@ -1,9 +1,9 @@
 """The reference implementation: the formula as written, scores materialised.
 
 ``softmax(Q Kᵀ · scale + mask) V`` (with the soft-capping, ALiBi and
-visibility rules of :mod:`._rules`) with the whole (B…, H, Tq, Tk) score
+visibility rules of :mod:`polyattn.rules.visibility`) with the whole (B…, H, Tq, Tk) score
 matrix in memory. It is the clearest code and the fastest choice while the
-scores are small; :mod:`.chunked` takes over when they are not.
+scores are small; :mod:`.blocked` takes over when they are not.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from polyattn.rules.online import (
     stable_shift,
     ungroup_heads,
 )
-from polyattn.rules.visibility import Rules, drop_padding, score_transform
+from polyattn.rules.visibility import (
+    Rules,
+    drop_padding,
+    score_transform,
+    score_transform_grad,
+)
 
 Array = Any
 
@@ -130,9 +135,9 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         dp = dp * z
     dv = xp.sum(xp.matmul(xp.matrix_transpose(pz), dog), axis=-3)   # (B…, Hkv, Tk, Ev)
     ds = p * (dp - d)
-    if rules.softcap is not None:
-        t = xp.tanh(raw / rules.softcap)
-        ds = ds * (1.0 - t * t)
+    grad = score_transform_grad(raw, rules, xp)          # soft-capping's chain rule
+    if grad is not None:
+        ds = ds * grad
     kg = xp.expand_dims(k, axis=-3)                                 # (B…, Hkv, 1, Tk, E)
     dq = ungroup_heads(xp.matmul(ds, kg) * scale, xp)               # (B…, H, Tq, E)
     qg = group_heads(q, hkv, xp)

@@ -27,6 +27,7 @@ ALiBi, key lengths, GQA. There is no backward pass here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from itertools import product
@@ -34,6 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from polyattn._interop import array_library, to_numpy
+from polyattn.rules.element import position
+from polyattn.rules.lowering import window
 from polyattn.rules.merge import merge
 from polyattn.rules.visibility import Rules
 
@@ -102,14 +106,14 @@ def _merge_count(parts: int) -> int:
 
 
 def _is_dask(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "dask"
+    return array_library(x) == "dask"
 
 
 def unavailable(q: Array, k: Array, v: Array | None, mask: Array | None,
                 rules: Rules | None) -> str | None:
     """Why the plan cannot run this call (``None``: it can)."""
     if not _is_dask(q):
-        return f"inputs are {type(q).__module__.split('.')[0]} arrays, not Dask arrays"
+        return f"inputs are {array_library(q)} arrays, not Dask arrays"
     if v is None:
         return "there are no values (attention weights are materialised by the reference path)"
     for name, x in (("query", q), ("key", k), ("value", v), ("attn_mask", mask)):
@@ -295,20 +299,6 @@ def _merge_parts(*parts: tuple[Array, Array]) -> tuple[Array, Array]:
     return merge(outs, lses, _namespace(outs[0]))
 
 
-def _local_window(spec: Spec, offset: int, tq: int, tk: int
-                  ) -> tuple[int | None, int | None] | None:
-    """The window of a tile with position offset ``offset``: a side that reaches every key
-    from every query of the tile is dropped (``None``)."""
-    if spec.window is None:
-        return None
-    left, right = spec.window
-    if left is not None and left >= offset + tq - 1:      # p_i - left <= 0 for every i
-        left = None
-    if right is not None and right >= tk - 1 - offset:    # p_i + right >= tk - 1 for every i
-        right = None
-    return None if left is None and right is None else (left, right)
-
-
 def _tile(q: Array, k: Array, v: Array, mask: Array | None, lengths: Array | None,
           slopes: Array | None, spec: Spec, q0: int, k0: int) -> tuple[Array, Array]:
     """(out, lse) of queries ``[q0, q0 + Tq_c)`` over keys ``[k0, k0 + Tk_c)``.
@@ -322,11 +312,12 @@ def _tile(q: Array, k: Array, v: Array, mask: Array | None, lengths: Array | Non
     tk = k.shape[-2]
     if not spec.lengths_shift:
         local = None if lengths is None else xp.clip(lengths - k0, 0, tk)
-        return _run(q, k, v, mask, spec, spec.offset + q0 - k0, local, slopes, xp)
+        return _run(q, k, v, mask, spec, position(q0 - k0, spec.offset, 0, 0), local, slopes,
+                    xp)
     assert lengths is not None
     nb = q.ndim - 3
     batch = tuple(q.shape[:nb])
-    host = np.broadcast_to(np.asarray(_to_host(lengths)), batch)
+    host = np.broadcast_to(to_numpy(lengths), batch)
     out = xp.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
     lse = xp.empty(tuple(q.shape[:-1]), dtype=xp.float64)
     for b in np.ndindex(*batch):
@@ -342,15 +333,10 @@ def _tile(q: Array, k: Array, v: Array, mask: Array | None, lengths: Array | Non
         local = xp.asarray(np.clip(length - k0, 0, tk), dtype=lengths.dtype)
         local = xp.reshape(local, (1,) * nb)
         o, s = _run(take(q, 3), take(k, 3), take(v, 3), take(mask, 3), spec,
-                    length - spec.tq + q0 - k0, local, take(slopes, 1), xp)
+                    position(q0 - k0, -spec.tq, 1, length), local, take(slopes, 1), xp)
         out[(*row, ...)] = o
         lse[(*row, ...)] = s
     return out, lse
-
-
-def _to_host(x: Array) -> Any:
-    get = getattr(x, "get", None)     # CuPy
-    return get() if callable(get) else x
 
 
 def _run(q: Array, k: Array, v: Array, mask: Array | None, spec: Spec, offset: int,
@@ -358,8 +344,9 @@ def _run(q: Array, k: Array, v: Array, mask: Array | None, spec: Spec, offset: i
     """One tile with top-left-style rules (a fixed offset) on the fastest local path."""
     tq, tk = q.shape[-2], k.shape[-2]
     rules = Rules(tq=tq, tk=tk, causal=spec.causal, offset=offset, key_lengths=lengths,
-                  window=_local_window(spec, offset, tq, tk), softcap=spec.softcap,
-                  alibi=slopes)
+                  window=spec.window, softcap=spec.softcap, alibi=slopes)
+    # a window side that reaches every key of the tile from every query of it is dropped
+    rules = dataclasses.replace(rules, window=window(dataclasses.replace(rules, causal=False)))
     causal_offset = offset if spec.causal else None
     if isinstance(q, np.ndarray):
         from polyattn.backends.numpy import forward as numpy_chunked

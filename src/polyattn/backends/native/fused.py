@@ -41,8 +41,8 @@ import math
 from typing import Any
 
 from polyattn._interop import device_of, library_name
-from polyattn.rules.online import NEG_INF, causal_allowed, non_finite_rows
-from polyattn.rules.visibility import Rules, drop_padding, fold_into_mask
+from polyattn.rules.online import NEG_INF, non_finite_rows
+from polyattn.rules.visibility import Rules, drop_padding, fold_into_mask, positions, visible
 
 Array = Any
 
@@ -107,7 +107,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     run = _torch if library_name(xp) == "torch" else _jax
     out = run(q, k, v, mask, causal_offset, scale, xp)
     # torch's fused CPU kernel reports a query row holding NaN as 0, like a fully masked
-    # row: NaN never disappears (DESIGN §4.2). Adds exactly 0 to finite rows, and 0·grad
+    # row: NaN never disappears (docs/semantics.rst). Adds exactly 0 to finite rows, and 0·grad
     # to their gradients.
     return out + non_finite_rows(q, xp), None
 
@@ -115,9 +115,10 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
 def _with_causal(mask: Array | None, causal_offset: int | None, tq: int, tk: int, xp: Any,
                  device: Any) -> Array | None:
     """``mask`` with the causal rule folded in (bool: and; float: -inf where hidden)."""
-    if causal_offset is None:
+    allowed = visible(Rules.from_causal_offset(causal_offset, tq, tk), 0, tq, 0, tk, xp,
+                      device)                                          # (Tq, Tk)
+    if allowed is None:
         return mask
-    allowed = causal_allowed(0, tq, 0, tk, causal_offset, xp, device)   # (Tq, Tk)
     if mask is None:
         return allowed
     if mask.dtype == xp.bool:
@@ -134,8 +135,8 @@ def _visible_rows(mask: Array | None, causal_offset: int | None, tq: int, tk: in
     if mask is not None:
         return xp.any(mask, axis=-1, keepdims=True)
     if causal_offset is not None and causal_offset < 0:                  # Tq > Tk, bottom-right
-        rows = xp.arange(tq, device=device)
-        return xp.reshape(rows + causal_offset >= 0, (tq, 1))
+        rules = Rules.from_causal_offset(causal_offset, tq, tk)
+        return positions(rules, 0, tq, xp, device) >= 0                   # (Tq, 1): p_i >= 0
     return None
 
 

@@ -12,8 +12,9 @@ where a cap applies. ``dK`` and ``dV`` are summed over the ``G`` query heads
 that share a key/value head. ALiBi slopes and float masks are constants: they
 receive no gradient. Rows that see no key (``lse = -inf``) get zero gradients.
 
-The machinery is :mod:`.numpy_chunked`'s: the same scores in §4.1's order
-(:func:`~.numpy_chunked._scores`, :func:`~.numpy_chunked._hide`), the same
+The machinery is the forward pass's: the same scores in the order of
+docs/semantics.rst (:func:`.scores._scores`, :func:`.scores._hide`), the same plan
+(:mod:`.plan`), the same
 visible band (only tiles some row sees are computed: cost and memory follow
 the band), the same thread pool and BLAS policy. No (Tq, Tk) matrix is
 stored; memory is O(T·block) besides copies of the inputs' size.
@@ -48,19 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from polyattn.backends.numpy.forward import (
-    _band_tiles,
-    _dropout_factor,
-    _flat,
-    _hide,
-    _Item,
-    _output,
-    _Problem,
-    _run_jobs,
-    _scores,
-    num_threads,
-    threading_mode,
-)
+from polyattn.backends.numpy.plan import _band_tiles, _flat, _Item, _output, _Problem
+from polyattn.backends.numpy.scores import _dropout_factor, _hide, _scores
+from polyattn.backends.numpy.threads import _run_jobs, num_threads, threading_mode
 from polyattn.rules.visibility import Rules
 
 #: Fewest (batch row, key/value head) pairs for the fused pass (:func:`fused`); ``None``:
@@ -221,11 +212,11 @@ def fused(pairs: int) -> bool:
 
     The fused pass makes five matrix products per tile, the two passes seven, but the
     fused pass offers only ``pairs`` items to the threads. It is taken where the items
-    run inline (:func:`.numpy_chunked.threading_mode`), and on the pool where whole
+    run inline (:func:`.threads.threading_mode`), and on the pool where whole
     pairs, dealt to the available CPUs, still cost no more than the two passes spread
     evenly: ``ceil(pairs / cpus)·5 <= pairs·7 / cpus``. :data:`FUSED_MIN_PAIRS`, where
     set, decides instead. The choice never depends on
-    :data:`.numpy_chunked.NUM_THREADS`, so neither do the bits of the result.
+    :data:`.threads.NUM_THREADS`, so neither do the bits of the result.
     """
     if FUSED_MIN_PAIRS is not None:
         return pairs >= FUSED_MIN_PAIRS
@@ -241,7 +232,7 @@ def fused(pairs: int) -> bool:
 def _quiet(job: Callable[..., None], *args: Any) -> None:
     """Run ``job`` without floating-point warnings (NumPy's error state is per thread, so
     each job sets it): hidden scores may overflow the exponential before they are zeroed,
-    and non-finite inputs give NaN and inf, which the values report (DESIGN §4.2)."""
+    and non-finite inputs give NaN and inf, which the values report (docs/semantics.rst)."""
     with np.errstate(all="ignore"):
         job(*args)
 
@@ -249,7 +240,7 @@ def _quiet(job: Callable[..., None], *args: Any) -> None:
 def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,
              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
              grad_lse: Any = None) -> tuple[Any, Any, Any]:
-    """Gradients (dq, dk, dv) of :func:`.numpy_chunked.attention` on NumPy arrays.
+    """Gradients (dq, dk, dv) of :func:`.forward.attention` on NumPy arrays.
 
     Arguments as for ``attention``, plus its ``out`` (B…, H, Tq, Ev) and ``lse``
     (B…, H, Tq), the cotangent ``grad_out`` of ``out`` and, optionally,
