@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import (
+    ONLY_ON,
     Backend,
     assert_close,
     assert_lse_close,
@@ -21,7 +22,10 @@ from helpers import (
 import polyattn
 from polyattn.backends.array_api import blocked as chunked
 
-IMPLEMENTATIONS = implementations_under_test()
+#: Plain ``implementation=`` names (numba_cuda: its default kernels); numba_cpu, distributed
+#: and each CUDA kernel family run every rule in test_rules.py.
+IMPLEMENTATIONS = [n for n in implementations_under_test(cuda_families=("numba_cuda",))
+                   if n not in ONLY_ON]
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
