@@ -205,17 +205,15 @@ def _auto_rule(name: str, problem: Problem, budget: _Budget) -> str | None:
 
 def _refusal(name: str, why: str, problem: Problem, needs: frozenset[str]) -> Exception:
     """The error for implementation ``name``, asked for by name, that objects ``why``."""
-    if name == "native":
-        return ValueError(f"implementation='native' cannot run this call exactly: {why}")
-    if name != "numba_cuda":
-        return ValueError(f"implementation='{name}' cannot run this call: {why}")
-    if backends.AUTOGRAD in needs and problem.constant_needing_grad is not None:
-        return ValueError(f"implementation='numba_cuda' cannot run this call: {why}; use "
-                          "implementation='auto' or detach the inputs")
-    return RuntimeError(
-        "implementation='numba_cuda' needs CUDA arrays (CuPy or torch CUDA tensors), a CUDA "
-        "GPU and numba-cuda, or the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) for NumPy arrays "
-        f"and torch CPU tensors: {why}")
+    gradient = backends.AUTOGRAD in needs and problem.constant_needing_grad is not None
+    if name == "numba_cuda" and not gradient:
+        return RuntimeError(
+            "implementation='numba_cuda' needs CUDA arrays (CuPy or torch CUDA tensors), a "
+            "CUDA GPU and numba-cuda, or the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) for NumPy "
+            f"arrays and torch CPU tensors: {why}")
+    exactly = " exactly" if name == "native" else ""
+    advice = "; use implementation='auto' or detach the inputs" if name == "numba_cuda" else ""
+    return ValueError(f"implementation='{name}' cannot run this call{exactly}: {why}{advice}")
 
 
 def _walk(problem: Problem, needs: frozenset[str], budget: _Budget,
