@@ -555,7 +555,8 @@ def test_torch_numba_cuda_refuses_a_mask_that_requires_grad(torch):
 def test_torch_dispatch_sends_gradients_to_numba_cuda(torch, native, monkeypatch):
     """With a usable kernel (simulated), inputs that require grad may reach it (its backward
     pass is wired into autograd), unless a float mask requires a gradient too."""
-    from polyattn.backends import cuda, native as native_backend
+    from polyattn.backends import cuda
+    from polyattn.backends import native as native_backend
 
     monkeypatch.setattr(cuda, "_availability", lambda problem: (True, "test"))
     monkeypatch.setattr(_dispatch, "preference",
