@@ -26,6 +26,16 @@ from polyattn.backends.numba_cpu.tiles import (
     tile_8,
     tile_rows,
 )
+from polyattn.rules import element
+from polyattn.rules.lowering import lower
+
+# --- the score rules (docs/semantics.rst), one (query, key) pair at a time: the scalar
+# functions of polyattn.rules.element, inlined into the loops below
+
+position = lower(element.position, "cpu")
+block_keys = lower(element.block_keys, "cpu")
+modify = lower(element.modify, "cpu")
+modify_grad = lower(element.modify_grad, "cpu")
 
 # --- the exponential, the dropout counters
 
@@ -68,7 +78,7 @@ def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
 # The scores of a block of n keys against a panel of W query rows (W = TILE_VECTORS
 # vectors) are held transposed, keys × W (one column per query row), so that every step
 # across query rows is a SIMD vector operation. Integer parameters (``iparams``):
-# 0 causal, 1/2 how far left/right of its position a row sees (-1: unbounded), 3 the mask
+# 0 causal, 1/2 how far left/right of its position a row sees (UNBOUNDED: every key), 3 the mask
 # (0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
 # 8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per item.
 # Float parameters (``fparams``): scale, softcap, 0, 1, -inf, the dropout keep scale.
@@ -135,12 +145,10 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
         heads[c], qrow[c] = h, i
         if seen_only and lse[b, h, i] == ninf:
             continue
-        pos = i + offset
-        j0, j1 = 0, n
-        if left >= 0:
-            j0 = min(n, max(0, pos - left - k0))
-        if right >= 0:
-            j1 = max(j0, min(n, pos + right + 1 - k0))
+        # the keys of [k0, k0 + n) row i sees (n stops at the batch row's key length)
+        j_lo, j_hi = block_keys(i, i, offset, left, right, k0 + n, k0 + n)
+        j0 = min(n, max(0, j_lo - k0))
+        j1 = max(j0, j_hi - k0)
         if j0 < j1:
             first[c], last[c] = j0, j1
             lo, hi = min(lo, j0), max(hi, j1)
@@ -152,12 +160,15 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
                     qrow: Any, k0: int, offset: int, b: int, mb: int, mask: Any,
                     slopes: Any, fparams: Any, iparams: Any, tt: Any,
                     keep_tanh: bool) -> None:
-    """DESIGN §4.1's transform of the scores ``st[lo:hi]`` column by column on the keys
-    each column sees (soft-capping, its tanh kept in ``tt`` for the backward pass; ALiBi;
+    """The transform of docs/semantics.rst on the scores ``st[lo:hi]``, column by column on
+    the keys each column sees (soft-capping and ALiBi by :func:`modify`, the scaled score
+    kept in ``tt`` for the backward pass's :func:`modify_grad`;
     the mask, a boolean one replacing hidden scores by -inf, so that a NaN or inf score of
     a hidden key cannot reach the result), and -inf on the keys it does not see."""
-    softcap, ninf = fparams[1], fparams[4]
+    ninf, zero = fparams[4], fparams[2]
     has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
+    cap = fparams[1] if has_cap else zero                # modify: no cap where cap <= 0
+    inv_cap = fparams[3] / fparams[1]
     transform = has_cap or has_alibi or has_mask
     whole = True
     for c in range(first.shape[0]):
@@ -177,17 +188,13 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
         if j0 >= j1 or not transform:
             continue
         h, i = heads[c], qrow[c]
-        if has_cap:
+        if has_cap or has_alibi:
+            p = position(i, offset, 0, 0)                # offset holds the key-length shift
+            slope = slopes[b, h] if has_alibi else zero
             for j in range(j0, j1):
-                t = np.tanh(st[j, c] / softcap)
-                if keep_tanh:
-                    tt[j, c] = t
-                st[j, c] = softcap * t
-        if has_alibi:
-            slope = slopes[b, h]
-            pos = i + offset
-            for j in range(j0, j1):
-                st[j, c] -= slope * abs(pos - (k0 + j))
+                if keep_tanh:                            # the scaled score, for modify_grad
+                    tt[j, c] = st[j, c]
+                st[j, c] = modify(st[j, c], p, k0 + j, cap, inv_cap, slope)
         if has_mask:
             mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
             per_key = mrow.shape[0] > 1
@@ -369,15 +376,17 @@ def dropout_panel(st: Any, dpt: Any, pd: Any, lo: int, hi: int, first: Any, last
 def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, last: Any,
                    dcol: Any, fparams: Any, iparams: Any) -> None:
     """``dS = P ∘ (dP - D)`` into ``st`` (which holds ``P``) for keys ``[lo, hi)``, then
-    soft-capping's chain rule (``tt`` holds the tanh of each score)."""
+    soft-capping's chain rule (:func:`modify_grad`; ``tt`` holds each scaled score)."""
     one = fparams[3]
     for j in range(lo, hi):
         for c in range(first.shape[0]):
             st[j, c] = st[j, c] * (dpt[j, c] - dcol[c])
     if iparams[5]:
+        cap = fparams[1]
+        inv_cap = one / cap
         for c in range(first.shape[0]):
             for j in range(first[c], last[c]):
-                st[j, c] *= one - tt[j, c] * tt[j, c]
+                st[j, c] *= modify_grad(tt[j, c], cap, inv_cap)
 
 
 @njit(nogil=True, fastmath=fastmath, cache=True)

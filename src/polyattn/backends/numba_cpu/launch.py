@@ -59,6 +59,8 @@ from typing import Any
 import numpy as np
 
 from polyattn.rules.dropout import key_words, threshold
+from polyattn.rules.element import position
+from polyattn.rules.lowering import reach
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -388,10 +390,9 @@ class _Call:
                 mask = np.where(mask, dtype.type(0.0), dtype.type(-np.inf))
             self.mask4, self.mmap = _own(mask.astype(dtype, copy=False), batch)
         self.lengths = np.clip(_per_batch(rules.key_lengths, batch, tk, np.int64), 0, tk)
-        if rules.lengths_shift:
-            self.offsets = self.lengths - tq
-        else:
-            self.offsets = np.full(n_batch, rules.offset, dtype=np.int64)
+        # p_i = i + offset + shift·Tk_b; keys p_i - left ..= p_i + right (UNBOUNDED: every key)
+        offset, shift, left, right = reach(rules, covering=True)
+        self.offsets = position(np.zeros(n_batch, np.int64), offset, shift, self.lengths)
         h = self.h
         if rules.alibi is not None:
             slopes = np.broadcast_to(np.asarray(rules.alibi, dtype=dtype),
@@ -399,10 +400,6 @@ class _Call:
             self.slopes = np.ascontiguousarray(slopes)
         else:
             self.slopes = np.zeros((1, 1), dtype=dtype)
-        left, right = rules.left_reach(), rules.right_reach()
-        reach = tq + tk + max(abs(o) for o in rules.offset_range())
-        left = -1 if left is None else min(left, reach)
-        right = -1 if right is None else min(right, reach)
         g = h // self.hkv
         #: query rows per head in a work item
         self.rows = rows = max(1, (BLOCK_ROWS * 4 // dtype.itemsize) // g)
