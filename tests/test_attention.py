@@ -430,7 +430,7 @@ def test_strict_backend_marker(backend):
 
 def test_kernel_writes_bthe_outputs_in_their_order():
     """The kernel's output follows a (B, Tq, H, E) query's memory order (no copy after)."""
-    from polyattn.backends.cuda import rows as numba_cuda
+    from polyattn.backends.cuda import launch as numba_cuda
 
     assert numba_cuda._time_major(np.zeros((2, 5, 3, 4)).transpose(0, 2, 1, 3))
     assert not numba_cuda._time_major(np.zeros((2, 3, 5, 4)))

@@ -395,7 +395,7 @@ def test_warmup_caches_the_kernel_where_the_package_is_read_only(tmp_path):
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
     # a file where Numba would make its cache folder: unwritable even for root, which
     # permission bits do not stop
-    (copy / "implementations" / "__pycache__").write_text("")
+    (copy / "backends" / "numba_cpu" / "__pycache__").write_text("")
     for path in [copy, *copy.rglob("*")]:
         mode = path.stat().st_mode
         path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
