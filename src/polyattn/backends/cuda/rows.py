@@ -103,6 +103,8 @@ from polyattn.backends.cuda.launch import (
     launching,
 )
 from polyattn.backends.cuda.philox import philox_function
+from polyattn.rules import element
+from polyattn.rules.lowering import lower
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -180,6 +182,11 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
 
     keep_word = philox_function()  # Philox4x32-10's first word for a weight's index
+    # The score element (positions, visibility, key ranges, modifiers), in np_t.
+    position, key_length, head_slope, visible, block_keys, modifiers, modify = (
+        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
+                                         element.head_slope, element.visible,
+                                         element.block_keys, element.modifiers, element.modify))
 
     def attention_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, o_part,
                          lse_part, scale, softcap, drop_scale, threshold, key0, key1, offset,
@@ -203,19 +210,14 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         i = qt * rows + tid % rows
         row_ok = i < tq and lane < lanes
 
-        # Positions of this batch row: p_i = i + pos_offset.
-        len_b = lengths[0]
-        if lengths.shape[0] > 1:
-            len_b = lengths[b]
-        pos_offset = offset + shift * len_b
+        # This row's position; keys [lo, hi) that some row of the block may see,
+        # and this split's share of them, [k_start, k_end), in whole tiles.
+        len_b = key_length(lengths, b)
+        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
         p = i + pos_offset
-
-        # Keys [lo, hi) that some row of the block may see; this split's share
-        # of them, [k_start, k_end), in whole tiles.
         first_row = qt * rows
         last_row = min(first_row + rows, tq) - 1
-        lo = max(0, first_row + pos_offset - left)
-        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        lo, hi = block_keys(first_row, last_row, pos_offset, left, right, tk, len_b)
         n_tiles_all = max(0, (hi - lo + BK - 1) // BK)
         per_split = (n_tiles_all + n_splits - 1) // n_splits * BK
         k_start = lo + split * per_split
@@ -245,16 +247,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         inv_cap = ZERO
         slope = ZERO
         if MODS:
-            cap = softcap
-            if cap > ZERO:
-                inv_cap = ONE / cap
-            sb = 0
-            sh = 0
-            if slopes.shape[0] > 1:
-                sb = b
-            if slopes.shape[1] > 1:
-                sh = h
-            slope = slopes[sb, sh]
+            cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
 
         q_row = cuda.local.array(HEAD, acc_t)
         acc = cuda.local.array(HEAD, acc_t)
@@ -305,10 +298,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     for d in range(HEAD):
                         x += q_row[d] * k_tile[jj, d]
                     if MODS:
-                        if cap > ZERO:
-                            x = cap * math.tanh(x * inv_cap)
-                        x -= slope * np_t(abs(p - j))
-                    if j >= k_end or j > p + right or j < p - left:
+                        x = modify(x, p, j, cap, inv_cap, slope)
+                    if not visible(j, p, left, right, k_end):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi, j * mj_step]:

@@ -34,7 +34,9 @@ are 0. A pair (query row, key) that is invisible, or whose weight ``P`` is 0,
 adds nothing (and is not multiplied, so an infinite ``dO·v`` there cannot
 give NaN). Fully masked rows give zero gradients.
 
-Specialisations are those of the forward (dtype × head bucket × mask kind ×
+Scores are recomputed by the forward's functions (:mod:`polyattn.rules.element`;
+``modify_and_grad`` gives the modified score and the soft-cap derivative with one
+``tanh``). Specialisations are those of the forward (dtype × head bucket × mask kind ×
 score modifiers); dropout is the run-time threshold of the forward.
 """
 
@@ -52,6 +54,8 @@ from polyattn.backends.cuda import rows as fwd
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS
 from polyattn.backends.cuda.launch import check_grid, launch_backward
 from polyattn.backends.cuda.philox import philox_function
+from polyattn.rules import element
+from polyattn.rules.lowering import lower
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -111,6 +115,11 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     HEAD, BK = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     keep_word = philox_function()
+    position, key_length, head_slope, visible, block_keys, modifiers, modify_and_grad = (
+        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
+                                         element.head_slope, element.visible,
+                                         element.block_keys, element.modifiers,
+                                         element.modify_and_grad))
 
     def dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq, scale,
                   softcap, drop_scale, threshold, key0, key1, offset, shift, left, right):
@@ -130,16 +139,13 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
         i = qt * rows + cuda.threadIdx.x
         row_ok = i < tq
 
-        # Positions: p_i = i + pos_offset; keys [lo, hi) some row of the block may see.
-        len_b = lengths[0]
-        if lengths.shape[0] > 1:
-            len_b = lengths[b]
-        pos_offset = offset + shift * len_b
+        # This row's position; keys [lo, hi) some row of the block may see.
+        len_b = key_length(lengths, b)
+        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
         p = i + pos_offset
         first_row = qt * rows
         last_row = min(first_row + rows, tq) - 1
-        lo = max(0, first_row + pos_offset - left)
-        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        lo, hi = block_keys(first_row, last_row, pos_offset, left, right, tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         # Where this thread reads the mask: size-1 axes broadcast at index 0.
@@ -161,16 +167,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
         inv_cap = ZERO
         slope = ZERO
         if MODS:
-            cap = softcap
-            if cap > ZERO:
-                inv_cap = ONE / cap
-            sb = 0
-            sh = 0
-            if slopes.shape[0] > 1:
-                sb = b
-            if slopes.shape[1] > 1:
-                sh = h
-            slope = slopes[sb, sh]
+            cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
         dropping = threshold != U_ZERO
         row_n = ((b * n_heads + h) * tq + i) * tk
 
@@ -220,17 +217,15 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             if live:
                 for jj in range(BK):
                     j = j0 + jj
-                    if j < hi and j <= p + right and j >= p - left:
+                    if visible(j, p, left, right, hi):
                         # The score, as in the forward.
-                        x = ZERO
+                        raw = ZERO
                         for d in range(HEAD):
-                            x += q_row[d] * k_tile[jj, d]
-                        t = ZERO
+                            raw += q_row[d] * k_tile[jj, d]
+                        x = raw
+                        grad = ONE  # d(x) / d(raw)
                         if MODS:
-                            if cap > ZERO:
-                                t = math.tanh(x * inv_cap)
-                                x = cap * t
-                            x -= slope * np_t(abs(p - j))
+                            x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
                         seen = True
                         if BOOL_MASK:
                             seen = mask[mb, mh, mi, j * mj_step]
@@ -251,8 +246,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                                     dp = ZERO
                             ds = weight * (dp - d_i)
                             if MODS:
-                                if cap > ZERO:
-                                    ds *= ONE - t * t
+                                ds *= grad
                             for d in range(HEAD):
                                 dq_row[d] += ds * k_tile[jj, d]
             cuda.syncthreads()
@@ -285,6 +279,11 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     HEAD, BT = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     keep_word = philox_function()
+    position, key_length, head_slope, visible, block_queries, modifiers, modify_and_grad = (
+        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
+                                         element.head_slope, element.visible,
+                                         element.block_queries, element.modifiers,
+                                         element.modify_and_grad))
 
     def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
                     scale, softcap, drop_scale, threshold, key0, key1, offset, shift, left,
@@ -305,15 +304,12 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
         j = kt * cols + cuda.threadIdx.x
 
         # Keys of this block that exist, and the queries that may see one of them.
-        len_b = lengths[0]
-        if lengths.shape[0] > 1:
-            len_b = lengths[b]
-        pos_offset = offset + shift * len_b
+        len_b = key_length(lengths, b)
         key_ok = j < tk and j < len_b
         first_key = kt * cols
         last_key = min(first_key + cols, tk, len_b) - 1
-        q_lo = max(0, first_key - right - pos_offset)
-        q_hi = min(tq, last_key + left - pos_offset + 1)
+        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
+        q_lo, q_hi = block_queries(first_key, last_key, pos_offset, left, right, tq)
         n_qtiles = 0
         if last_key >= first_key:
             n_qtiles = max(0, (q_hi - q_lo + BT - 1) // BT)
@@ -324,12 +320,6 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             mb = mask_batch[b]
             if mask.shape[3] > 1 and key_ok:
                 mj = j
-        cap = ZERO
-        inv_cap = ZERO
-        if MODS:
-            cap = softcap
-            if cap > ZERO:
-                inv_cap = ONE / cap
         dropping = threshold != U_ZERO
 
         k_row = cuda.local.array(HEAD, acc_t)
@@ -360,15 +350,11 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             if BOOL_MASK or FLOAT_MASK:
                 if mask.shape[1] > 1:
                     mh = h
+            cap = ZERO
+            inv_cap = ZERO
             slope = ZERO
             if MODS:
-                sb = 0
-                sh = 0
-                if slopes.shape[0] > 1:
-                    sb = b
-                if slopes.shape[1] > 1:
-                    sh = h
-                slope = slopes[sb, sh]
+                cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
             row0 = (b * n_heads + h) * tq  # flat index of row 0 in (B, H, Tq)
 
             for qt in range(n_qtiles):
@@ -404,17 +390,15 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                         i = i0 + ii
                         p = i + pos_offset
                         lse_i = lse_tile[ii]
-                        if lse_i != NEG_INF and j <= p + right and j >= p - left:
+                        if lse_i != NEG_INF and visible(j, p, left, right, len_b):
                             # The score, as in the forward.
-                            x = ZERO
+                            raw = ZERO
                             for d in range(HEAD):
-                                x += q_tile[ii, d] * k_row[d]
-                            t = ZERO
+                                raw += q_tile[ii, d] * k_row[d]
+                            x = raw
+                            grad = ONE  # d(x) / d(raw)
                             if MODS:
-                                if cap > ZERO:
-                                    t = math.tanh(x * inv_cap)
-                                    x = cap * t
-                                x -= slope * np_t(abs(p - j))
+                                x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
                             seen = True
                             if BOOL_MASK or FLOAT_MASK:
                                 mi = 0
@@ -441,8 +425,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                                 pz = weight * z
                                 ds = weight * (dp * z - d_tile[ii])
                                 if MODS:
-                                    if cap > ZERO:
-                                        ds *= ONE - t * t
+                                    ds *= grad
                                 for d in range(HEAD):
                                     dv_row[d] += pz * do_tile[ii, d]
                                     dk_row[d] += ds * q_tile[ii, d]

@@ -35,9 +35,10 @@ of one 16-key step), are multiplied with the V tile. Steps of 16 keys keep a
 lane's scores in eight registers (a whole tile's 32 went to local memory).
 
 The rules are those of :mod:`.rows` (docs/semantics.rst), applied to each
-element of S: scale, soft-capping, ALiBi, the mask (read through its strides),
-causality, windows and key lengths as visibility, dropout by Philox counters
-on the weight's flat index. Blocks load only the key tiles their rows can see.
+element of S by the functions of :mod:`polyattn.rules.element`: scale,
+soft-capping, ALiBi, the mask (read through its strides), causality, windows
+and key lengths as visibility, dropout by Philox counters on the weight's flat
+index. Blocks load only the key tiles their rows can see.
 Rows that see no key give 0 and ``lse = -inf``; a NaN score makes its row NaN.
 
 Limits
@@ -74,6 +75,8 @@ from polyattn.backends.cuda import mma as _mma
 from polyattn.backends.cuda.environment import MASK_KINDS, _cuda, kernel_choice
 from polyattn.backends.cuda.launch import DECODE_MAX_TQ, common_dtype, launch_tiles
 from polyattn.backends.cuda.philox import philox_function
+from polyattn.rules import element
+from polyattn.rules.lowering import lower
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -161,6 +164,11 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     f32, u32 = types.float32, types.uint32
     ZERO, ONE, NEG_INF = np.float32(0.0), np.float32(1.0), np.float32(-np.inf)
     U_ZERO = np.uint64(0)
+    position, key_length, head_slope, visible, block_keys, modifiers, modify = (
+        lower(f, "cuda", np.float32) for f in (element.position, element.key_length,
+                                               element.head_slope, element.visible,
+                                               element.block_keys, element.modifiers,
+                                               element.modify))
     HEAD, BK = bucket, block_k(arithmetic, bucket)
     BQ, NTHREADS = BLOCK_Q, THREADS
     STEPS = BK // 16  # 16-key steps per tile: S, softmax and P V, one after another
@@ -203,16 +211,13 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         row0 = qt * BQ + warp * 16 + g  # this lane's two rows of S and O
         row1 = row0 + 8
 
-        len_b = lengths[0]
-        if lengths.shape[0] > 1:
-            len_b = lengths[b]
-        pos_offset = offset + shift * len_b
+        len_b = key_length(lengths, b)
+        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
         p0 = row0 + pos_offset
         p1 = row1 + pos_offset
         first_row = qt * BQ
-        last_row = min(first_row + BQ, tq) - 1
-        lo = max(0, first_row + pos_offset - left)
-        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        lo, hi = block_keys(first_row, min(first_row + BQ, tq) - 1, pos_offset, left, right,
+                            tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         mb = 0
@@ -238,16 +243,7 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         inv_cap = ZERO
         slope = ZERO
         if MODS:
-            cap = softcap
-            if cap > ZERO:
-                inv_cap = ONE / cap
-            sb = 0
-            sh = 0
-            if slopes.shape[0] > 1:
-                sb = b
-            if slopes.shape[1] > 1:
-                sh = h
-            slope = slopes[sb, sh]
+            cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
 
         k_tile = cuda.shared.array(K_SHAPE, TILE_T, alignment=ALIGN)
         v_tile = cuda.shared.array(V_SHAPE, TILE_T, alignment=ALIGN)
@@ -404,10 +400,8 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                     j = j0 + kk * 16 + (n // 4) * 8 + 2 * t + n % 2
                     x = s[n] * scale
                     if MODS:
-                        if cap > ZERO:
-                            x = cap * math.tanh(x * inv_cap)
-                        x -= slope * np.float32(abs(p - j))
-                    if row >= tq or j >= hi or j > p + right or j < p - left:
+                        x = modify(x, p, j, cap, inv_cap, slope)
+                    if row >= tq or not visible(j, p, left, right, hi):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi0 if upper else mi1, j * mj_step]:

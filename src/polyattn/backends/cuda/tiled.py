@@ -48,7 +48,8 @@ one thread per query row:
   probability and one V value per multiply-add, V streamed ``VK`` keys at a
   time.
 
-Every rule of :mod:`.rows` is applied in the kernel, per score: scale,
+Every rule of :mod:`.rows` is applied in the kernel, per score, by the functions of
+:mod:`polyattn.rules.element` (compiled in with the compute type): scale,
 soft-capping, ALiBi, the mask (read through its strides), causality, windows
 and key lengths as visibility, dropout by Philox counters on the weight's
 flat index; key tiles no row of the block can see are never loaded; rows with
@@ -75,6 +76,8 @@ from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KI
 from polyattn.backends.cuda.launch import DECODE_MAX_TQ, common_dtype, head_bucket, launch_tiles
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.backends.cuda.unroll import unroll, unrolled
+from polyattn.rules import element
+from polyattn.rules.lowering import lower
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -184,6 +187,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     # fewer per weight than exp; lse goes back to base e at the end.
     LOG2E, LN2 = np_t(math.log2(math.e)), np_t(math.log(2.0))
     U_ZERO = np.uint64(0)
+    position, key_length, head_slope, row_keys, block_keys, modifiers, modify = (
+        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
+                                         element.head_slope, element.row_keys,
+                                         element.block_keys, element.modifiers, element.modify))
     HEAD = bucket
     BQ, BK, R, NTHREADS = BLOCK_Q, block_k(dtype), rows_per_thread(bucket), threads(bucket)
     D_CHUNK = min(DC, HEAD)
@@ -229,13 +236,9 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         q0 = qt * BQ
         row_base = q0 + R * rg
 
-        len_b = lengths[0]
-        if lengths.shape[0] > 1:
-            len_b = lengths[b]
-        pos_offset = offset + shift * len_b
-        last_row = min(q0 + BQ, tq) - 1
-        lo = max(0, q0 + pos_offset - left)
-        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        len_b = key_length(lengths, b)
+        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
+        lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, left, right, tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         dropping = threshold != U_ZERO
@@ -382,16 +385,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 # Read per tile from the kernel's arguments, like the mask's
                 # parameters below: held across the key loop, they would take
                 # registers the patches need.
-                cap = softcap * LOG2E
-                if cap > ZERO:
-                    inv_cap = ONE / cap
-                sb = z
-                sh = z
-                if slopes.shape[0] > 1:
-                    sb += b
-                if slopes.shape[1] > 1:
-                    sh += h
-                slope = slopes[sb, sh] * LOG2E
+                cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b + z, h + z),
+                                                LOG2E)
             if MASKED:
                 # A mask is applied to the whole tile by all threads together, key
                 # fastest (consecutive threads read consecutive mask entries), with
@@ -414,9 +409,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     if row < tq and j0 + jj < hi:
                         x = p_tile[jj, r]
                         if MODS:
-                            if cap > ZERO:
-                                x = cap * math.tanh(x * inv_cap)
-                            x -= slope * np_t(abs(row + pos_offset - j0 - jj))
+                            x = modify(x, row + pos_offset, j0 + jj, cap, inv_cap, slope)
                         if BOOL_MASK:
                             if not mask[mb, mh, row * mi_step, (j0 + jj) * mj_step]:
                                 x = NEG_INF
@@ -429,8 +422,9 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 row = q0 + R * rg_s + i
                 p = row + pos_offset
                 # Keys of the tile row i sees: [vis_lo, vis_hi) relative to j0.
-                vis_lo = max(p - left, j0) - j0
-                vis_hi = min(p + right + 1, hi) - j0
+                vis_lo, vis_hi = row_keys(p, left, right, j0, hi)
+                vis_lo -= j0
+                vis_hi -= j0
                 if row >= tq:
                     vis_hi = vis_lo
                 mt = NEG_INF
@@ -438,9 +432,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     jj = 32 * (n // 4) + 4 * kg_s + n % 4
                     x = p_tile[jj, R * rg_s + i]
                     if MODS and not MASKED:
-                        if cap > ZERO:
-                            x = cap * math.tanh(x * inv_cap)
-                        x -= slope * np_t(abs(p - j0 - jj))
+                        x = modify(x, p, j0 + jj, cap, inv_cap, slope)
                     if jj < vis_lo or jj >= vis_hi:
                         x = NEG_INF
                     p_tile[jj, R * rg_s + i] = x

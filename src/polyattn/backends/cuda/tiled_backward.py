@@ -32,7 +32,8 @@ deterministic:
   dO and then Q streamed ``VK`` rows at a time. The sums over the query heads
   of a group stay in the thread's registers: no atomics.
 
-Every rule is applied per pair as in the forward: the mask (bool or float,
+Every rule is applied per pair as in the forward (:mod:`polyattn.rules.element`,
+whose ``modify_and_grad`` gives the soft-cap derivative too): the mask (bool or float,
 read through its strides and the batch table), causality, windows and key
 lengths as visibility, soft-capping (and its derivative), ALiBi, dropout by
 the forward's Philox counters on the weight's flat index
@@ -83,6 +84,8 @@ from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KI
 from polyattn.backends.cuda.launch import check_grid, launch_backward
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.backends.cuda.unroll import unroll, unrolled
+from polyattn.rules import element
+from polyattn.rules.lowering import lower
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -204,6 +207,10 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BQ = BLOCK_Q
     consts = _constants(dtype, bucket, dq_rows_per_thread(bucket))
+    position, key_length, head_slope, visible, block_keys, modifiers, modify_and_grad = (
+        lower(f, "cuda", consts["np_t"]) for f in (
+            element.position, element.key_length, element.head_slope, element.visible,
+            element.block_keys, element.modifiers, element.modify_and_grad))
     np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
                                                             "U_ZERO"))
     HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
@@ -233,13 +240,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
         kg = tid % 8  # its keys 4·kg + 32·c + u, and dQ features 32·c + 4·kg + u
         q0 = qt * BQ
 
-        len_b = lengths[0]
-        if lengths.shape[0] > 1:
-            len_b = lengths[b]
-        pos_offset = offset + shift * len_b
-        last_row = min(q0 + BQ, tq) - 1
-        lo = max(0, q0 + pos_offset - left)
-        hi = min(tk, len_b, last_row + pos_offset + right + 1)
+        len_b = key_length(lengths, b)
+        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
+        lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, left, right, tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
         dropping = threshold != U_ZERO
 
@@ -358,16 +361,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             inv_cap = ZERO
             slope = ZERO
             if MODS:
-                cap = softcap
-                if cap > ZERO:
-                    inv_cap = ONE / cap
-                sb = z
-                sh = z
-                if slopes.shape[0] > 1:
-                    sb += b
-                if slopes.shape[1] > 1:
-                    sh += h
-                slope = slopes[sb, sh]
+                cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b + z, h + z), ONE)
             # weight (b, h, i, j) has the flat index ((b·H + h)·Tq + i)·Tk + j
             pair_n = ((b + z) * n_heads + h) * tq
             for n in range(S_LEN):
@@ -378,14 +372,12 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                 p = row + pos_offset
                 lse_i = row_lse[ii]
                 ds = ZERO
-                if row < tq and j < hi and j >= p - left and j <= p + right and lse_i != NEG_INF:
-                    x = s_tile[jj, ii]
-                    t = ZERO
+                if row < tq and visible(j, p, left, right, hi) and lse_i != NEG_INF:
+                    raw = s_tile[jj, ii]
+                    x = raw
+                    grad = ONE  # d(x) / d(raw)
                     if MODS:
-                        if cap > ZERO:
-                            t = math.tanh(x * inv_cap)
-                            x = cap * t
-                        x -= slope * np_t(abs(p - j))
+                        x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
                     seen = True
                     if BOOL_MASK:
                         seen = mask[mb, mh, row * mi_step, j * mj_step]
@@ -403,8 +395,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                                 dp = ZERO
                         ds = w * (dp - row_d[ii])
                         if MODS:
-                            if cap > ZERO:
-                                ds *= ONE - t * t
+                            ds *= grad
                 ds_tile[jj, ii] = ds
 
             # dQ += dS K, K through shared memory VK keys at a time.
@@ -474,6 +465,10 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BKV = BLOCK_KV
     consts = _constants(dtype, bucket, dkdv_rows_per_thread(bucket))
+    position, key_length, head_slope, visible, block_queries, modifiers, modify_and_grad = (
+        lower(f, "cuda", consts["np_t"]) for f in (
+            element.position, element.key_length, element.head_slope, element.visible,
+            element.block_queries, element.modifiers, element.modify_and_grad))
     np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
                                                             "U_ZERO"))
     HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
@@ -504,14 +499,11 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
         k0 = kt * BKV
 
         # Keys of this block that exist, and the queries that may see one of them.
-        len_b = lengths[0]
-        if lengths.shape[0] > 1:
-            len_b = lengths[b]
-        pos_offset = offset + shift * len_b
+        len_b = key_length(lengths, b)
+        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
         hi = min(tk, len_b)
         last_key = min(k0 + BKV, hi) - 1
-        q_lo = max(0, k0 - right - pos_offset)
-        q_hi = min(tq, last_key + left - pos_offset + 1)
+        q_lo, q_hi = block_queries(k0, last_key, pos_offset, left, right, tq)
         n_qtiles = 0
         if last_key >= k0:
             n_qtiles = max(0, (q_hi - q_lo + BQT - 1) // BQT)
@@ -637,16 +629,8 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                 inv_cap = ZERO
                 slope = ZERO
                 if MODS:
-                    cap = softcap
-                    if cap > ZERO:
-                        inv_cap = ONE / cap
-                    sb = z
-                    sh = z
-                    if slopes.shape[0] > 1:
-                        sb += b
-                    if slopes.shape[1] > 1:
-                        sh += h
-                    slope = slopes[sb, sh]
+                    cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b + z, h + z),
+                                                    ONE)
                 pair_n = ((b + z) * n_heads + h) * tq
                 for n in range(S_LEN):
                     ii = 32 * (n // RS) + 4 * kg_s + n % 4
@@ -657,14 +641,12 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                     lse_i = row_lse[ii]
                     pz = ZERO
                     ds = ZERO
-                    if j < hi and j >= p - left and j <= p + right and lse_i != NEG_INF:
-                        x = p_tile[ii, jj]
-                        t = ZERO
+                    if visible(j, p, left, right, hi) and lse_i != NEG_INF:
+                        raw = p_tile[ii, jj]
+                        x = raw
+                        grad = ONE  # d(x) / d(raw)
                         if MODS:
-                            if cap > ZERO:
-                                t = math.tanh(x * inv_cap)
-                                x = cap * t
-                            x -= slope * np_t(abs(p - j))
+                            x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
                         seen = True
                         if BOOL_MASK:
                             seen = mask[mb, mh, i * mi_step, j * mj_step]
@@ -683,8 +665,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                             pz = w * zf
                             ds = w * (ds_tile[ii, jj] * zf - row_d[ii])
                             if MODS:
-                                if cap > ZERO:
-                                    ds *= ONE - t * t
+                                ds *= grad
                     p_tile[ii, jj] = pz
                     ds_tile[ii, jj] = ds
 
