@@ -34,8 +34,10 @@ from helpers import (
     selected_backends,
     skip_unless_native_on,
     to_numpy,
+    to_xp,
 )
 
+import polyattn
 from polyattn.backends.array_api import blocked as chunked
 
 #: Every implementation case, each CUDA kernel family included (``test_rules.py``).
@@ -50,6 +52,19 @@ IMPLEMENTATIONS = tuple(n for n in implementations_under_test(cuda_families=("nu
                         if n not in ONLY_ON)
 CPU_IMPLEMENTATIONS = tuple(n for n in IMPLEMENTATIONS if n != "numba_cuda")
 SIMULATOR = kernel_mode() == "simulator"
+
+#: Implementations ``attention_vjp`` refuses by name, and what the refusal says: native
+#: ones are differentiated by their library (torch autograd, ``jax.grad``), the Dask plan
+#: has no backward pass.
+NO_VJP = {"native": "log-sum-exp for a backward pass", "distributed": "no backward pass"}
+#: Implementations that refuse ``dropout_p > 0`` by name, and what the refusal says.
+NO_DROPOUT = {"distributed": "dropout"}
+
+#: The cases that take NumPy arrays in this run, for tests that call with NumPy arrays
+#: whatever the backend: ``numba_cpu`` where Numba is installed (and NumPy selected),
+#: ``numba_cuda-rows`` on the simulator.
+NUMPY_CASES = tuple(n for n in CASES if public_name(n) not in ("native", "distributed")
+                    and (public_name(n) != "numba_cuda" or SIMULATOR))
 
 #: For modules that test NumPy code alone (no ``xp`` fixture): they run in the session
 #: that selects NumPy and are skipped, saying where they run, in the other sessions.
@@ -108,6 +123,31 @@ def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> 
 
             monkeypatch.setattr(numba_cuda, "BLOCK_Q", 4)
     return implementation
+
+
+def check_vjp_refused(implementation: str, xp: Any, device: Any) -> None:
+    """For an implementation of :data:`NO_VJP`: check that ``attention_vjp`` refuses it,
+    saying why, and skip the rest of the test. Nothing for the others."""
+    why = NO_VJP.get(implementation)
+    if why is None:
+        return
+    q = to_xp(np.zeros((1, 1, 2, 2)), xp, device=device)
+    with pytest.raises(ValueError, match=why):
+        polyattn.attention_vjp(q, q, q, implementation=implementation)
+    pytest.skip(f"attention_vjp refuses {implementation!r} ({why}; checked)")
+
+
+def check_dropout_refused(implementation: str, xp: Any, device: Any) -> None:
+    """For an implementation of :data:`NO_DROPOUT`: check that it refuses ``dropout_p > 0``
+    by name, saying why, and skip the rest of the test. Nothing for the others."""
+    why = NO_DROPOUT.get(implementation)
+    if why is None:
+        return
+    q = to_xp(np.zeros((1, 1, 2, 2)), xp, device=device)
+    with pytest.raises(ValueError, match=why):
+        polyattn.scaled_dot_product_attention(q, q, q, implementation=implementation,
+                                              dropout_p=0.25, dropout_seed=1)
+    pytest.skip(f"{implementation!r} refuses dropout ({why}; checked)")
 
 
 def cuda_family_ran(name: str, explanation: Any) -> None:

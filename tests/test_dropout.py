@@ -24,7 +24,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import NUMPY_SESSION_ONLY, use_implementation
+from _support import (
+    CASES,
+    NUMPY_SESSION_ONLY,
+    SIMULATOR,
+    check_dropout_refused,
+    check_vjp_refused,
+    use_implementation,
+)
 from helpers import (
     NATIVE_BACKENDS,
     Backend,
@@ -39,7 +46,10 @@ import polyattn
 from polyattn.backends.array_api import blocked as chunked
 from polyattn.rules import dropout as _dropout
 
-IMPLEMENTATIONS = ("reference", "chunked", "auto")
+#: The implementation cases that run dropout: every one but "native", which refuses it
+#: (:func:`test_native_refuses_dropout`); "distributed" refuses it too (checked where it
+#: comes up, :func:`_support.check_dropout_refused`).
+IMPLEMENTATIONS = tuple(n for n in CASES if n != "native")
 #: Tests on NumPy arrays alone run in the session that selects NumPy.
 NUMPY_ONLY = NUMPY_SESSION_ONLY
 MASK32 = 0xFFFFFFFF
@@ -193,7 +203,8 @@ def test_threshold_is_exact():
 
 @pytest.fixture(params=IMPLEMENTATIONS)
 def implementation(request, backend, monkeypatch):
-    """Each implementation, with blocks small enough to be crossed (whole on JAX and Dask)."""
+    """Each implementation case, with blocks small enough to be crossed (whole on JAX and
+    Dask)."""
     name = use_implementation(request.param, backend, monkeypatch)
     if backend is Backend.DASK:
         monkeypatch.setattr(chunked, "BLOCK_Q", 16)
@@ -211,6 +222,7 @@ def test_dropped_weights_follow_the_counters(xp, device, backend, implementation
     """``attention_weights`` and ``scaled_dot_product_attention`` (value = identity, so out
     is the dropped weights) drop exactly §4.1's weights and scale the kept ones by
     1 / (1 - p); every implementation alike."""
+    check_dropout_refused(implementation, xp, device)
     p, seed = 0.4, 31337
     q, k = _problem(np.random.default_rng(0))
     tk = k.shape[-2]
@@ -329,6 +341,9 @@ def _spread(w: np.ndarray, v: np.ndarray, p: float) -> np.ndarray:
 def test_mean_over_seeds_approaches_no_dropout(implementation_name, monkeypatch):
     """The mean of 256 outputs (seeds 0..255) lies within 5 standard errors of the output
     without dropout, element by element, and 1/16 as far from it as one output is."""
+    if SIMULATOR and implementation_name.startswith("numba_cuda"):
+        pytest.skip("256 launches: on a GPU (the simulator runs dropout in "
+                    "test_dropped_weights_follow_the_counters)")
     name = use_implementation(implementation_name, Backend.NUMPY, monkeypatch)
     rng = np.random.default_rng(2)
     q, k, v = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 7, 4)), \
@@ -348,6 +363,7 @@ def test_mean_over_seeds_approaches_no_dropout(implementation_name, monkeypatch)
 def test_mean_over_batch_copies_approaches_no_dropout(xp, device, backend, implementation):
     """On this backend, one call over 256 copies of a problem (each batch row has its own
     counters, so its own mask): the mean lies within 5 standard errors of no dropout."""
+    check_dropout_refused(implementation, xp, device)
     rng = np.random.default_rng(3)
     q, k, v = rng.standard_normal((2, 5, 4)), rng.standard_normal((2, 7, 4)), \
         rng.standard_normal((2, 7, 3))
@@ -435,6 +451,8 @@ def test_dropout_with_lengths_causal_and_dead_rows_stays_finite(xp, device, back
     """Key lengths (one row of length 0, NaN in the padding), bottom-right causal masking
     with Tq > Tk (rows before key 0) and a fully masked row: out, lse and gradients are
     finite where they should be; dead rows give out 0, lse -inf and zero gradients."""
+    check_dropout_refused(implementation, xp, device)
+    check_vjp_refused(implementation, xp, device)
     rng = np.random.default_rng(5)
     q, k, v = rng.standard_normal((3, 2, 6, 4)), rng.standard_normal((3, 2, 5, 4)), \
         rng.standard_normal((3, 2, 5, 4))

@@ -15,11 +15,9 @@ device, shape, and a dtype that the result's dtype holds exactly), and
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
-from _support import IMPLEMENTATIONS, use_implementation
+from _support import CPU_IMPLEMENTATIONS, NUMPY_CASES, use_implementation
 from helpers import Backend, available_backends, to_numpy, to_xp
 
 import polyattn
@@ -29,7 +27,6 @@ needs_longdouble = pytest.mark.skipif(not LONGDOUBLE_IS_WIDER,
                                       reason="np.longdouble is float64 on this platform")
 HAS_TORCH = Backend.TORCH in available_backends()
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
-HAS_NUMBA = importlib.util.find_spec("numba") is not None
 ACCEPTED = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -49,15 +46,11 @@ def _qkv(dtype=np.float64, shape=(1, 2, 4, 8)):
 # np.longdouble, everywhere
 # --------------------------------------------------------------------------- #
 
-NUMPY_IMPLEMENTATIONS = [n for n in IMPLEMENTATIONS if n != "native"] + (
-    ["numba_cpu"] if HAS_NUMBA else [])
-
-
 @needs_longdouble
 @pytest.mark.parametrize("position", ["query", "key", "value"])
-@pytest.mark.parametrize("implementation", NUMPY_IMPLEMENTATIONS)
-def test_longdouble_attention_is_a_type_error(implementation, position, monkeypatch):
-    use_implementation(implementation, Backend.NUMPY, monkeypatch)
+@pytest.mark.parametrize("case", NUMPY_CASES)
+def test_longdouble_attention_is_a_type_error(case, position, monkeypatch):
+    implementation = use_implementation(case, Backend.NUMPY, monkeypatch)
     arrays = dict(zip(("query", "key", "value"), _qkv(), strict=True))
     arrays[position] = arrays[position].astype(np.longdouble)
     for call in (polyattn.scaled_dot_product_attention, polyattn.attention_vjp):
@@ -196,7 +189,7 @@ def test_the_message_lists_what_the_library_has(xp, device, backend):
 # --------------------------------------------------------------------------- #
 
 @needs_torch
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", CPU_IMPLEMENTATIONS)
 def test_torch_bfloat16_is_computed_and_returned(implementation, monkeypatch):
     import torch
 

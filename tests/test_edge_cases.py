@@ -13,12 +13,14 @@ import math
 
 import numpy as np
 import pytest
-from _support import IMPLEMENTATIONS, kernel_runs_on, rounded, use_implementation
+from _support import CASES, NUMPY_CASES, rounded, use_implementation
 from helpers import (
+    ONLY_ON,
     Backend,
     assert_close,
     assert_lse_close,
     assert_namespace_device,
+    public_name,
     ref_attention,
     to_numpy,
     to_xp,
@@ -27,7 +29,7 @@ from helpers import (
 import polyattn
 
 
-@pytest.fixture(params=IMPLEMENTATIONS)
+@pytest.fixture(params=CASES)
 def implementation(request, backend, monkeypatch):
     """Each implementation, with blocks small enough that tiny shapes span several."""
     return use_implementation(request.param, backend, monkeypatch)
@@ -552,8 +554,8 @@ def test_strided_and_transposed_views(xp, device, dtype_name, implementation):
 def test_numpy_exotic_layouts(monkeypatch, dtype_name):
     """Negative strides, Fortran order, zero strides (read-only broadcasts), unaligned rows."""
     rng = np.random.default_rng(115)
-    for name in numpy_implementations():
-        use_implementation(name, Backend.NUMPY, monkeypatch)
+    for case in NUMPY_CASES:
+        name = use_implementation(case, Backend.NUMPY, monkeypatch)
         q = np.asfortranarray(rng.standard_normal((2, 3, 7, 4)).astype(dtype_name))
         k = rng.standard_normal((2, 3, 9, 4)).astype(dtype_name)[:, :, ::-1, :]
         v = np.broadcast_to(rng.standard_normal((1, 1, 9, 5)).astype(dtype_name), (2, 3, 9, 5))
@@ -564,11 +566,6 @@ def test_numpy_exotic_layouts(monkeypatch, dtype_name):
         ref, ref_lse, _ = ref_attention(q, k, v, mask=mask)
         assert_close(out, ref, dtype_name, what=f"out ({name})")
         assert_lse_close(lse, ref_lse, dtype_name)
-
-
-def numpy_implementations():
-    """The implementations that take NumPy arrays in this run."""
-    return [n for n in IMPLEMENTATIONS if n != "numba_cuda" or kernel_runs_on(Backend.NUMPY)]
 
 
 def test_torch_non_contiguous_tensors(dtype_name, monkeypatch):
@@ -585,8 +582,9 @@ def test_torch_non_contiguous_tensors(dtype_name, monkeypatch):
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     ref, ref_lse, _ = ref_attention(q.numpy(), k.numpy(), v.numpy(), mask=m.numpy(),
                                     is_causal=True)
-    for name in (n for n in IMPLEMENTATIONS if n != "numba_cuda"):
-        use_implementation(name, Backend.TORCH, monkeypatch)
+    for case in (n for n in CASES
+                 if public_name(n) != "numba_cuda" and public_name(n) not in ONLY_ON):
+        name = use_implementation(case, Backend.TORCH, monkeypatch)
         out, lse = polyattn.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True,
                                                          return_lse=True, implementation=name)
         assert isinstance(out, torch.Tensor) and out.dtype == getattr(torch, dtype_name)
@@ -608,8 +606,8 @@ def test_read_only_numpy_everywhere(monkeypatch):
     rng = np.random.default_rng(117)
     q, k, v = read_only(*(rng.standard_normal((2, 4, t, 3)) for t in (5, 7, 7)))
     fmask, bmask = read_only(rng.standard_normal((5, 7)), rng.random((2, 1, 5, 7)) < 0.7)
-    for name in numpy_implementations():
-        use_implementation(name, Backend.NUMPY, monkeypatch)
+    for case in NUMPY_CASES:
+        name = use_implementation(case, Backend.NUMPY, monkeypatch)
         for mask in (fmask, bmask):
             out, lse = polyattn.scaled_dot_product_attention(
                 q, k[:, :2], v[:, :2], attn_mask=mask, is_causal=True, enable_gqa=True,

@@ -11,10 +11,12 @@ Three kinds of check (DESIGN §3.1, §4.1):
   describes (where torch is installed);
 * properties that need no oracle: a window wider than the keys is no window,
   a huge softcap is none, full key lengths are none, zero slopes are no ALiBi,
-  garbage in the padding keys changes nothing, parts over disjoint key sets
-  merge into the whole.
+  parts over disjoint key sets merge into the whole (that keys past the lengths
+  are never read is ``test_rules.py::test_keys_past_key_lengths_are_never_read``).
 
-Test ids name the implementation, so ``-k numba_cuda`` picks the kernel's.
+Implementations are the case ids of :data:`_support.CASES` (``numba_cpu`` on NumPy,
+``distributed`` on Dask, ``numba_cuda-rows`` on the simulator or a GPU), so that
+``-k numba_cpu``, ``-k distributed`` or ``-k numba_cuda`` picks one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import itertools
 
 import numpy as np
 import pytest
-from _support import CPU_IMPLEMENTATIONS, IMPLEMENTATIONS, rounded, use_implementation
+from _support import CASES, CPU_IMPLEMENTATIONS, rounded, use_implementation
 from helpers import (
     NATIVE_BACKENDS,
     Backend,
@@ -55,14 +57,14 @@ def prepared(name, backend, monkeypatch):
     return name
 
 
-@pytest.fixture(params=[n for n in IMPLEMENTATIONS if n != "auto"])
+@pytest.fixture(params=[n for n in CASES if n != "auto"])
 def implementation(request, backend, monkeypatch):
     """Each implementation by name; "auto", which picks among them, runs in
     :func:`test_features_and_combinations` and :func:`test_explain_native_refuses_softcap`."""
     return prepared(request.param, backend, monkeypatch)
 
 
-@pytest.fixture(params=IMPLEMENTATIONS)
+@pytest.fixture(params=CASES)
 def implementation_or_auto(request, backend, monkeypatch):
     """Each implementation, and "auto"."""
     return prepared(request.param, backend, monkeypatch)
@@ -445,39 +447,6 @@ def test_zero_slopes_are_no_alibi(xp, device, dtype_name, implementation):
     assert_same(zero, plain, dtype_name)
 
 
-@pytest.mark.parametrize(("features", "dtype_name"), [((), "float32"), (FEATURES, "float64")],
-                         ids=["lengths_only-float32", "all_features-float64"])
-def test_padding_beyond_key_lengths_is_ignored(xp, device, dtype_name, implementation,
-                                               features):
-    """Keys past a row's length may hold anything (a preallocated cache): NaN, inf, -inf."""
-    rng = np.random.default_rng(12)
-    q, k, v = inputs(rng, tq=6, tk=9)
-    options = feature_options(features, rng, batch=2, h=4, tk=9)
-    options["key_lengths"] = np.array([6, 2])
-    common = {"enable_gqa": True, "is_causal": True, "causal_alignment": "bottom_right",
-              **options}
-    garbage = np.array([np.nan, np.inf, -np.inf, np.finfo(dtype_name).max])
-    dirty_k, dirty_v = k.copy(), v.copy()
-    for b, n in enumerate(options["key_lengths"]):
-        dirty_k[b, :, n:] = rng.choice(garbage, dirty_k[b, :, n:].shape)
-        dirty_v[b, :, n:] = rng.choice(garbage, dirty_v[b, :, n:].shape)
-    clean_k, clean_v = k.copy(), v.copy()
-    for b, n in enumerate(options["key_lengths"]):
-        clean_k[b, :, n:] = 0.0
-        clean_v[b, :, n:] = 0.0
-    dirty = run(xp, device, dtype_name, implementation, q, dirty_k, dirty_v, **common)
-    assert not np.isnan(dirty[0]).any(), "garbage past key_lengths reached the output"
-    ref, ref_lse, _ = oracle(q, clean_k, clean_v, dtype_name, **common)
-    assert_close(dirty[0], ref, dtype_name)
-    if dirty[1] is not None:
-        assert_lse_close(dirty[1], ref_lse, dtype_name)
-    w = polyattn.attention_weights(to_xp(q, xp, dtype=dtype_name, device=device),
-                                   to_xp(dirty_k, xp, dtype=dtype_name, device=device),
-                                   **on_backend(common, xp, device, dtype_name))
-    _, _, ref_w = oracle(q, clean_k, clean_v, dtype_name, **common)
-    assert_close(w, ref_w, dtype_name, what="weights")
-
-
 @pytest.mark.parametrize("features", [("window", "key_lengths"), FEATURES],
                          ids=["window+key_lengths", "all_features"])
 def test_parts_over_disjoint_key_sets_merge_into_the_whole(xp, device, dtype_name,
@@ -542,7 +511,8 @@ def test_jax_jit_with_traced_key_lengths_and_slopes(name, dtype_name, monkeypatc
     assert len(traces) == 1, "new key lengths or slopes retraced the function"
 
 
-@pytest.mark.parametrize("name", CPU_IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", [*CPU_IMPLEMENTATIONS,
+                                  *(n for n in CASES if n == "distributed")])
 def test_dask_stays_lazy(name, monkeypatch):
     """Dask inputs, key lengths and slopes: nothing is computed before ``.compute()``."""
     da = pytest.importorskip("dask.array")

@@ -33,13 +33,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support import CPU_IMPLEMENTATIONS
 from helpers import Backend, assert_close, ref_attention, rel_error, selected_backends, to_numpy
 
 import polyattn
 from polyattn import _dispatch
 from polyattn.backends.array_api import blocked as chunked
 
-IMPLEMENTATIONS = ("reference", "chunked", "native", "auto")
+#: The implementation cases that take torch and JAX CPU arrays (``"native"`` where torch or
+#: JAX is selected): numba_cpu takes NumPy arrays, distributed Dask arrays, numba_cuda
+#: CUDA arrays; their gradients are ``attention_vjp``'s (test_rules.py, test_vjp.py).
+IMPLEMENTATIONS = CPU_IMPLEMENTATIONS
 #: ‖g − g_ref‖ / ‖g_ref‖ allowed for float64 gradients.
 GRAD_TOL = 1e-10
 #: The same for float32 gradients (JAX's native attention) against the float64 oracle.

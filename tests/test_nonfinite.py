@@ -5,8 +5,8 @@
   as 0, like a fully masked row), even where every score of the row is -inf.
 - A NaN key or value that a row sees makes that row NaN; one hidden from it
   may make it NaN, but never a finite wrong number; other rows stay right.
-- Keys and values past ``key_lengths`` are never read: NaN and inf there
-  change nothing, forward or backward.
+- Keys past ``key_lengths`` have zero gradients even beside a NaN query row (that they
+  are never read is ``test_rules.py::test_keys_past_key_lengths_are_never_read``).
 - NaN and inf in ``grad_out`` stay within their (batch, head).
 - No floating-point warning escapes a call (warnings are errors here), on
   every public function that computes.
@@ -14,35 +14,30 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 
 import numpy as np
 import pytest
-from _support import IMPLEMENTATIONS, use_implementation
+from _support import CASES, check_vjp_refused, use_implementation
 from helpers import Backend, ref_attention, to_numpy, to_xp
 
 import polyattn
 
-#: The fused Numba CPU kernel joins on NumPy arrays where Numba is installed.
-HAS_NUMBA = importlib.util.find_spec("numba") is not None
-ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + (("numba_cpu",) if HAS_NUMBA else ())
 
-
-@pytest.fixture(params=ALL_IMPLEMENTATIONS)
+@pytest.fixture(params=CASES)
 def implementation(request, backend, monkeypatch):
-    """Each implementation, with blocks small enough that tiny shapes span several."""
-    if request.param == "numba_cpu" and backend is not Backend.NUMPY:
-        pytest.skip("numba_cpu takes NumPy arrays")
+    """Each implementation case (``numba_cpu`` on NumPy, ``distributed`` on Dask), with
+    blocks small enough that tiny shapes span several."""
     return use_implementation(request.param, backend, monkeypatch)
 
 
 @pytest.fixture
-def vjp_implementation(implementation):
-    """The implementations attention_vjp runs ("native" has no backward pass of its own)."""
-    if implementation == "native":
-        pytest.skip("attention_vjp refuses 'native' (tested through torch autograd below)")
+def vjp_implementation(implementation, xp, device):
+    """The implementations attention_vjp runs; for those it refuses ("native", whose
+    library differentiates it, tested through torch autograd below; "distributed") the
+    refusal is checked and the test skipped."""
+    check_vjp_refused(implementation, xp, device)
     return implementation
 
 
@@ -232,8 +227,6 @@ def test_nan_query_gradients_through_torch_autograd(backend, implementation):
     the gradients of the other batch rows are finite and those of the clean inputs."""
     if backend is not Backend.TORCH:
         pytest.skip("torch autograd")
-    if implementation == "numba_cpu":
-        pytest.skip("numba_cpu takes NumPy arrays")
     import torch
 
     q, k, v = inputs(7)
@@ -275,49 +268,6 @@ def test_nan_in_a_visible_key_or_value(xp, device, implementation, where):
     others = np.ones(got.shape[:2], dtype=bool)
     others[0, 1] = False
     assert_right(got, ref, others)
-
-
-@pytest.mark.parametrize("bad_value", [math.nan, math.inf], ids=["nan", "inf"])
-@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
-def test_keys_and_values_past_key_lengths_have_no_effect(xp, device, implementation,
-                                                         alignment, bad_value):
-    """Whatever the slots past ``key_lengths`` hold, the result is that of zeros there."""
-    q, k, v = inputs(9, tq=3, tk=8)
-    lengths = np.array([8, 5])
-    pad = np.arange(8)[None, :] >= lengths[:, None]                    # (B, Tk)
-    pad = pad[:, None, :, None]                                        # (B, 1, Tk, 1)
-    k_bad, v_bad = np.where(pad, bad_value, k), np.where(pad, -bad_value, v)
-    options = {"key_lengths": lengths, "is_causal": True, "causal_alignment": alignment}
-    got = attend(xp, device, implementation, q, k_bad, v_bad, **dict(options))
-    clean = attend(xp, device, implementation, q, np.where(pad, 0.0, k),
-                   np.where(pad, 0.0, v), **dict(options))
-    ref, _, _ = ref_attention(q, k, v, key_lengths=lengths, is_causal=True,
-                              alignment=alignment)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got, clean)
-    assert_right(got, ref, np.ones(got.shape[:-1], dtype=bool))
-
-
-@pytest.mark.parametrize("bad_value", [math.nan, math.inf], ids=["nan", "inf"])
-def test_padding_has_no_effect_on_gradients(xp, device, vjp_implementation, bad_value):
-    """attention_vjp with NaN or inf past ``key_lengths``: every gradient is finite and
-    equal to that of zero padding; the padding's own gradients are 0."""
-    q, k, v = inputs(10, tq=3, tk=8)
-    lengths = np.array([8, 5])
-    pad = (np.arange(8)[None, :] >= lengths[:, None])[:, None, :, None]
-    g = np.random.default_rng(11).standard_normal((2, 2, 3, 8))
-    results = []
-    for fill in (0.0, bad_value):
-        kk, vv = np.where(pad, fill, k), np.where(pad, fill, v)
-        _, pullback = polyattn.attention_vjp(
-            *on(xp, device, q, kk, vv), key_lengths=to_xp(lengths, xp, device=device),
-            is_causal=True, causal_alignment="bottom_right", implementation=vjp_implementation)
-        results.append([as_numpy(x) for x in pullback(to_xp(g, xp, device=device))])
-    for name, clean, dirty in zip(("dq", "dk", "dv"), *results, strict=True):
-        assert np.isfinite(dirty).all(), name
-        np.testing.assert_array_equal(dirty, clean, err_msg=name)
-    for grad in results[1][1:]:
-        assert np.all(grad[np.broadcast_to(pad, grad.shape)] == 0)
 
 
 @pytest.mark.parametrize("bad_value", [math.nan, math.inf], ids=["nan", "inf"])
@@ -375,8 +325,6 @@ def test_non_finite_grad_out_through_torch_autograd(backend, implementation):
     """The same through torch autograd (native included)."""
     if backend is not Backend.TORCH:
         pytest.skip("torch autograd")
-    if implementation == "numba_cpu":
-        pytest.skip("numba_cpu takes NumPy arrays")
     import torch
 
     q, k, v = inputs(14)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from _support import (
     EVERY_IMPLEMENTATION,
+    NO_VJP,
     SIMULATOR,
     cuda_family_ran,
     rounded,
@@ -49,10 +50,6 @@ import polyattn
 B, H, HKV, TQ, TK, E, EV = 2, 4, 2, 20, 24, 8, 6
 #: Gradient tolerance by dtype (relative, against the float64 oracle of the rounded inputs).
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 2e-3}
-#: Implementations attention_vjp refuses by name, and what the refusal says: native ones
-#: are differentiated by their library (test_torch_autograd_matches_the_oracle), the Dask
-#: plan has no backward pass.
-NO_VJP = {"native": "log-sum-exp for a backward pass", "distributed": "no backward pass"}
 
 
 @dataclass(frozen=True)
@@ -76,12 +73,12 @@ SIMULATOR_RULES = ("plain", "causal_bottom_right_tq_gt_tk", "key_lengths_bottom_
 
 def few_on_the_simulator(request) -> None:
     """Skip the simulator's share of a CUDA case beyond :data:`SIMULATOR_RULES`, float32
-    and NaN garbage; on a GPU every case runs. (float64 on the kernels: the broad behaviour
+    and mixed garbage; on a GPU every case runs. (float64 on the kernels: the broad behaviour
     files run numba_cuda-rows in float64, the kernel mechanics files every family.)"""
     params = request.node.callspec.params
-    garbage = params.get("garbage", np.nan)
     if (params.get("dtype_name", "float32") != "float32"
-            or params.get("rule", "plain") not in SIMULATOR_RULES or not np.isnan(garbage)):
+            or params.get("rule", "plain") not in SIMULATOR_RULES
+            or params.get("garbage", "mixed") != "mixed"):
         pytest.skip("the CUDA simulator runs a few cases of each test (a GPU runs them all)")
 
 
@@ -237,39 +234,85 @@ def test_fully_masked_rows_give_zero_and_minus_inf(xp, device, dtype_name, impl,
 
 # --- keys past key_lengths are never read (forward and backward) ----------------------------
 
+def past_key_lengths(a: np.ndarray, lengths: np.ndarray, fill) -> np.ndarray:
+    """``a`` (B, H, Tk, F) with the positions past each batch row's length set to ``fill``:
+    a scalar, or an array of a's shape to take the values from."""
+    pad = (np.arange(a.shape[-2]) >= lengths[:, None])[:, None, :, None]
+    return np.where(pad, fill, a)
+
+
+def garbage_for(kind: str, a: np.ndarray, dtype: str, seed: int) -> np.ndarray:
+    """What a preallocated cache may hold: NaN, inf (-inf in values), or a mix of NaN,
+    +-inf and the dtype's largest finite value."""
+    if kind == "nan":
+        return np.full(a.shape, np.nan)
+    if kind == "inf":
+        return np.full(a.shape, np.inf)
+    values = np.array([np.nan, np.inf, -np.inf, np.finfo(dtype).max])
+    return np.random.default_rng(seed).choice(values, a.shape)
+
+
 @pytest.mark.parametrize("rule", ["key_lengths", "key_lengths_bottom_right_window",
                                   "every_rule"])
-@pytest.mark.parametrize("garbage", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("garbage", ["nan", "inf", "mixed"])
 def test_keys_past_key_lengths_are_never_read(xp, device, dtype_name, impl, rule, garbage):
-    """NaN or inf in keys and values past each row's length (a preallocated cache) has no
-    effect: not on the output, not on lse, not on any gradient (those of the padding
-    are 0)."""
+    """NaN, inf or a mix (with the largest finite value) in keys and values past each
+    row's length (a preallocated cache) has no effect: out, lse and every gradient are
+    bitwise those of zeros there, and within tolerance of the oracle; the gradients of
+    the padding are 0."""
     p = make_problem(rule, dtype_name)
     lengths = p.ours["key_lengths"]
-    k, v = p.k.copy(), p.v.copy()
-    for b, n in enumerate(lengths):
-        k[b, :, n:] = garbage
-        v[b, :, n:] = -garbage
-    q, kx, vx = (to_xp(a, xp, dtype=dtype_name, device=device) for a in (p.q, k, v))
+    bad_k = garbage_for(garbage, p.k, dtype_name, 1)
+    bad_v = -garbage_for(garbage, p.v, dtype_name, 2)
+    dirty = [past_key_lengths(a, lengths, bad) for a, bad in ((p.k, bad_k), (p.v, bad_v))]
+    clean = [past_key_lengths(a, lengths, 0.0) for a in (p.k, p.v)]
+    q = to_xp(p.q, xp, dtype=dtype_name, device=device)
+    kv = {which: [to_xp(a, xp, dtype=dtype_name, device=device) for a in arrays]
+          for which, arrays in (("dirty", dirty), ("clean", clean))}
     options = call_options(p.ours, xp, device, dtype_name)
-    check_runs(impl, q, kx, vx, **options)
-    out, lse = polyattn.scaled_dot_product_attention(q, kx, vx, return_lse=True,
-                                                     implementation=impl.name, **options)
+    check_runs(impl, q, *kv["dirty"], **options)
+    results = {which: [to_numpy(x) for x in polyattn.scaled_dot_product_attention(
+        q, *arrays, return_lse=True, implementation=impl.name, **options)]
+        for which, arrays in kv.items()}
     ref, ref_lse, _ = ref_attention(p.q, p.k, p.v, **p.oracle)
-    assert_close(out, ref, dtype_name)
-    assert_lse_close(lse, ref_lse, dtype_name)
+    assert_close(results["dirty"][0], ref, dtype_name)
+    assert_lse_close(results["dirty"][1], ref_lse, dtype_name)
+    for what, got, want in zip(("out", "lse"), results["dirty"], results["clean"],
+                               strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=f"{what}: not that of zero padding")
     if impl.name in NO_VJP:
         return  # test_gradients_match_the_oracle checks that it says why
-    rng = np.random.default_rng(5)
-    g = rounded(rng.standard_normal(ref.shape), dtype_name)
-    out, pullback = polyattn.attention_vjp(q, kx, vx, implementation=impl.name, **options)
-    grads = [to_numpy(x) for x in pullback(to_xp(g, xp, dtype=dtype_name, device=device))]
-    want = ref_attention_vjp(p.q, p.k, p.v, g, **p.oracle)
-    for name, got, ref_grad in zip("qkv", grads, want, strict=True):
+    g = to_xp(rounded(np.random.default_rng(5).standard_normal(ref.shape), dtype_name), xp,
+              dtype=dtype_name, device=device)
+    grads = {}
+    for which, arrays in kv.items():
+        _, pullback = polyattn.attention_vjp(q, *arrays, implementation=impl.name, **options)
+        grads[which] = [to_numpy(x) for x in pullback(g)]
+    want = ref_attention_vjp(p.q, p.k, p.v, to_numpy(g), **p.oracle)
+    for name, got, same, ref_grad in zip("qkv", grads["dirty"], grads["clean"], want,
+                                         strict=True):
         assert np.isfinite(got).all(), f"d{name}: not finite"
         assert rel_error(got, ref_grad) <= GRAD_TOL[dtype_name], f"d{name}"
-    for b, n in enumerate(lengths):
-        assert np.all(grads[1][b, :, n:] == 0) and np.all(grads[2][b, :, n:] == 0)
+        np.testing.assert_array_equal(got, same, err_msg=f"d{name}: not that of zero padding")
+    for grad in grads["dirty"][1:]:
+        assert np.all(past_key_lengths(grad, lengths, 0.0) == grad), "padding gradient not 0"
+
+
+@pytest.mark.parametrize("rule", ["key_lengths_bottom_right_window", "every_rule"])
+def test_attention_weights_never_read_keys_past_key_lengths(xp, device, dtype_name, rule):
+    """``attention_weights`` (one implementation, no ``implementation=``): a mix of NaN,
+    +-inf and the largest finite value past the lengths gives the oracle's weights, 0
+    past the lengths."""
+    p = make_problem(rule, dtype_name)
+    lengths = p.ours["key_lengths"]
+    k = past_key_lengths(p.k, lengths, garbage_for("mixed", p.k, dtype_name, 3))
+    w = polyattn.attention_weights(to_xp(p.q, xp, dtype=dtype_name, device=device),
+                                   to_xp(k, xp, dtype=dtype_name, device=device),
+                                   **call_options(p.ours, xp, device, dtype_name))
+    _, _, ref_w = ref_attention(p.q, p.k, p.v, **p.oracle)
+    assert_close(w, ref_w, dtype_name, what="weights")
+    past = np.arange(p.k.shape[-2]) >= lengths[:, None, None, None]          # (B, 1, 1, Tk)
+    assert np.all(to_numpy(w)[np.broadcast_to(past, ref_w.shape)] == 0)
 
 
 # --- dropout -----------------------------------------------------------------------------------
