@@ -58,7 +58,7 @@ SIMULATOR = kernel_mode() == "simulator"
 #: has no backward pass.
 NO_VJP = {"native": "log-sum-exp for a backward pass", "distributed": "no backward pass"}
 #: Implementations that refuse ``dropout_p > 0`` by name, and what the refusal says.
-NO_DROPOUT = {"distributed": "dropout"}
+NO_DROPOUT = {"distributed": "dropout's keep-mask is counted over the whole problem"}
 
 #: The cases that take NumPy arrays in this run, for tests that call with NumPy arrays
 #: whatever the backend: ``numba_cpu`` where Numba is installed (and NumPy selected),

@@ -6,8 +6,9 @@ Implementations are the case ids of :data:`_support.EVERY_IMPLEMENTATION`:
 with Numba), ``distributed`` (Dask) and the CUDA kernel families ``numba_cuda-rows``,
 ``numba_cuda-tiled``, ``numba_cuda-tc`` (simulator or GPU). ``pytest -k numba_cpu``,
 ``-k numba_cuda``, ``-k numba_cuda-tiled``, ``-k distributed`` select one. Shapes are
-small (the simulator runs every thread in Python) and have more than 16 query rows, so
-that each CUDA family takes them (``explain()`` is checked to name the family).
+small and have more than 16 query rows, so that each CUDA family takes them
+(``explain()`` is checked to name the family); on the CUDA simulator, which runs every
+thread in Python, each family runs the few cases of :data:`SIMULATOR_CASES`.
 
 Covered here, for every implementation: causal masking in both alignments, windows,
 key lengths (and that keys past them are never read), soft-capping, ALiBi, boolean and
@@ -18,7 +19,7 @@ tensors) and float32/float64/float16.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -56,30 +57,42 @@ GRAD_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 2e-3}
 class Impl:
     case: str  # the test id: "numba_cuda-tiled"
     name: str  # what ``implementation=`` gets: "numba_cuda"
+    heads: dict = field(default_factory=dict)  # make_problem's h and hkv where not H, HKV
 
 
 @pytest.fixture(params=EVERY_IMPLEMENTATION)
 def impl(request, backend, monkeypatch) -> Impl:
+    heads = {}
     if SIMULATOR and public_name(request.param) == "numba_cuda":
         few_on_the_simulator(request)
-    return Impl(request.param, use_implementation(request.param, backend, monkeypatch))
+        heads = SIMULATOR_HEADS
+    return Impl(request.param, use_implementation(request.param, backend, monkeypatch), heads)
 
 
-#: The rules the CUDA families run on the simulator (which runs every thread in Python):
-#: each rule at least once, alone or in ``every_rule``, in a few calls per test and family.
-SIMULATOR_RULES = ("plain", "causal_bottom_right_tq_gt_tk", "key_lengths_bottom_right_window",
-                   "float_mask_causal", "head_mask_window", "every_rule")
+#: What each CUDA family runs on the simulator (which runs every thread in Python): float32,
+#: 2 query heads over 1 key/value head (MQA), and per test the parameters below. Together:
+#: the forward of every rule (``every_rule`` holds all but the boolean masks, which
+#: ``head_mask_window`` and the fully masked rows' ``bool_mask`` hold), gradients (softcap
+#: and ALiBi among them), dropout, fully masked rows, garbage past the key lengths, and
+#: float16. A GPU runs every case.
+SIMULATOR_CASES = {
+    "test_rule_matches_the_oracle": {"rule": "head_mask_window"},
+    "test_fully_masked_rows_give_zero_and_minus_inf": {"kind": "bool_mask"},
+    "test_keys_past_key_lengths_are_never_read": {"rule": "every_rule", "garbage": "mixed"},
+    "test_gradients_match_the_oracle": {"rule": "every_rule"},
+    "test_dropout_drops_the_same_weights_everywhere": {"rule": "every_rule"},
+    "test_float16": {"rule": "every_rule"},
+}
+SIMULATOR_HEADS = {"h": 2, "hkv": 1}
 
 
 def few_on_the_simulator(request) -> None:
-    """Skip the simulator's share of a CUDA case beyond :data:`SIMULATOR_RULES`, float32
-    and mixed garbage; on a GPU every case runs. (float64 on the kernels: the broad behaviour
-    files run numba_cuda-rows in float64, the kernel mechanics files every family.)"""
+    """Skip the simulator's share of a CUDA case beyond :data:`SIMULATOR_CASES`."""
+    wanted = SIMULATOR_CASES.get(request.node.originalname)
     params = request.node.callspec.params
-    if (params.get("dtype_name", "float32") != "float32"
-            or params.get("rule", "plain") not in SIMULATOR_RULES
-            or params.get("garbage", "mixed") != "mixed"):
-        pytest.skip("the CUDA simulator runs a few cases of each test (a GPU runs them all)")
+    if (wanted is None or params.get("dtype_name", "float32") != "float32"
+            or any(params.get(key) != value for key, value in wanted.items())):
+        pytest.skip("the CUDA simulator runs a few cases of each family (a GPU runs them all)")
 
 
 # --- the rules: one table, what the API is given and what the oracle is given ---------------
@@ -179,7 +192,7 @@ def check_runs(impl: Impl, q, k, v, **options) -> None:
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_rule_matches_the_oracle(xp, device, dtype_name, impl, rule):
-    p = make_problem(rule, dtype_name)
+    p = make_problem(rule, dtype_name, **impl.heads)
     q, k, v = inputs(p, xp, device, dtype_name)
     options = call_options(p.ours, xp, device, dtype_name)
     check_runs(impl, q, k, v, **options)
@@ -202,10 +215,11 @@ def test_gqa_and_mqa(xp, device, dtype_name, impl, h, hkv):
 
 @pytest.mark.parametrize("kind", ["bool_mask", "float_mask", "key_lengths", "causal"])
 def test_fully_masked_rows_give_zero_and_minus_inf(xp, device, dtype_name, impl, kind):
-    p = make_problem("plain", dtype_name)
+    p = make_problem("plain", dtype_name, **impl.heads)
+    rows = p.q.shape[:-1]  # (B, H, Tq)
     tk = p.k.shape[-2]
     if kind in ("bool_mask", "float_mask"):
-        visible = np.ones((B, H, TQ, tk), dtype=bool)
+        visible = np.ones((*rows, tk), dtype=bool)
         visible[0, 1, 2] = False
         visible[1, :, 15:] = False
         mask = visible if kind == "bool_mask" else np.where(visible, 0.5, -np.inf)
@@ -213,11 +227,11 @@ def test_fully_masked_rows_give_zero_and_minus_inf(xp, device, dtype_name, impl,
         dead = ~visible.any(-1)
     elif kind == "key_lengths":  # a batch row without keys
         p.ours["key_lengths"] = p.oracle["key_lengths"] = np.array([0, 11])
-        dead = np.zeros((B, H, TQ), dtype=bool)
+        dead = np.zeros(rows, dtype=bool)
         dead[0] = True
     else:  # bottom-right with Tq > Tk: the first Tq - Tk rows see nothing
-        p = make_problem("causal_bottom_right_tq_gt_tk", dtype_name)
-        dead = np.zeros((B, H, TQ), dtype=bool)
+        p = make_problem("causal_bottom_right_tq_gt_tk", dtype_name, **impl.heads)
+        dead = np.zeros(rows, dtype=bool)
         dead[:, :, :TQ - p.k.shape[-2]] = True
     q, k, v = inputs(p, xp, device, dtype_name)
     options = call_options(p.ours, xp, device, dtype_name)
@@ -260,7 +274,7 @@ def test_keys_past_key_lengths_are_never_read(xp, device, dtype_name, impl, rule
     row's length (a preallocated cache) has no effect: out, lse and every gradient are
     bitwise those of zeros there, and within tolerance of the oracle; the gradients of
     the padding are 0."""
-    p = make_problem(rule, dtype_name)
+    p = make_problem(rule, dtype_name, **impl.heads)
     lengths = p.ours["key_lengths"]
     bad_k = garbage_for(garbage, p.k, dtype_name, 1)
     bad_v = -garbage_for(garbage, p.v, dtype_name, 2)
@@ -321,7 +335,7 @@ def test_attention_weights_never_read_keys_past_key_lengths(xp, device, dtype_na
 def test_dropout_drops_the_same_weights_everywhere(xp, device, dtype_name, impl, rule):
     """The same seed drops the same weights on every implementation: the result is the
     float64 reference implementation's on the same values."""
-    p = make_problem(rule, dtype_name)
+    p = make_problem(rule, dtype_name, **impl.heads)
     q, k, v = inputs(p, xp, device, dtype_name)
     options = call_options(p.ours, xp, device, dtype_name)
     options.update(dropout_p=0.3, dropout_seed=2**40 + 11)
@@ -347,7 +361,7 @@ def test_dropout_drops_the_same_weights_everywhere(xp, device, dtype_name, impl,
 @pytest.mark.parametrize("rule", GRAD_RULES)
 def test_gradients_match_the_oracle(xp, device, dtype_name, impl, rule):
     """``attention_vjp``: out and the gradients of ``out·g + lse·g_lse``."""
-    p = make_problem(rule, dtype_name)
+    p = make_problem(rule, dtype_name, **impl.heads)
     q, k, v = inputs(p, xp, device, dtype_name)
     options = call_options(p.ours, xp, device, dtype_name)
     if impl.name in NO_VJP:
@@ -409,7 +423,7 @@ def test_float16(backend, xp, device, impl, rule):
         pytest.skip(f"{backend.value} has no float16")
     # more than 16 query rows go to the tensor cores, whichever exact kernel is chosen
     tq = 8 if impl.case == "numba_cuda-rows" else TQ
-    p = make_problem(rule, "float16", tq=tq)
+    p = make_problem(rule, "float16", tq=tq, **impl.heads)
     q, k, v = inputs(p, xp, device, "float16")
     options = call_options(p.ours, xp, device, "float16")
     if impl.case == "numba_cuda-tiled":
