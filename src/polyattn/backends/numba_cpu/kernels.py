@@ -35,7 +35,7 @@ from polyattn.rules.lowering import lower
 position = lower(element.position, "cpu")
 block_keys = lower(element.block_keys, "cpu")
 modify = lower(element.modify, "cpu")
-modify_grad = lower(element.modify_grad, "cpu")
+modify_and_grad = lower(element.modify_and_grad, "cpu")
 
 # --- the exponential, the dropout counters
 
@@ -162,7 +162,7 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
                     keep_tanh: bool) -> None:
     """The transform of docs/semantics.rst on the scores ``st[lo:hi]``, column by column on
     the keys each column sees (soft-capping and ALiBi by :func:`modify`, the scaled score
-    kept in ``tt`` for the backward pass's :func:`modify_grad`;
+    their derivative kept in ``tt`` for the backward pass (:func:`modify_and_grad`);
     the mask, a boolean one replacing hidden scores by -inf, so that a NaN or inf score of
     a hidden key cannot reach the result), and -inf on the keys it does not see."""
     ninf, zero = fparams[4], fparams[2]
@@ -191,10 +191,13 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
         if has_cap or has_alibi:
             p = position(i, offset, 0, 0)                # offset holds the key-length shift
             slope = slopes[b, h] if has_alibi else zero
-            for j in range(j0, j1):
-                if keep_tanh:                            # the scaled score, for modify_grad
-                    tt[j, c] = st[j, c]
-                st[j, c] = modify(st[j, c], p, k0 + j, cap, inv_cap, slope)
+            if keep_tanh and has_cap:                    # and d(score)/d(scaled score)
+                for j in range(j0, j1):
+                    st[j, c], tt[j, c] = modify_and_grad(st[j, c], p, k0 + j, cap, inv_cap,
+                                                         slope)
+            else:
+                for j in range(j0, j1):
+                    st[j, c] = modify(st[j, c], p, k0 + j, cap, inv_cap, slope)
         if has_mask:
             mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
             per_key = mrow.shape[0] > 1
@@ -376,17 +379,15 @@ def dropout_panel(st: Any, dpt: Any, pd: Any, lo: int, hi: int, first: Any, last
 def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, last: Any,
                    dcol: Any, fparams: Any, iparams: Any) -> None:
     """``dS = P ∘ (dP - D)`` into ``st`` (which holds ``P``) for keys ``[lo, hi)``, then
-    soft-capping's chain rule (:func:`modify_grad`; ``tt`` holds each scaled score)."""
-    one = fparams[3]
+    soft-capping's chain rule (``tt`` holds each score's derivative from
+    :func:`modify_and_grad`)."""
     for j in range(lo, hi):
         for c in range(first.shape[0]):
             st[j, c] = st[j, c] * (dpt[j, c] - dcol[c])
     if iparams[5]:
-        cap = fparams[1]
-        inv_cap = one / cap
         for c in range(first.shape[0]):
             for j in range(first[c], last[c]):
-                st[j, c] *= modify_grad(tt[j, c], cap, inv_cap)
+                st[j, c] *= tt[j, c]
 
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
