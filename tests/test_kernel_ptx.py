@@ -398,16 +398,25 @@ def test_dependent_run_counts_back_to_back_chains():
 SWEEP_ALL = os.environ.get("POLYATTN_PTX_SWEEP", "") == "all"
 
 
-def _rotating_sample(kernels, full) -> list[tuple]:
+def _rotating_sample(kernels, full, extremes=()) -> list[tuple]:
     """(kernel, dtype, head bucket, mask kind, modifiers) of ``kernels``: the full
-    product for the (dtype, head bucket) pairs in ``full``; one specialisation per
-    kernel for each other pair, the mask kind and modifier setting rotating so
-    that each appears. Each tiled kernel takes 10-25 s to compile."""
+    product for the (dtype, head bucket) pairs in ``full``; for the pairs in
+    ``extremes``, each kernel's heaviest specialisation (a float mask with
+    modifiers, the most registers) and its lightest (no mask, no modifiers); for
+    every other pair one specialisation of one kernel, kernel, mask kind and modifier
+    setting rotating so that each appears. Each tiled kernel takes 10-25 s to
+    compile; ``POLYATTN_PTX_SWEEP=all`` takes the full product everywhere."""
     kinds = numba_cuda.MASK_KINDS
     pairs = [(d, b) for d in numba_cuda.DTYPES for b in numba_cuda.HEAD_DIM_BUCKETS]
     specs = []
-    for n, (dtype, bucket) in enumerate(p for p in pairs if p not in full):
-        specs += [(kernel, dtype, bucket, kinds[n % 3], n % 2 == 1) for kernel in kernels]
+    rest = [p for p in pairs if p not in full and p not in extremes]
+    for n, (dtype, bucket) in enumerate(rest):
+        turn = n // len(kernels)  # each kernel's own turn: its kinds and modifiers rotate
+        specs.append((kernels[n % len(kernels)], dtype, bucket, kinds[turn % 3], turn % 2 == 1))
+    specs += [(kernel, dtype, bucket, mask_kind, mods) for kernel in kernels
+              for dtype, bucket in extremes
+              for mask_kind, mods in (("float", True), ("none", False))
+              if (kernel, dtype, bucket, mask_kind, mods) not in specs]
     specs += [(kernel, dtype, bucket, mask_kind, mods) for kernel in kernels
               for dtype, bucket in pairs if (dtype, bucket) in full or SWEEP_ALL
               for mask_kind in kinds for mods in (False, True)
@@ -415,10 +424,12 @@ def _rotating_sample(kernels, full) -> list[tuple]:
     return specs
 
 
-# Every float32 specialisation up to head size 128 (the register and spill budget
-# is theirs); each other (dtype, head size) once.
+# Every float32 specialisation at head size 128 (the largest with a register and spill
+# budget), the heaviest and lightest at the smaller ones; each other (dtype, head size)
+# once.
 TILED = [spec[1:] for spec in _rotating_sample(
-    ("forward",), [("float32", b) for b in numba_cuda.HEAD_DIM_BUCKETS if b <= 128])]
+    ("forward",), [("float32", 128)],
+    [("float32", b) for b in numba_cuda.HEAD_DIM_BUCKETS if b < 128])]
 # Loads of 16 bytes (float32 ×4, float64 ×2), read-only path: the vector loads of rows.
 VECTOR_LOAD = re.compile(r"\bLDG\.E\.128\.CONSTANT\b")
 
@@ -470,10 +481,10 @@ def test_tiled_kernel(spec):
             assert not LOCAL_SASS.search(sass), (fn.__name__, cc)
 
 
-# Every float32 specialisation at head sizes 64 and 128 (whose register patches are
-# the largest of those with a 128-register budget); each other (dtype, head size)
-# once per kernel.
-TILED_BACKWARD = _rotating_sample(("dq", "dkdv"), [("float32", 64), ("float32", 128)])
+# Every float32 specialisation at head size 128 (whose register patches are the largest
+# of those with a 128-register budget), the heaviest and lightest at head size 64; each
+# other (dtype, head size) once, by one of the two kernels in turn.
+TILED_BACKWARD = _rotating_sample(("dq", "dkdv"), [("float32", 128)], [("float32", 64)])
 
 
 def test_tiled_samples_cover_every_axis():
@@ -484,7 +495,7 @@ def test_tiled_samples_cover_every_axis():
                                   numba_cuda.MASK_KINDS, (False, True))):
             assert {spec[n + 1] for spec in specs} == set(axis)
         assert {(spec[1], spec[2]) for spec in specs} == pairs
-    assert (len(TILED), len(TILED_BACKWARD)) == ((72, 144) if SWEEP_ALL else (37, 44))
+    assert (len(TILED), len(TILED_BACKWARD)) == ((72, 144) if SWEEP_ALL else (21, 26))
 
 
 @pytest.mark.parametrize("spec", TILED_BACKWARD, ids=_spec_id)
