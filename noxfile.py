@@ -69,13 +69,13 @@ LIBRARY_INDEPENDENT_TESTS = ("tests/test_cli.py", "tests/test_packaging.py",
 #: The cases of LIBRARY_INDEPENDENT_TESTS that need a library only that session has.
 LIBRARY_CASES = {"jax": ("tests/test_cli.py::test_demo_on_other_backends",),
                  "dask": ("tests/test_readme.py::test_readme_block_runs",)}
-#: Each compiled family's own mechanics (launch plans, tiles, thread pools), as globs:
-#: files of tests/, or the family's folder tests/backends/<family>/ once they move there.
-NUMBA_CPU_MECHANICS = ("tests/test_numba_cpu.py", "tests/backends/numba_cpu")
-CUDA_MECHANICS = ("tests/test_kernel_sim*.py", "tests/test_kernel_t[ci]*.py",
-                  "tests/backends/cuda")
+#: Each compiled family's own mechanics (launch plans, tiles, thread pools), as globs
+#: under tests/backends/<family>/: the CUDA kernels' on the simulator, PTX apart.
+NUMBA_CPU_MECHANICS = ("tests/backends/numba_cpu",)
+CUDA_MECHANICS = ("tests/backends/cuda/test_cuda_rows*.py",
+                  "tests/backends/cuda/test_cuda_t*.py")
 #: PTX compilation (no simulator, no GPU): the kernel_ptx sessions.
-PTX_TESTS = ("tests/test_kernel_ptx.py", "tests/backends/cuda/test_*ptx*.py")
+PTX_TESTS = ("tests/backends/cuda/test_cuda_ptx.py",)
 #: The environment each backend's tests run in.
 BACKEND_VENV = {"numpy": "torch", "torch": "torch", "array_api_strict": "array_api_strict",
                 "jax": "jax", "dask": "dask", "cupy": "cupy"}

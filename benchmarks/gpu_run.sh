@@ -34,9 +34,9 @@ echo "== tests"
 # processes compile side by side.
 parallel=""
 python3 -c "import xdist" 2>/dev/null && parallel="-n 8"
-timeout 170 python3 -m pytest -q -p no:cacheprovider $parallel tests/test_kernel_tc.py \
-    tests/test_kernel_tiled.py tests/test_kernel_tiled_backward.py tests/test_kernel_sim.py \
-    tests/test_kernel_sim_backward.py --junitxml="$out/tests.xml" > "$out/tests.txt" 2>&1
+timeout 170 python3 -m pytest -q -p no:cacheprovider $parallel tests/backends/cuda/test_cuda_tensor_core.py \
+    tests/backends/cuda/test_cuda_tiled.py tests/backends/cuda/test_cuda_tiled_backward.py tests/backends/cuda/test_cuda_rows.py \
+    tests/backends/cuda/test_cuda_rows_backward.py --junitxml="$out/tests.xml" > "$out/tests.txt" 2>&1
 echo "tests: exit $?"; tail -15 "$out/tests.txt"
 
 echo "== compute-sanitizer"

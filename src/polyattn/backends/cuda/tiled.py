@@ -21,7 +21,7 @@ one thread per query row:
   across the whole key loop; the mask's and the modifiers' parameters are
   read per tile. With launch bounds of 4 blocks of 128 threads (2 of 256) per
   multiprocessor, ptxas fits float32 up to head size 128 in 128 registers
-  without spilling (sm_80 and sm_90; ``test_kernel_ptx.py`` checks all 30);
+  without spilling (sm_80 and sm_90; ``test_cuda_ptx.py`` checks all 30);
 * a row's maximum and sum are combined over the eight threads that share it
   (neighbouring lanes: three warp shuffles);
 * where it fits (float32 up to head size 64, float64 up to 32), the block's

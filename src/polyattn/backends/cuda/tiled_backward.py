@@ -55,7 +55,7 @@ arithmetic; other inputs element by element with 64-bit indices (a kernel
 argument picks the path; both give the same bits).
 
 Registers (float32, the 128-register launch bound of the forward; sm_80 and
-sm_90 alike, ``test_kernel_ptx.py``): dQ 112-128 without spills (but 4 bytes in
+sm_90 alike, ``test_cuda_ptx.py``): dQ 112-128 without spills (but 4 bytes in
 two head-64 specialisations on sm_90); dK/dV 124-128 with up to 108 bytes of
 spill stores (head size 64 with a mask and modifiers; none or a few dozen
 bytes elsewhere), none of them in an innermost loop. float64 at head size 256

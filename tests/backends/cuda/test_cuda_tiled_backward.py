@@ -5,7 +5,7 @@ race-free by ``simulator_threads``) or on a GPU with CuPy: dq, dk and dv from
 the kernel's own forward against ``reference.backward`` on the float64
 problem of the same (rounded) values (relative error ≤ 1e-12 in float64,
 ≤ 1e-4 in float32), on shapes that span several 64-row blocks and 32-row
-tiles, with every rule. Their PTX and SASS are checked in ``test_kernel_ptx.py``.
+tiles, with every rule. Their PTX and SASS are checked in ``test_cuda_ptx.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 if importlib.util.find_spec("numba_cuda") is None:
     pytest.skip("numba-cuda is not installed", allow_module_level=True)
 
-from test_kernel_tc import SIMULATOR, _gpu_reason
+from test_cuda_tensor_core import SIMULATOR, _gpu_reason
 
 from polyattn.backends.array_api import reference as reference_implementation
 from polyattn.backends.cuda import facade as numba_cuda
@@ -29,7 +29,7 @@ from polyattn.backends.cuda import rows_backward as numba_cuda_backward
 # tests that need no kernel run anyway.
 KERNEL_PROBLEM = None if SIMULATOR else _gpu_reason()
 if KERNEL_PROBLEM is None:
-    from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixture)
+    from test_cuda_rows import (  # noqa: F401  (simulator_threads: an autouse fixture)
         convert_problem,
         make_inputs,
         make_mask,

@@ -133,7 +133,7 @@ needs_kernel = pytest.mark.skipif(
     reason=f"needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU with CuPy ({_gpu_reason()})")
 
 if SIMULATOR or _gpu_reason() is None:
-    from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixture)
+    from test_cuda_rows import (  # noqa: F401  (simulator_threads: an autouse fixture)
         make_inputs,
         make_mask,
         namespace,

@@ -1,6 +1,6 @@
 """Tests of the Numba CUDA backward kernels (``implementations/numba_cuda_backward.py``).
 
-As in ``test_kernel_sim.py``: with ``NUMBA_ENABLE_CUDASIM=1`` the kernels run
+As in ``test_cuda_rows.py``: with ``NUMBA_ENABLE_CUDASIM=1`` the kernels run
 on Numba's CPU simulator on NumPy arrays, with small shapes and small tiles
 (several query and key tiles per case); with CuPy and a CUDA GPU, on CuPy
 arrays. The kernel's forward and backward run on the problem that
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_kernel_sim import (  # also skips this module where the kernel cannot run
+from test_cuda_rows import (  # also skips this module where the kernel cannot run
     SIMULATOR,
     SMALL_TILES,
     assert_matches,

@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from _support import NUMPY_SESSION_ONLY
-from test_numpy_chunked import items_on_threads
+from test_numpy_forward import items_on_threads
 
 from polyattn._problem import prepare
 from polyattn.backends.array_api import reference

@@ -16,13 +16,13 @@ import pytest
 if importlib.util.find_spec("numba_cuda") is None:
     pytest.skip("numba-cuda is not installed", allow_module_level=True)
 
-from test_kernel_tc import SIMULATOR, _gpu_reason
+from test_cuda_tensor_core import SIMULATOR, _gpu_reason
 
 if not SIMULATOR and _gpu_reason() is not None:
     pytest.skip(f"needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU with CuPy ({_gpu_reason()})",
                 allow_module_level=True)
 
-from test_kernel_sim import (  # noqa: F401  (simulator_threads: an autouse fixture)
+from test_cuda_rows import (  # noqa: F401  (simulator_threads: an autouse fixture)
     make_inputs,
     make_mask,
     namespace,

@@ -2,7 +2,7 @@
 
 These tests build Dask arrays themselves (with chunkings chosen per test), so they
 run in the session that selects Dask. The cluster tests are in
-``test_distributed_cluster.py``.
+``test_dask_cluster.py``.
 """
 
 from __future__ import annotations
