@@ -1,4 +1,4 @@
-"""The numerical contract of DESIGN §4 at a realistic size, on every backend and implementation.
+"""The numerical contract (docs/semantics.rst) at a realistic size, on every implementation.
 
 Relative error ``‖out − ref‖ / ‖ref‖`` against a float64 reference, for
 random normal inputs: ≤ 1e-5 for float32, ≤ 1e-12 for float64, ≤ 2e-3 for

@@ -59,7 +59,7 @@ class Problem:
     compute_dtype: Any            # float32 or float64
     squeeze: bool                 # inputs were (T, E): drop the (1,) head axis again
     layout: str = "BHTE"          # the caller's layout of query, key, value and out
-    rules: Rules | None = None    # causal, window, key lengths, softcap, ALiBi (§4.1)
+    rules: Rules | None = None    # causal, window, key lengths, softcap, ALiBi (docs/semantics.rst)
 
     @property
     def batch(self) -> tuple[int, ...]:

@@ -27,7 +27,8 @@ def shape_str(x: Array) -> str:
     return str(tuple(int(n) if n is not None else n for n in x.shape))
 
 
-#: The real floating dtypes polyattn computes with (DESIGN §4), where the library has them.
+#: The real floating dtypes polyattn computes with (docs/semantics.rst, "dtypes"), where
+#: the library has them.
 FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 

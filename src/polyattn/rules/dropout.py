@@ -1,6 +1,6 @@
 """Dropout by counters: the same keep-mask on every library, implementation and device.
 
-DESIGN §4.1: weight (b…, h, i, j) of a call with ``dropout_p = p`` and
+docs/semantics.rst, "Dropout": weight (b…, h, i, j) of a call with ``dropout_p = p`` and
 ``dropout_seed = s`` is kept iff the Philox4x32-10 block cipher (Salmon et
 al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011), keyed by ``s``
 and applied to that weight's flat index ``n`` in (B…, H, Tq, Tk), gives a

@@ -34,9 +34,10 @@ def quiet_floating_point(x: object) -> contextlib.AbstractContextManager[Any]:
 def non_finite_rows(q: Array, xp: Any) -> Array:
     """(…, T, 1): 0 where row ``q[…, t, :]`` is finite, NaN where it holds a NaN or an inf.
 
-    Added to a result row it keeps a non-finite query from disappearing (DESIGN
-    §4.2), whatever the implementation did with it: a fused kernel that reports
-    such a row as fully masked (0), or a row whose scores all became ``-inf``.
+    Added to a result row it keeps a non-finite query from disappearing
+    (docs/semantics.rst, "Non-finite inputs"), whatever the implementation did with
+    it: a fused kernel that reports such a row as fully masked (0), or a row whose
+    scores all became ``-inf``.
     It adds exactly 0 elsewhere, so results and gradients (``0·grad``) are
     unchanged. ``0·q`` before the sum, so that large finite rows cannot overflow.
     """

@@ -1,6 +1,7 @@
 """Positions and visibility: causal, windows, key lengths, soft-capping and ALiBi.
 
-DESIGN §4.1 in code. Query row ``i`` has position ``p_i = i + offset``, or
+docs/semantics.rst ("Positions, windows, soft-capping, ALiBi and key lengths") in
+code. Query row ``i`` has position ``p_i = i + offset``, or
 ``p_i = i + key_lengths[b] - Tq`` when the alignment is bottom-right and
 ``key_lengths`` is given. Key ``j`` is visible to query ``i`` iff
 ``j < key_lengths[b]``; and ``j <= p_i`` with causal; and
@@ -50,7 +51,7 @@ class Rules:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     alibi: Array | None = None
-    #: Dropout (§4.1): probability in [0, 1) and the Philox key; 0 is no dropout.
+    #: Dropout (docs/semantics.rst): probability in [0, 1) and the Philox key; 0 is no dropout.
     dropout_p: float = 0.0
     dropout_seed: Any = 0          # an int, or a 0-d integer array traced by jax.jit
     #: ``key_lengths`` as a NumPy array where its values were at hand when the call was
@@ -210,7 +211,8 @@ def alibi_bias(rules: Rules, q0: int, q1: int, k0: int, k1: int, hkv: int, xp: A
 
 def score_transform(s: Array, rules: Rules, mask: Array | None, q0: int, q1: int, k0: int,
                     k1: int, xp: Any) -> Array:
-    """Scaled scores of a tile -> the scores that enter the softmax (§4.1's order).
+    """Scaled scores of a tile -> the scores that enter the softmax (in the order of
+    docs/semantics.rst).
 
     ``s`` (B…, Hkv, G, bq, bk) are ``scale·q·k``; ``mask`` the matching block of
     the grouped ``attn_mask`` (or ``None``).

@@ -377,7 +377,7 @@ def test_availability_reports_a_reason():
 
 
 # --------------------------------------------------------------------------- #
-# Rules: windows, soft-capping, ALiBi, key lengths, positions (DESIGN §4.1)
+# Rules: windows, soft-capping, ALiBi, key lengths, positions (docs/semantics.rst)
 # --------------------------------------------------------------------------- #
 
 def prepared(q, k, v, dtype, *, mask=None, is_causal=False, alignment="top_left",

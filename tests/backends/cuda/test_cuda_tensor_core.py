@@ -150,7 +150,7 @@ if SIMULATOR or _gpu_reason() is None:
     from polyattn.backends.cuda import tensor_core as numba_cuda_tc
 
 # Relative error against the float64 reference on the same operands: float16's
-# contract (DESIGN §4), bfloat16's rounding of P (8 bits), and float32's.
+# contract (docs/semantics.rst, "dtypes"), bfloat16's rounding of P (8 bits), and float32's.
 TOL = {"f16": 2e-3, "bf16": 1e-2, "3xtf32": 1e-5}
 
 

@@ -1,5 +1,5 @@
-"""The fused Numba CPU kernel (implementation "numba_cpu"): its exponential, every rule of
-§4.1 against the float64 oracle, DESIGN §4's NaN and inf semantics, and concurrent callers.
+"""The fused Numba CPU kernel (implementation "numba_cpu"): its mechanics (exponential,
+tiles, cache, compile notice, threads); the rules themselves are tests/test_rules.py's.
 
 Runs where Numba is installed (``nox -s numba_cpu``); skipped elsewhere with the reason.
 """
@@ -467,7 +467,7 @@ def test_the_32_byte_vector_kernel(tmp_path):
     assert f32 < 2e-5 and f64 < 1e-12, (f32, f64)
 
 
-# --- non-finite inputs (DESIGN §4.2) ---------------------------------------------------------
+# --- non-finite inputs (docs/semantics.rst, "Non-finite inputs") ---------------------------
 
 def _finite_or_nan(got, want, dtype):
     """Entries no NaN reached are the clean result; NaN is allowed, a finite wrong number not."""

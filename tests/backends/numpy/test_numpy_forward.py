@@ -299,7 +299,7 @@ def test_hidden_keys_never_leak(tiles, dtype_name):
     check(got, ref_attention(q, clean, v, mask=mask), dtype_name)
 
 
-# --- windows, soft-capping, ALiBi and key lengths (DESIGN §4.1) --------------------------
+# --- windows, soft-capping, ALiBi and key lengths (docs/semantics.rst) --------------------------
 
 def oracle(q, k, v, mask=None, **kw):
     """polyattn's reference implementation in float64 on the same problem: (out, lse)."""
@@ -529,7 +529,7 @@ def test_public_api_runs_the_numpy_path_with_rules():
     assert e.module == "polyattn.backends.numpy.forward"
 
 
-# --- non-finite inputs (DESIGN §4.2) ---------------------------------------------------------
+# --- non-finite inputs (docs/semantics.rst, "Non-finite inputs") ---------------------------
 
 def _sees(tq, tk, causal):
     """Bool (Tq, Tk): key j visible to query i (bottom-right alignment under causal)."""

@@ -8,7 +8,7 @@ native function cannot run it exactly (or ``None`` when it can); the
 dispatcher then takes the next implementation, and an explicit
 ``implementation="native"`` raises with that reason.
 
-How each part of polyattn's contract (DESIGN §4) is kept:
+How each part of polyattn's contract (docs/semantics.rst, "dtypes") is kept:
 
 * **Causal alignment.** Both libraries' ``is_causal`` is top-left (query i
   sees keys j <= i), which is polyattn's ``causal_offset == 0``. Any other
@@ -22,12 +22,12 @@ How each part of polyattn's contract (DESIGN §4) is kept:
   boolean mask (and 0 in the bias) so that JAX's scores stay finite and its
   gradients too.
 * **Precision.** JAX computes the softmax in float32 whatever the input, so
-  float64 JAX arrays are not run natively (§3.1); float32 products run at
+  float64 JAX arrays are not run natively (docs/semantics.rst); float32 products run at
   ``"highest"`` matmul precision (no TF32 or bfloat16 passes on GPUs).
 * **Windows, key lengths, ALiBi** become one dense mask (bool, or float with
   the ALiBi bias); soft-capping is not additive, so it is not native.
 * **Non-finite queries.** torch's fused CPU kernel reports a query row holding
-  NaN as 0, as if the row were fully masked; NaN never disappears (§4.2), so
+  NaN as 0, as if the row were fully masked; NaN never disappears (docs/semantics.rst), so
   the row sum of ``0·q`` (NaN for a row holding NaN or inf, else exactly 0) is
   added to the output, on both libraries. Gradients change by ``0·grad``.
 * **lse.** Neither public function returns the log-sum-exp with gradients

@@ -215,7 +215,8 @@ def kept(b: int, h: int, i: int, key: int, iparams: Any, tq: int, tk: int, keep:
          zero: Any) -> Any:
     """Dropout's factor for the weight of query ``i`` of head ``h`` on ``key``: ``keep``
     (1 / (1 - p)) where Philox's word for its flat index in (B…, H, Tq, Tk) reaches the
-    threshold, else 0 (DESIGN §4.1, the counters of ``_dropout``)."""
+    threshold, else 0 (docs/semantics.rst, "Dropout"; the counters of
+    :mod:`polyattn.rules.dropout`)."""
     n = np.uint64(((b * iparams[11] + h) * tq + i) * tk + key)
     x0 = philox_x0(n, np.uint64(iparams[9]), np.uint64(iparams[10]))
     return keep if x0 >= np.uint64(iparams[8]) else zero

@@ -9,7 +9,7 @@ every step in SIMD vectors across query rows:
   kernel computes ``Sᵀ = scale·K·Qᵀ`` (keys × W), so that each query row is a
   column: its running maximum and sum, its exponentials and the rescale of its
   accumulated output are lanes of vector operations (``_numba_cpu_tiles``), and
-  ``Oᵀ += Vᵀ·Pᵀ`` follows. The scores' transform (§4.1: soft-capping, ALiBi,
+  ``Oᵀ += Vᵀ·Pᵀ`` follows. The scores' transform (docs/semantics.rst: soft-capping, ALiBi,
   the mask, the visible key range) runs column by column where it applies;
   keys no row of a panel may see are not computed.
 - **Register tiles.** Both products are written in LLVM IR (Numba's own loops
@@ -27,7 +27,7 @@ every step in SIMD vectors across query rows:
 - **Floating-point semantics kept.** ``fastmath`` allows reassociation and
   contraction but not the "no NaN / no inf" assumptions: ``-inf`` marks
   invisible keys as everywhere else in polyattn, and NaN and inf inputs
-  propagate as DESIGN §4 says.
+  propagate as docs/semantics.rst says.
 - **Parallel over items** with ``prange``. Work items are independent, each
   writes its own rows of ``out`` and ``lse``: the result does not depend on
   the number of threads.
@@ -39,7 +39,7 @@ does not hold it says so first, in one line on the logger ``"polyattn"``
 ``logging.getLogger("polyattn").setLevel(logging.ERROR)`` silences it), naming
 ``python -m polyattn warmup``. The NumPy code around the kernel computes under
 ``np.errstate(all="ignore")``: non-finite inputs give non-finite results
-(DESIGN §4.2), never a floating-point warning.
+(docs/semantics.rst, "Non-finite inputs"), never a floating-point warning.
 """
 
 from __future__ import annotations
@@ -482,7 +482,7 @@ def _keep_non_finite_rows(call: _Call, out: np.ndarray, lse: np.ndarray) -> None
     """NaN in the rows whose query holds a NaN or an inf, whatever the kernel made of them:
     inf times keys all negative there makes every score -inf (reported as fully masked:
     0, lse -inf), and soft-capping saturates an infinite score to a finite one; NaN never
-    disappears (DESIGN §4.2), as on the other paths."""
+    disappears (docs/semantics.rst, "Non-finite inputs"), as on the other paths."""
     lost = ~np.isfinite(call.q4).all(axis=-1)[call.qmap]          # (B, H, Tq)
     if lost.any():
         out[lost] = np.nan
