@@ -30,14 +30,10 @@ from hypothesis import strategies as st
 
 import polyattn
 from polyattn.backends.array_api import blocked as chunked
+from polyattn.backends.numpy import plan as numpy_plan
 
-try:
-    from polyattn.backends.numpy import forward as numpy_chunked
-except ImportError:  # pragma: no cover - the NumPy fast path is optional
-    numpy_chunked = None
-
-#: The modules whose block sizes each example draws.
-BLOCKED = [m for m in (chunked, numpy_chunked) if m is not None and hasattr(m, "BLOCK_K")]
+#: The modules whose block sizes each example draws (the NumPy fast path's are its plan's).
+BLOCKED = [chunked, numpy_plan]
 
 #: Share of the profile's examples each backend runs.
 EXAMPLE_SHARE = {Backend.JAX: 0.25}

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from polyattn import _autograd, backends
+from polyattn._explanation import Explanation, mib
 from polyattn._interop import device_of, library_name
 from polyattn._problem import Problem
 
@@ -87,70 +88,6 @@ def numba_cpu_setting() -> str:
     return setting
 
 
-def _detail(label: str, doc: str) -> Any:
-    return property(lambda self: self.details.get(label, ""), doc=doc)
-
-
-@dataclass(frozen=True)
-class Explanation:
-    """Which implementation runs for a call, and why; ``str()`` gives a readable report."""
-
-    implementation: str
-    reason: str
-    library: str
-    device: str
-    dtype: str
-    compute_dtype: str
-    shape: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    score_bytes: int = 0
-    score_budget: int = 0
-    module: str = ""
-    #: For ``"auto"``: each implementation -> why it was not chosen ("" for the one that was).
-    candidates: dict[str, str] = field(default_factory=dict)
-    layout: str = "BHTE"
-    #: The position and score keywords in use (window, softcap, ALiBi, key lengths).
-    features: dict[str, str] = field(default_factory=dict)
-    #: Lines the backends supply, label -> text: the numba_cuda kernels' verdict, then
-    #: the chosen backend's own (``"plan"``, ``"numba_cpu kernel"``, ``"arithmetic"``, ...).
-    details: dict[str, str] = field(default_factory=dict)
-
-    plan = _detail("plan", 'For "distributed": the task plan (chunks, tile and merge tasks).')
-    compiled = _detail("numba_cpu kernel", 'For "numba_cpu": compiled, cached, or not yet.')
-    tiles = _detail("numba_cpu tiles", 'For "numba_cpu": its SIMD vectors and register tiles.')
-    arithmetic = _detail("arithmetic", 'For "numba_cuda": exact, or which tensor-core mode.')
-
-    kernel_available = property(lambda self: self.kernel.startswith("usable"),
-                                doc="Whether the numba_cuda kernels can run these inputs.")
-    kernel_reason = property(lambda self: self.kernel.partition(" (")[2][:-1],
-                             doc="Why the numba_cuda kernels can or cannot run them.")
-    kernel = _detail("numba_cuda kernel", "Their verdict: usable (why), or not usable (why).")
-
-    def __str__(self) -> str:
-        shapes = ", ".join(f"{k} {v}" for k, v in self.shape.items())
-        lines = [f"implementation: {self.implementation}"]
-        lines += [f"module: {self.module}"] if self.module else []
-        lines += [f"reason: {self.reason}",
-                  f"inputs: {self.library} arrays on {self.device}, dtype {self.dtype} "
-                  f"(computed in {self.compute_dtype}); {shapes}",
-                  f"score matrix: {_mib(self.score_bytes)} (budget {_mib(self.score_budget)})"]
-        lines += [f"{label}: {text}" for label, text in self.details.items()]
-        if self.layout != "BHTE":
-            lines.append(f"layout: {self.layout} (query, key, value and out are (B…, T, H, E); "
-                         "shapes above are their (B…, H, T, E) views)")
-        if self.features:
-            lines.append("features: " + ", ".join(f"{k} {v}" for k, v in self.features.items()))
-        if self.candidates:
-            lines.append("candidates, in order of preference:")
-            lines += [f"  {name}: {'chosen' if not why else 'not chosen: ' + why}"
-                      for name, why in self.candidates.items()]
-        return "\n".join(lines)
-
-
-def _mib(n: int) -> str:
-    """A byte count for people: KiB below 1 MiB, else MiB."""
-    return f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
-
-
 @dataclass(frozen=True)
 class _Budget:
     """The score matrix of a call (bytes) against its budget."""
@@ -163,8 +100,8 @@ class _Budget:
         source = ("set by POLYATTN_SCORE_BUDGET" if os.environ.get("POLYATTN_SCORE_BUDGET")
                   else ("NUMPY_" if self.numpy else "") + "SCORE_BUDGET_BYTES; "
                   "POLYATTN_SCORE_BUDGET sets another")
-        return (f"the {_mib(self.score_bytes)} score matrix {'fits' if self.fits else 'exceeds'}"
-                f" the {_mib(self.limit)} budget{' for NumPy arrays' if self.numpy else ''} "
+        return (f"the {mib(self.score_bytes)} score matrix {'fits' if self.fits else 'exceeds'}"
+                f" the {mib(self.limit)} budget{' for NumPy arrays' if self.numpy else ''} "
                 f"({source})")
 
     fits = property(lambda self: self.score_bytes <= self.limit)
@@ -199,14 +136,14 @@ def _auto_rule(name: str, problem: Problem, budget: _Budget) -> str | None:
     used = [n for n, value in (("window", rules.window), ("key_lengths", rules.key_lengths),
                                ("alibi_slopes", rules.alibi)) if value is not None]
     return (f"{', '.join(used)} would become a dense mask as large as the "
-            f"{_mib(budget.score_bytes)} score matrix (over the {_mib(budget.limit)} budget), "
+            f"{mib(budget.score_bytes)} score matrix (over the {mib(budget.limit)} budget), "
             "while the blocked path skips the key blocks no query can see")
 
 
 def _refusal(name: str, why: str, problem: Problem, needs: frozenset[str]) -> Exception:
     """The error for implementation ``name``, asked for by name, that objects ``why``."""
     gradient = backends.AUTOGRAD in needs and problem.constant_needing_grad is not None
-    if name == "numba_cuda" and not gradient:
+    if name == "numba_cuda" and not gradient and not why.startswith("it does not apply"):
         return RuntimeError(
             "implementation='numba_cuda' needs CUDA arrays (CuPy or torch CUDA tensors), a "
             "CUDA GPU and numba-cuda, or the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) for NumPy "
@@ -227,7 +164,7 @@ def _walk(problem: Problem, needs: frozenset[str], budget: _Budget,
             why: str | None = ("turned off for implementation='auto' by "
                                f"POLYATTN_NUMBA_CPU={numba_cpu_setting()}")
         else:
-            verdicts[name] = backends.backend(name, problem).supports(problem, needs=needs)
+            verdicts[name] = backends.objection(backends.backend(name, problem), problem, needs)
             why = verdicts[name] or _auto_rule(name, problem, budget)
         if why is None and name not in order:
             why = f"{label} leaves it out for these arrays: it runs when asked by name"
@@ -253,13 +190,16 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
     candidates: dict[str, str] = {}
     if requested == "auto":
         name, candidates = _walk(problem, needs, budget, verdicts)
+        if not name:
+            raise ValueError("no implementation can run this call: " + "; ".join(
+                f"{n}: {why}" for n, why in candidates.items()))
         reason = CHOSEN_BECAUSE[name].format(library=library_name(problem.xp),
                                              budget=budget.words())
     else:
         name, reason = requested, "requested by the caller"
         if name == "numba_cpu":
             numba_cpu_setting()
-        verdicts[name] = backends.backend(name, problem).supports(problem, needs=needs)
+        verdicts[name] = backends.objection(backends.backend(name, problem), problem, needs)
         if verdicts[name] is not None:
             raise _refusal(name, str(verdicts[name]), problem, needs)
     kernel = verdicts["numba_cuda"]

@@ -63,6 +63,9 @@ class Backend(Protocol):
     NAME: str
     #: :data:`BY_LIBRARY` or :data:`BY_AUTOGRAD`.
     DIFFERENTIATED: str
+    #: The score rules it lowers (names of :data:`polyattn.rules.visibility.RULE_NAMES`):
+    #: a call using another is not given to it (:func:`objection`).
+    RULES: frozenset[str]
     #: Whether it computes on NumPy arrays, so that torch CPU tensors reach it as NumPy
     #: views of them (:func:`polyattn._autograd.numpy_bridge`).
     HOST: bool
@@ -106,12 +109,23 @@ def numpy_path() -> Backend:
     return importlib.import_module(f"{__name__}.numpy").FAST_PATH  # type: ignore[no-any-return]
 
 
+def objection(runner: Backend, problem: Any, needs: frozenset[str] = frozenset()) -> str | None:
+    """Why ``runner`` cannot run ``problem`` with ``needs``: a rule it does not lower, or its
+    own :meth:`Backend.supports`; ``None``: it can."""
+    rules = problem.rules
+    missing = sorted(rules.in_use() - runner.RULES) if rules is not None else []
+    if missing:
+        lowered = ", ".join(sorted(runner.RULES))
+        return f"it does not apply {' or '.join(missing)} (it applies {lowered})"
+    return runner.supports(problem, needs=needs)
+
+
 def backend(name: str, problem: Any) -> Backend:
     """The backend that runs implementation ``name`` for ``problem``: ``"chunked"`` is the
     NumPy fast path wherever it can run the call (NumPy arrays, NumPy views of torch CPU
     tensors), else the Array-API blocked path."""
     if name == "chunked":
         fast = numpy_path()
-        if fast.supports(problem, needs=frozenset({AUTOGRAD})) is None:
+        if objection(fast, problem, frozenset({AUTOGRAD})) is None:
             return fast
     return family(name)

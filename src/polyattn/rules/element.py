@@ -91,6 +91,37 @@ def modifiers(softcap, slope, unit):  # type: ignore[no-untyped-def]
     return cap, inv_cap, slope * unit
 
 
+def head_modifiers(mods, softcap, slopes, b, h, unit):  # type: ignore[no-untyped-def]
+    """:func:`modifiers` of head ``h`` of batch row ``b`` where the kernel has modifiers
+    (``mods``, a compile-time flag), else zeros (nothing to read)."""
+    cap = T(0)
+    inv_cap = T(0)
+    slope = T(0)
+    if mods:
+        cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), unit)
+    return cap, inv_cap, slope
+
+
+def mask_steps(masked, mask, mask_batch, b, h):  # type: ignore[no-untyped-def]
+    """Where batch row ``b``, head ``h`` reads a mask broadcast to (B, H, Tq, Tk):
+    ``(mb, mh, mi_step, mj_step)``, a size-1 axis read at index 0 (``mask_batch`` maps
+    the flat batch index to the mask's); zeros where the kernel has no mask (``masked``,
+    a compile-time flag)."""
+    mb = 0
+    mh = 0
+    mi_step = 0
+    mj_step = 0
+    if masked:
+        mb = mask_batch[b]
+        if mask.shape[1] > 1:
+            mh = h
+        if mask.shape[2] > 1:
+            mi_step = 1
+        if mask.shape[3] > 1:
+            mj_step = 1
+    return mb, mh, mi_step, mj_step
+
+
 def modify(x, p, j, cap, inv_cap, slope):  # type: ignore[no-untyped-def]
     """The scaled score ``x`` after soft-capping (``cap > 0``; ``inv_cap = 1 / cap``) and ALiBi."""
     if cap > 0:

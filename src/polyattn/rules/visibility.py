@@ -28,6 +28,12 @@ Array = Any
 NEG_INF = -math.inf
 
 
+#: Every score rule :class:`Rules` can hold, by name: a backend lists those it lowers in
+#: its ``RULES``, and is never chosen for a call using one it does not (a new rule is
+#: refused everywhere until a family lowers it, rather than silently left out).
+RULE_NAMES = ("causal", "window", "key_lengths", "softcap", "alibi", "dropout")
+
+
 @dataclass(frozen=True)
 class Rules:
     """Everything that decides a score besides ``q·k``, ``scale`` and ``attn_mask``.
@@ -73,8 +79,21 @@ class Rules:
     @property
     def simple(self) -> bool:
         """Only (static) causal, as in 0.1: no window, lengths, softcap, ALiBi or dropout."""
-        return (self.key_lengths is None and self.window is None and self.softcap is None
-                and self.alibi is None and not self.dropout)
+        return self.in_use() <= {"causal"}
+
+    def in_use(self) -> frozenset[str]:
+        """The names (of :data:`RULE_NAMES`) of the rules this call uses: a backend runs it
+        only if it lowers each of them (its ``RULES``).
+
+        >>> sorted(Rules(4, 4, causal=True, softcap=30.0).in_use())
+        ['causal', 'softcap']
+        """
+        used = {"causal": self.causal, "window": self.window is not None,
+                "key_lengths": self.key_lengths is not None,
+                "softcap": self.softcap is not None, "alibi": self.alibi is not None,
+                "dropout": self.dropout}
+        assert tuple(used) == RULE_NAMES, "a rule of Rules is missing from RULE_NAMES"
+        return frozenset(name for name, on in used.items() if on)
 
     @property
     def dropout(self) -> bool:

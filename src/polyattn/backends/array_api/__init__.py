@@ -12,6 +12,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from polyattn.rules.visibility import RULE_NAMES
+
 
 @dataclass(frozen=True)
 class ArrayApiPath:
@@ -21,6 +23,7 @@ class ArrayApiPath:
     module: str
     DIFFERENTIATED: str = "library"
     HOST: bool = False
+    RULES = frozenset(RULE_NAMES)  # every score rule
 
     def _code(self) -> Any:
         return importlib.import_module(f"{__name__}.{self.module}")

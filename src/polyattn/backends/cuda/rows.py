@@ -183,10 +183,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 
     keep_word = philox_function()  # Philox4x32-10's first word for a weight's index
     # The score element (positions, visibility, key ranges, modifiers), in np_t.
-    position, key_length, head_slope, visible, block_keys, modifiers, modify = (
-        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
-                                         element.head_slope, element.visible,
-                                         element.block_keys, element.modifiers, element.modify))
+    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify = (
+        lower(f, "cuda", np_t) for f in (
+            element.position, element.key_length, element.visible, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify))
 
     def attention_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, o_part,
                          lse_part, scale, softcap, drop_scale, threshold, key0, key1, offset,
@@ -225,29 +225,18 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         n_ktiles = max(0, (k_end - k_start + BK - 1) // BK)
 
         # Where this thread reads the mask: size-1 axes broadcast at index 0.
-        mb = 0
-        mh = 0
+        mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
+                                              b, h)
         mi = 0
-        mj_step = 0
-        if BOOL_MASK or FLOAT_MASK:
-            mb = mask_batch[b]
-            if mask.shape[1] > 1:
-                mh = h
-            if mask.shape[2] > 1 and row_ok:
-                mi = i
-            if mask.shape[3] > 1:
-                mj_step = 1
+        if row_ok:
+            mi = i * mi_step
 
         # Dropout: weight (b, h, i, j) has the flat index row_n + j.
         dropping = threshold != U_ZERO
         row_n = ((b * n_heads + h) * tq + i) * tk
 
         # Score modifiers: soft-capping (softcap > 0) and this head's ALiBi slope.
-        cap = ZERO
-        inv_cap = ZERO
-        slope = ZERO
-        if MODS:
-            cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
+        cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
 
         q_row = cuda.local.array(HEAD, acc_t)
         acc = cuda.local.array(HEAD, acc_t)

@@ -115,11 +115,10 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     HEAD, BK = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     keep_word = philox_function()
-    position, key_length, head_slope, visible, block_keys, modifiers, modify_and_grad = (
-        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
-                                         element.head_slope, element.visible,
-                                         element.block_keys, element.modifiers,
-                                         element.modify_and_grad))
+    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify_and_grad = (
+        lower(f, "cuda", np_t) for f in (
+            element.position, element.key_length, element.visible, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify_and_grad))
 
     def dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq, scale,
                   softcap, drop_scale, threshold, key0, key1, offset, shift, left, right):
@@ -149,25 +148,14 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         # Where this thread reads the mask: size-1 axes broadcast at index 0.
-        mb = 0
-        mh = 0
+        mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
+                                              b, h)
         mi = 0
-        mj_step = 0
-        if BOOL_MASK or FLOAT_MASK:
-            mb = mask_batch[b]
-            if mask.shape[1] > 1:
-                mh = h
-            if mask.shape[2] > 1 and row_ok:
-                mi = i
-            if mask.shape[3] > 1:
-                mj_step = 1
+        if row_ok:
+            mi = i * mi_step
 
         # Score modifiers and dropout.
-        cap = ZERO
-        inv_cap = ZERO
-        slope = ZERO
-        if MODS:
-            cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
+        cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
         dropping = threshold != U_ZERO
         row_n = ((b * n_heads + h) * tq + i) * tk
 
@@ -279,11 +267,10 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     HEAD, BT = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     keep_word = philox_function()
-    position, key_length, head_slope, visible, block_queries, modifiers, modify_and_grad = (
-        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
-                                         element.head_slope, element.visible,
-                                         element.block_queries, element.modifiers,
-                                         element.modify_and_grad))
+    position, key_length, visible, block_queries, head_modifiers, modify_and_grad = (
+        lower(f, "cuda", np_t) for f in (
+            element.position, element.key_length, element.visible, element.block_queries,
+            element.head_modifiers, element.modify_and_grad))
 
     def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
                     scale, softcap, drop_scale, threshold, key0, key1, offset, shift, left,
@@ -350,11 +337,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             if BOOL_MASK or FLOAT_MASK:
                 if mask.shape[1] > 1:
                     mh = h
-            cap = ZERO
-            inv_cap = ZERO
-            slope = ZERO
-            if MODS:
-                cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
+            cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
             row0 = (b * n_heads + h) * tq  # flat index of row 0 in (B, H, Tq)
 
             for qt in range(n_qtiles):

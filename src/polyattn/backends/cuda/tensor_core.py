@@ -164,11 +164,10 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     f32, u32 = types.float32, types.uint32
     ZERO, ONE, NEG_INF = np.float32(0.0), np.float32(1.0), np.float32(-np.inf)
     U_ZERO = np.uint64(0)
-    position, key_length, head_slope, visible, block_keys, modifiers, modify = (
-        lower(f, "cuda", np.float32) for f in (element.position, element.key_length,
-                                               element.head_slope, element.visible,
-                                               element.block_keys, element.modifiers,
-                                               element.modify))
+    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify = (
+        lower(f, "cuda", np.float32) for f in (
+            element.position, element.key_length, element.visible, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify))
     HEAD, BK = bucket, block_k(arithmetic, bucket)
     BQ, NTHREADS = BLOCK_Q, THREADS
     STEPS = BK // 16  # 16-key steps per tile: S, softmax and P V, one after another
@@ -220,30 +219,16 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                             tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
-        mb = 0
-        mh = 0
-        mi0 = 0
-        mi1 = 0
-        mj_step = 0
-        if BOOL_MASK or FLOAT_MASK:
-            mb = mask_batch[b]
-            if mask.shape[1] > 1:
-                mh = h
-            if mask.shape[2] > 1:
-                mi0 = min(row0, tq - 1)
-                mi1 = min(row1, tq - 1)
-            if mask.shape[3] > 1:
-                mj_step = 1
+        mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
+                                              b, h)
+        mi0 = min(row0, tq - 1) * mi_step
+        mi1 = min(row1, tq - 1) * mi_step
 
         dropping = threshold != U_ZERO
         row_n0 = ((b * n_heads + h) * tq + row0) * tk
         row_n1 = ((b * n_heads + h) * tq + row1) * tk
 
-        cap = ZERO
-        inv_cap = ZERO
-        slope = ZERO
-        if MODS:
-            cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), ONE)
+        cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
 
         k_tile = cuda.shared.array(K_SHAPE, TILE_T, alignment=ALIGN)
         v_tile = cuda.shared.array(V_SHAPE, TILE_T, alignment=ALIGN)

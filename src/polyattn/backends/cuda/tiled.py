@@ -187,10 +187,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     # fewer per weight than exp; lse goes back to base e at the end.
     LOG2E, LN2 = np_t(math.log2(math.e)), np_t(math.log(2.0))
     U_ZERO = np.uint64(0)
-    position, key_length, head_slope, row_keys, block_keys, modifiers, modify = (
-        lower(f, "cuda", np_t) for f in (element.position, element.key_length,
-                                         element.head_slope, element.row_keys,
-                                         element.block_keys, element.modifiers, element.modify))
+    position, key_length, row_keys, block_keys, head_modifiers, mask_steps, modify = (
+        lower(f, "cuda", np_t) for f in (
+            element.position, element.key_length, element.row_keys, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify))
     HEAD = bucket
     BQ, BK, R, NTHREADS = BLOCK_Q, block_k(dtype), rows_per_thread(bucket), threads(bucket)
     D_CHUNK = min(DC, HEAD)
@@ -378,30 +378,16 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                             x = v[b, hk, j0 + r, d + w]
                         v_next[n * WV + w] = x
 
-            cap = ZERO
-            inv_cap = ZERO
-            slope = ZERO
-            if MODS:
-                # Read per tile from the kernel's arguments, like the mask's
-                # parameters below: held across the key loop, they would take
-                # registers the patches need.
-                cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b + z, h + z),
-                                                LOG2E)
+            # Read per tile from the kernel's arguments, like the mask's
+            # parameters below: held across the key loop, they would take
+            # registers the patches need.
+            cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b + z, h + z, LOG2E)
             if MASKED:
                 # A mask is applied to the whole tile by all threads together, key
                 # fastest (consecutive threads read consecutive mask entries), with
                 # the modifiers before it; its parameters are read per tile.
                 cuda.syncthreads()
-                mb = mask_batch[b + z]
-                mh = 0
-                mi_step = 0
-                mj_step = 0
-                if mask.shape[1] > 1:
-                    mh = h
-                if mask.shape[2] > 1:
-                    mi_step = 1
-                if mask.shape[3] > 1:
-                    mj_step = 1
+                mb, mh, mi_step, mj_step = mask_steps(True, mask, mask_batch, b + z, h)
                 for idx in range(tid + z, BQ * BK, NTHREADS):
                     jj = idx % BK
                     r = idx // BK

@@ -207,10 +207,10 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BQ = BLOCK_Q
     consts = _constants(dtype, bucket, dq_rows_per_thread(bucket))
-    position, key_length, head_slope, visible, block_keys, modifiers, modify_and_grad = (
+    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify_and_grad = (
         lower(f, "cuda", consts["np_t"]) for f in (
-            element.position, element.key_length, element.head_slope, element.visible,
-            element.block_keys, element.modifiers, element.modify_and_grad))
+            element.position, element.key_length, element.visible, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify_and_grad))
     np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
                                                             "U_ZERO"))
     HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
@@ -345,23 +345,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             # copy of the rules and of the dropout cipher. Parameters read per tile.
             z = opaque_zero()
             rg_s, kg_s = rg + z, kg + z
-            mb = 0
-            mh = 0
-            mi_step = 0
-            mj_step = 0
-            if BOOL_MASK or FLOAT_MASK:
-                mb = mask_batch[b + z]
-                if mask.shape[1] > 1:
-                    mh = h
-                if mask.shape[2] > 1:
-                    mi_step = 1
-                if mask.shape[3] > 1:
-                    mj_step = 1
-            cap = ZERO
-            inv_cap = ZERO
-            slope = ZERO
-            if MODS:
-                cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b + z, h + z), ONE)
+            mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
+                                                  b + z, h)
+            cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b + z, h + z, ONE)
             # weight (b, h, i, j) has the flat index ((b·H + h)·Tq + i)·Tk + j
             pair_n = ((b + z) * n_heads + h) * tq
             for n in range(S_LEN):
@@ -465,10 +451,10 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BKV = BLOCK_KV
     consts = _constants(dtype, bucket, dkdv_rows_per_thread(bucket))
-    position, key_length, head_slope, visible, block_queries, modifiers, modify_and_grad = (
+    position, key_length, visible, block_queries, head_modifiers, mask_steps, modify_and_grad = (
         lower(f, "cuda", consts["np_t"]) for f in (
-            element.position, element.key_length, element.head_slope, element.visible,
-            element.block_queries, element.modifiers, element.modify_and_grad))
+            element.position, element.key_length, element.visible, element.block_queries,
+            element.head_modifiers, element.mask_steps, element.modify_and_grad))
     np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
                                                             "U_ZERO"))
     HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
@@ -613,24 +599,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                 # P∘Z and dS of the thread's pairs, in place, in a loop left rolled.
                 z = opaque_zero()
                 rg_s, kg_s = rg + z, kg + z
-                mb = 0
-                mh = 0
-                mi_step = 0
-                mj_step = 0
-                if BOOL_MASK or FLOAT_MASK:
-                    mb = mask_batch[b + z]
-                    if mask.shape[1] > 1:
-                        mh = h
-                    if mask.shape[2] > 1:
-                        mi_step = 1
-                    if mask.shape[3] > 1:
-                        mj_step = 1
-                cap = ZERO
-                inv_cap = ZERO
-                slope = ZERO
-                if MODS:
-                    cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b + z, h + z),
-                                                    ONE)
+                mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
+                                                      b + z, h)
+                cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b + z, h + z, ONE)
                 pair_n = ((b + z) * n_heads + h) * tq
                 for n in range(S_LEN):
                     ii = 32 * (n // RS) + 4 * kg_s + n % 4

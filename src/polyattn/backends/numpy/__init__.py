@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from polyattn._interop import library_name
+from polyattn.rules.visibility import RULE_NAMES
 
 
 class FastPath:
@@ -22,6 +23,7 @@ class FastPath:
     NAME = "chunked"
     DIFFERENTIATED = "autograd"
     HOST = True
+    RULES = frozenset(RULE_NAMES)  # every score rule
     MODULE = f"{__name__}.forward"
 
     def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:

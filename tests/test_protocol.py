@@ -1,0 +1,65 @@
+"""The Backend protocol's rule gate: a backend is given only the rules it lowers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyattn
+from polyattn import backends
+from polyattn.backends import array_api
+from polyattn.backends import numpy as numpy_family
+from polyattn.rules.visibility import RULE_NAMES, Rules
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
+
+
+def test_every_family_lowers_every_rule_today():
+    for name in backends.FAMILIES:
+        assert backends.family(name).RULES == frozenset(RULE_NAMES), name
+    assert backends.numpy_path().RULES == frozenset(RULE_NAMES)
+
+
+def test_rules_in_use_name_each_rule():
+    assert Rules(3, 3).in_use() == frozenset()
+    assert Rules(3, 3).simple
+    every = Rules(3, 3, causal=True, window=(1, None), key_lengths=np.array([3]),
+                  softcap=5.0, alibi=np.ones((1, 1)), dropout_p=0.1)
+    assert every.in_use() == frozenset(RULE_NAMES)
+    assert not every.simple
+
+
+def test_a_backend_is_not_given_a_rule_it_does_not_lower(monkeypatch):
+    q, k, v = _inputs()
+    monkeypatch.setattr(numpy_family.FastPath, "RULES", frozenset({"causal"}))
+    # "chunked" on NumPy passes the call to the Array-API blocked path, which lowers it
+    out = polyattn.scaled_dot_product_attention(q, k, v, softcap=2.0, implementation="chunked")
+    ref = polyattn.scaled_dot_product_attention(q, k, v, softcap=2.0,
+                                                implementation="reference")
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    assert polyattn.explain(q, k, v, softcap=2.0, implementation="chunked").module.endswith(
+        "array_api.blocked")
+    # a call without the rule still takes the fast path
+    assert polyattn.explain(q, k, v, is_causal=True, implementation="chunked").module.endswith(
+        "numpy.forward")
+
+
+def test_no_backend_lowering_a_rule_means_a_clear_refusal(monkeypatch):
+    q, k, v = _inputs()
+    monkeypatch.setattr(numpy_family.FastPath, "RULES", frozenset({"causal"}))
+    monkeypatch.setattr(array_api.ArrayApiPath, "RULES", frozenset({"causal"}))
+    with pytest.raises(ValueError, match="does not apply softcap"):
+        polyattn.scaled_dot_product_attention(q, k, v, softcap=2.0, implementation="reference")
+    with pytest.raises(ValueError, match="does not apply softcap"):
+        polyattn.scaled_dot_product_attention(q, k, v, softcap=2.0, implementation="chunked")
+
+
+def test_auto_with_no_backend_for_a_rule_names_each_objection(monkeypatch):
+    q, k, v = _inputs()
+    monkeypatch.setattr(numpy_family.FastPath, "RULES", frozenset({"causal"}))
+    monkeypatch.setattr(array_api.ArrayApiPath, "RULES", frozenset({"causal"}))
+    with pytest.raises(ValueError, match="does not apply softcap"):
+        polyattn.scaled_dot_product_attention(q, k, v, softcap=2.0)
