@@ -17,10 +17,39 @@ def _inputs():
     return tuple(rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
 
 
-def test_every_family_lowers_every_rule_today():
+def test_every_family_names_the_rules_it_handles():
+    # named one by one, so that a rule added to RULE_NAMES is refused until a family lists it
+    today = {"causal", "window", "key_lengths", "softcap", "alibi", "dropout"}
+    assert set(RULE_NAMES) == today
     for name in backends.FAMILIES:
-        assert backends.family(name).RULES == frozenset(RULE_NAMES), name
-    assert backends.numpy_path().RULES == frozenset(RULE_NAMES)
+        assert backends.family(name).RULES == today, name
+    assert backends.numpy_path().RULES == today
+
+
+def test_a_new_rule_is_refused_until_a_family_lists_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from polyattn.rules import visibility
+
+    monkeypatch.setattr(visibility.Rules, "in_use",
+                        lambda self: frozenset({"softcap", "a_new_rule"}))
+    problem = SimpleNamespace(rules=Rules(6, 6, softcap=2.0))
+    runners = [backends.family(name) for name in backends.FAMILIES] + [backends.numpy_path()]
+    for runner in runners:
+        why = backends.objection(runner, problem)
+        assert why is not None and why.startswith("it does not apply a_new_rule"), (runner, why)
+
+
+def test_importing_polyattn_imports_no_array_library_or_compiler():
+    import subprocess
+    import sys
+
+    code = ("import sys, polyattn\n"
+            "heavy = [m for m in ('numba', 'cupy', 'torch', 'jax', 'dask', 'llvmlite')"
+            " if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
 
 
 def test_rules_in_use_name_each_rule():

@@ -63,8 +63,9 @@ class Backend(Protocol):
     NAME: str
     #: :data:`BY_LIBRARY` or :data:`BY_AUTOGRAD`.
     DIFFERENTIATED: str
-    #: The score rules it lowers (names of :data:`polyattn.rules.visibility.RULE_NAMES`):
-    #: a call using another is not given to it (:func:`objection`).
+    #: The score rules it handles (names of :data:`polyattn.rules.visibility.RULE_NAMES`),
+    #: listed one by one: it lowers each, or refuses a call with a reason of its own (native
+    #: and soft-capping, say). A call using another is not given to it (:func:`objection`).
     RULES: frozenset[str]
     #: Whether it computes on NumPy arrays, so that torch CPU tensors reach it as NumPy
     #: views of them (:func:`polyattn._autograd.numpy_bridge`).

@@ -45,7 +45,7 @@ class Rules:
     ``window``: ``(left, right)``, each an int or ``None`` (unbounded).
     ``alibi``: slopes with ``len(B…) + 1`` dimensions, broadcastable to
     (B…, H), in the compute dtype. ``dropout_p``, ``dropout_seed``: weights are
-    dropped after the softmax by the counters of :mod:`._dropout`.
+    dropped after the softmax by the counters of :mod:`.dropout`.
     """
 
     tq: int

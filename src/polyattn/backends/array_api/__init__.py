@@ -12,8 +12,6 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from polyattn.rules.visibility import RULE_NAMES
-
 
 @dataclass(frozen=True)
 class ArrayApiPath:
@@ -23,7 +21,8 @@ class ArrayApiPath:
     module: str
     DIFFERENTIATED: str = "library"
     HOST: bool = False
-    RULES = frozenset(RULE_NAMES)  # every score rule
+    #: The score rules it handles (named one by one: see polyattn.backends.Backend).
+    RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
 
     def _code(self) -> Any:
         return importlib.import_module(f"{__name__}.{self.module}")

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from polyattn._interop import library_name
-from polyattn.rules.visibility import RULE_NAMES
 
 NAME = "native"
 DIFFERENTIATED = "library"
 HOST = False
-#: The score rules it lowers: every one.
-RULES = frozenset(RULE_NAMES)
+#: The score rules it handles (named one by one: a rule added to polyattn is not
+#: given to it until it is listed here).
+RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
 
 #: The function that runs, per library.
 FUNCTIONS = {"torch": "torch.nn.functional.scaled_dot_product_attention",

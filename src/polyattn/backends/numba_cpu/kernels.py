@@ -56,7 +56,7 @@ def exp64(x: Any, shift: Any) -> None:
 
 @njit(nogil=True, cache=True, inline="always")
 def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
-    """The first output word of Philox4x32-10 (``_dropout``) for the counter
+    """The first output word of Philox4x32-10 (:mod:`polyattn.rules.dropout`) for the counter
     ``(n mod 2³², n div 2³², 0, 0)`` under the key words ``(key0, key1)``; uint64 words
     holding 32-bit values (every operand uint64: Numba would make uint64 ⊕ int64 a float)."""
     mask, shift = np.uint64(0xFFFFFFFF), np.uint64(32)
@@ -88,7 +88,7 @@ def tile_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c:
                  ldc: int, depth: int, alpha: Any, accumulate: bool, size: int) -> None:
     """``C[rows × W] = alpha · A · B (+ C)``, W = TILE_VECTORS vectors, in tiles of
     TILE_ROWS rows and the rest in tiles of 8, 4, 2, 1 rows (addresses and strides as in
-    :mod:`._numba_cpu_tiles`)."""
+    :mod:`.tiles`)."""
     r = 0
     while r + TILE_ROWS <= rows:
         tile_rows(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,

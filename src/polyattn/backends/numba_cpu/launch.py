@@ -8,7 +8,7 @@ every step in SIMD vectors across query rows:
   vectors: 32 float32 or 16 float64 rows with AVX-512). For a block of keys the
   kernel computes ``Sᵀ = scale·K·Qᵀ`` (keys × W), so that each query row is a
   column: its running maximum and sum, its exponentials and the rescale of its
-  accumulated output are lanes of vector operations (``_numba_cpu_tiles``), and
+  accumulated output are lanes of vector operations (:mod:`.tiles`), and
   ``Oᵀ += Vᵀ·Pᵀ`` follows. The scores' transform (docs/semantics.rst: soft-capping, ALiBi,
   the mask, the visible key range) runs column by column where it applies;
   keys no row of a panel may see are not computed.
@@ -406,7 +406,7 @@ class _Call:
         self.fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf,
                                  rules.dropout_scale if rules.dropout else 1.0], dtype=dtype)
         key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
-        # (the meaning of each entry: ``_numba_cpu_kernels``)
+        # (the meaning of each entry: :mod:`.kernels`)
         self.iparams = np.array([
             int(rules.causal), left, right, mask_kind, int(rules.alibi is not None),
             int(rules.softcap is not None), BLOCK_K, int(rules.dropout),

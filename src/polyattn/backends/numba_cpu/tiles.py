@@ -1,4 +1,4 @@
-"""Register-tiled matrix products for :mod:`._numba_cpu_kernels`, written in LLVM IR
+"""Register-tiled matrix products for :mod:`.kernels`, written in LLVM IR
 (this module imports Numba: import it only where Numba is installed).
 
 ``tile_RxV(a, lda, b, ldb, c, ldc, depth, alpha, accumulate)`` computes, for row-major

@@ -14,7 +14,6 @@ import importlib
 from typing import Any
 
 from polyattn._interop import library_name
-from polyattn.rules.visibility import RULE_NAMES
 
 
 class FastPath:
@@ -23,7 +22,8 @@ class FastPath:
     NAME = "chunked"
     DIFFERENTIATED = "autograd"
     HOST = True
-    RULES = frozenset(RULE_NAMES)  # every score rule
+    #: The score rules it handles (named one by one: see polyattn.backends.Backend).
+    RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
     MODULE = f"{__name__}.forward"
 
     def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
