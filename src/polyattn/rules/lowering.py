@@ -58,15 +58,21 @@ def window(rules: Rules) -> tuple[int | None, int | None] | None:
     return None if sides == (None, None) else (sides[0], sides[1])
 
 
-@functools.cache
 def lower(function: Callable[..., Any], target: str, compute_type: Any = float) -> Any:
+    """``function`` of :mod:`.element` compiled for ``target`` ("cpu" or "cuda") with ``T``
+    bound to ``compute_type`` (once per combination), inlined into the kernels that call it."""
+    return _lower(function, target, compute_type)
+
+
+@functools.cache
+def _lower(function: Callable[..., Any], target: str, compute_type: Any) -> Any:
     """``function`` of :mod:`.element` compiled for ``target`` ("cpu" or "cuda") with ``T``
     bound to ``compute_type``, inlined into the kernels that call it."""
     names = {**function.__globals__, "T": compute_type}
     for name in function.__code__.co_names:   # the element's functions it calls, lowered too
         called = function.__globals__.get(name)
         if isinstance(called, types.FunctionType) and called.__module__ == function.__module__:
-            names[name] = lower(called, target, compute_type)
+            names[name] = _lower(called, target, compute_type)
     bound = types.FunctionType(function.__code__, names, function.__name__,
                                function.__defaults__, function.__closure__)
     if target == "cuda":

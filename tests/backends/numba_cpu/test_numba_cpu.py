@@ -329,7 +329,7 @@ def _guarded(shape, dtype, rng, at_end=True):
 _GUARDED = """
 import sys
 import numpy as np
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{here!r}, {tests!r}]
 from test_numba_cpu import _guarded
 from polyattn import scaled_dot_product_attention as sdpa
 from polyattn import attention_vjp
@@ -364,7 +364,8 @@ def test_no_read_outside_the_arrays():
     elements (a read past one ends the child process), forward and backward."""
     import subprocess
 
-    script = _GUARDED.format(tests=str(Path(__file__).parent))
+    script = _GUARDED.format(here=str(Path(__file__).parent),
+                             tests=str(Path(__file__).parents[2]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -502,7 +502,8 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     Examples
     --------
     >>> import numpy as np
-    >>> from polyattn.backends import numba_cpu, reference
+    >>> from polyattn.backends.array_api import reference
+    >>> from polyattn.backends.numba_cpu import launch as numba_cpu
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
     >>> kw = dict(mask=None, causal_offset=0, scale=0.5, xp=np)
