@@ -150,6 +150,11 @@ class Problem:
                      if rules.lengths_shift else "")}
         return {k: str(v) for k, v in found.items() if v is not None}
 
+    def arguments(self) -> dict[str, Any]:
+        """The keyword arguments a family's own entry points take: the mask, the rules
+        (always given: causality travels in them), the scale and the namespace."""
+        return {"mask": self.mask, "rules": self.rules, "scale": self.scale, "xp": self.xp}
+
     def keywords(self) -> dict[str, Any]:
         """The keyword arguments every implementation's ``attention`` and ``backward`` take
         (:mod:`polyattn.backends`): ``rules`` only where they are more than causal."""
