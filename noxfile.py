@@ -207,7 +207,8 @@ def numba_cpu(session: nox.Session) -> None:
         return
     mechanics = required_paths(*NUMBA_CPU_MECHANICS)
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *mechanics, "--doctest-modules", "src/polyattn/backends/numba_cpu/launch.py")
+           *mechanics, "--doctest-modules", "src/polyattn/backends/numba_cpu/launch.py",
+           "src/polyattn/backends/numba_cpu/parameters.py")
     # every behaviour's numba_cpu cases: the tests sessions have no Numba
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "tests", "-k", "numba_cpu", *ignoring(*NUMBA_CPU_MECHANICS, *PTX_TESTS,
@@ -239,6 +240,7 @@ def docs(session: nox.Session) -> None:
                 "src/polyattn", "--ignore=src/polyattn/backends/cuda/rows.py",
                 # Numba is not installed here: the numba_cpu session runs these
                 "--ignore=src/polyattn/backends/numba_cpu/launch.py",
+                "--ignore=src/polyattn/backends/numba_cpu/parameters.py",
                 "--ignore=src/polyattn/backends/numba_cpu/kernels.py",
                 "--ignore=src/polyattn/backends/numba_cpu/tiles.py")
 

@@ -23,25 +23,26 @@ import polyattn
 from polyattn import scaled_dot_product_attention as sdpa
 
 pytest.importorskip("numba", reason="the numba_cpu kernel needs Numba (pip install numba)")
-from polyattn.backends.numba_cpu import launch as numba_cpu
+from polyattn.backends.numba_cpu import compiler, launch
+from polyattn.rules.visibility import Rules
 
 # --- the exponential ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 2.5e-7), (np.float64, 1e-15)])
 def test_exp_accuracy(dtype, tol):
-    lo = numba_cpu.EXP_MIN[np.dtype(dtype)]
+    lo = compiler.EXP_MIN[np.dtype(dtype)]
     x = np.concatenate([np.linspace(lo, 0.0, 200001), -np.logspace(-30, 0, 301)]).astype(dtype)
-    got = numba_cpu.exp(x).astype(np.float64)
+    got = compiler.exp(x).astype(np.float64)
     want = np.exp(x.astype(np.float64))
     assert np.max(np.abs(got - want) / want) <= tol
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_edges(dtype):
-    lo = numba_cpu.EXP_MIN[np.dtype(dtype)]
+    lo = compiler.EXP_MIN[np.dtype(dtype)]
     x = np.array([-np.inf, np.nan, 0.0, -0.0, lo, np.nextafter(dtype(lo), dtype(-np.inf)),
                   -745.2, -1e30, 1e-30], dtype=dtype)
-    got = numba_cpu.exp(x)
+    got = compiler.exp(x)
     assert got[0] == 0.0                           # -inf
     assert np.isnan(got[1])                        # NaN stays NaN
     assert got[2] == 1.0 and got[3] == 1.0
@@ -68,7 +69,7 @@ def test_layouts_broadcasts_and_long_queries():
     want = sdpa(q, k, v, layout="BTHE", implementation="reference", **kw)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     # every layout runs the two compiled signatures (no compilation per memory layout)
-    assert len(numba_cpu.kernels()["forward"].signatures) == 2
+    assert len(compiler.kernels()["forward"].signatures) == 2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -113,7 +114,7 @@ def test_concurrent_callers_get_the_sequential_results():
         t.join()
     for got, want in zip(results, sequential, strict=True):
         np.testing.assert_array_equal(got, want)
-    assert numba_cpu.threading_layer() in ("tbb", "omp", "workqueue")
+    assert launch.threading_layer() in ("tbb", "omp", "workqueue")
 
 
 # --- dropout and the backward pass ---------------------------------------------------------
@@ -176,7 +177,7 @@ def test_auto_takes_it_above_the_score_budget(monkeypatch):
     assert chosen.candidates["numba_cpu"] == ""
     assert chosen.candidates["chunked"] == "numba_cpu comes first"
     assert "numba_cpu kernel:" in str(chosen)
-    assert f"numba_cpu tiles: {numba_cpu.tiles()}" in str(chosen)
+    assert f"numba_cpu tiles: {compiler.tiles()}" in str(chosen)
     below = polyattn.explain(small, small, small)
     assert below.implementation == "reference"
     assert "fits" in below.candidates["numba_cpu"]
@@ -226,14 +227,14 @@ def test_auto_falls_back_when_the_kernel_cannot_compile(monkeypatch):
     q, k, v = (x.astype(np.float32) for x in _inputs(rng, b=1, hkv=4, tq=64, tk=64))
 
     def broken():
-        raise numba_cpu.KernelUnavailable("the numba_cpu kernel failed to compile: test")
+        raise compiler.KernelUnavailable("the numba_cpu kernel failed to compile: test")
 
-    monkeypatch.setattr(numba_cpu, "kernels", broken)
+    monkeypatch.setattr(compiler, "kernels", broken)
     got = sdpa(q, k, v)
     want = sdpa(q, k, v, implementation="chunked")
     np.testing.assert_array_equal(got, want)
     assert polyattn.explain(q, k, v).implementation == "numba_cpu"
-    monkeypatch.setattr(numba_cpu, "_compiled", ["failed to compile: test"])
+    monkeypatch.setattr(compiler, "_compiled", ["failed to compile: test"])
     chosen = polyattn.explain(q, k, v)
     assert chosen.implementation == "chunked"
     assert "failed to compile" in chosen.candidates["numba_cpu"]
@@ -378,7 +379,7 @@ def test_info_says_which_tiles_the_kernel_runs(capsys):
 
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    assert f"numba_cpu tiles: {numba_cpu.tiles()}" in out
+    assert f"numba_cpu tiles: {compiler.tiles()}" in out
     assert "register tiles" in out
 
 
@@ -424,13 +425,13 @@ _NARROW = """
 import numpy as np
 from polyattn import attention_vjp
 from polyattn import scaled_dot_product_attention as sdpa
-from polyattn.backends.numba_cpu import launch as numba_cpu, tiles
-assert tiles.VECTOR_BYTES == 32 and tiles.TILE_ROWS == 6, numba_cpu.tiles()
+from polyattn.backends.numba_cpu import compiler, tiles
+assert tiles.VECTOR_BYTES == 32 and tiles.TILE_ROWS == 6, compiler.tiles()
 rng = np.random.default_rng(4)
 worst = {"float32": 0.0, "float64": 0.0}
 for dtype in worst:
-    x = np.linspace(numba_cpu.EXP_MIN[np.dtype(dtype)], 0.0, 10001).astype(dtype)
-    rel = np.abs(numba_cpu.exp(x) / np.exp(x.astype(np.float64)) - 1.0).max()
+    x = np.linspace(compiler.EXP_MIN[np.dtype(dtype)], 0.0, 10001).astype(dtype)
+    rel = np.abs(compiler.exp(x) / np.exp(x.astype(np.float64)) - 1.0).max()
     worst[dtype] = max(worst[dtype], float(rel))
     for e, tq, tk, kw in [(5, 37, 300, {"is_causal": True}), (16, 20, 9, {"softcap": 3.0}),
                           (40, 70, 130, {"window": (30, 5)})]:
@@ -551,17 +552,17 @@ def test_no_floating_point_warning_escapes(dtype):
     q[0, 1, 4, 2] = np.nan
     v[0, 1, :, 0] = np.inf
     mask = rng.standard_normal((1, 1, 40, 60)) * 1e300          # float64, beyond float32
-    kw = {"mask": None, "causal_offset": 0, "scale": 0.35, "xp": np}
+    kw = {"mask": None, "rules": Rules(40, 60, causal=True), "scale": 0.35, "xp": np}
     with warnings.catch_warnings(), np.errstate(all="raise"):
         warnings.simplefilter("error")
-        out, lse = numba_cpu.attention(q, k, v, **kw)
+        out, lse = launch.attention(q, k, v, **kw)
         assert np.isnan(out[0, 1, 4]).all() and np.isnan(lse[0, 1, 4])
         assert not np.isfinite(out[0, 2:, :, 0]).any()          # the heads that read v head 1
         grad_lse = np.full(lse.shape, np.inf, dtype=dtype)
-        grads = numba_cpu.backward(q, k, v, out, lse, np.ones_like(out), grad_lse=grad_lse,
+        grads = launch.backward(q, k, v, out, lse, np.ones_like(out), grad_lse=grad_lse,
                                    **kw)
         assert all(g.shape == x.shape for g, x in zip(grads, (q, k, v), strict=True))
-        masked, _ = numba_cpu.attention(q, k, v, **{**kw, "mask": mask})
+        masked, _ = launch.attention(q, k, v, **{**kw, "mask": mask})
         assert masked.shape == out.shape
 
 
@@ -599,10 +600,10 @@ def test_the_compile_notice_is_a_log_record_the_user_can_silence(monkeypatch, ca
     nothing for -W error to turn into an exception); a "polyattn" logger above WARNING
     drops it; nothing is said where the cache holds the kernel or cannot be read."""
     seen = {"hit": False}
-    monkeypatch.setattr(numba_cpu, "_cached",
+    monkeypatch.setattr(compiler, "_cached",
                         lambda function, sig: (seen["hit"], "/some/cache/folder"))
     with caplog.at_level(logging.WARNING, logger="polyattn"):
-        numba_cpu._announce_compile("forward", [(None, None), (None, None)])
+        compiler._announce_compile("forward", [(None, None), (None, None)])
     assert [r.name for r in caplog.records] == ["polyattn.numba_cpu"]
     assert "/some/cache/folder" in caplog.records[0].getMessage()
     assert "`python -m polyattn warmup`" in caplog.records[0].getMessage()
@@ -610,13 +611,13 @@ def test_the_compile_notice_is_a_log_record_the_user_can_silence(monkeypatch, ca
     for hit in (True, None):
         seen["hit"] = hit
         with caplog.at_level(logging.WARNING, logger="polyattn"):
-            numba_cpu._announce_compile("forward", [(None, None)])
+            compiler._announce_compile("forward", [(None, None)])
     assert not caplog.records
     seen["hit"] = False
     parent = logging.getLogger("polyattn")
     monkeypatch.setattr(parent, "level", logging.ERROR)
     caplog.set_level(logging.ERROR, logger="polyattn")
-    numba_cpu._announce_compile("backward", [(None, None)])
+    compiler._announce_compile("backward", [(None, None)])
     assert not [r for r in caplog.records if r.name.startswith("polyattn")]
 
 

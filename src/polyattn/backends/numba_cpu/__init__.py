@@ -1,7 +1,9 @@
 """The fused SIMD register-tile CPU kernel (``"numba_cpu"``), forward and backward.
 
-On NumPy arrays. The entry points are in :mod:`.launch`; this module imports
-it (and so Numba) only inside its functions. Its backward pass is its own.
+On NumPy arrays. The entry points are in :mod:`.launch` (compiling and Numba's cache in
+:mod:`.compiler`); this module imports them (and so Numba) only inside its functions.
+Its backward pass is its own. The rules travel to it as one
+:class:`~polyattn.rules.visibility.Rules` (``Problem.arguments``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     ``needs`` it compiles the kernel (or loads it from Numba's cache) now."""
     if library_name(problem.xp) != "numpy":
         return f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays"
-    from polyattn.backends.numba_cpu import launch
+    from polyattn.backends.numba_cpu import compiler
 
-    usable, why = launch.availability()
+    usable, why = compiler.availability()
     if usable and "compiled" in needs:
         try:
-            launch.kernels()
-        except launch.KernelUnavailable as exc:
+            compiler.kernels()
+        except compiler.KernelUnavailable as exc:
             return str(exc)
     return None if usable else why
 
@@ -37,7 +39,7 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
 def forward(problem: Any) -> tuple[Any, Any]:
     from polyattn.backends.numba_cpu import launch
 
-    return launch.attention(problem.q, problem.k, problem.v, **problem.keywords())
+    return launch.attention(problem.q, problem.k, problem.v, **problem.arguments())
 
 
 def backward(problem: Any, out: Any, lse: Any, grad_out: Any,
@@ -45,12 +47,12 @@ def backward(problem: Any, out: Any, lse: Any, grad_out: Any,
     from polyattn.backends.numba_cpu import launch
 
     return launch.backward(problem.q, problem.k, problem.v, out, lse, grad_out,
-                           grad_lse=grad_lse, **problem.keywords())
+                           grad_lse=grad_lse, **problem.arguments())
 
 
 def describe(problem: Any) -> dict[str, str]:
     """Whether the kernel is compiled, cached on disk or still to compile; its tiles."""
-    from polyattn.backends.numba_cpu import launch
+    from polyattn.backends.numba_cpu import compiler, launch
 
-    return {"module": launch.__name__, "numba_cpu kernel": launch.cache_state(),
-            "numba_cpu tiles": launch.tiles()}
+    return {"module": launch.__name__, "numba_cpu kernel": compiler.cache_state(),
+            "numba_cpu tiles": compiler.tiles()}

@@ -1,0 +1,84 @@
+"""The family's lowering of the rules: :class:`~polyattn.rules.visibility.Rules` as the
+arrays the kernels of :mod:`.kernels` take.
+
+:func:`lower` is the one place where the rules become numbers for the kernels: the
+flags and reaches in ``iparams``, the soft-cap and the dropout scale in ``fparams``,
+the key lengths, the position offsets and the ALiBi slopes per batch row. Everything
+else in the family passes these arrays on without looking inside them.
+
+The entries of ``iparams`` (int64): 0 causal, 1/2 how far left/right of its position
+a query row sees (:data:`~polyattn.rules.lowering.UNBOUNDED`: every key), 3 the mask
+(0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
+8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per work item.
+The entries of ``fparams`` (the compute dtype): the scale, the soft-cap (1 without),
+0, 1, -inf, the factor of kept weights under dropout (1 without).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from polyattn.rules.dropout import key_words, threshold
+from polyattn.rules.element import position
+from polyattn.rules.lowering import reach
+from polyattn.rules.visibility import Rules
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The rules of one call as the kernels take them."""
+
+    #: (13,) int64: flags, reaches, block size, dropout's counters' key, heads, rows
+    iparams: np.ndarray
+    #: (6,) compute dtype: scale, soft-cap, constants, dropout's factor
+    fparams: np.ndarray
+    #: (prod(B…),) int64: the keys of each batch row, clipped to [0, Tk]
+    lengths: np.ndarray
+    #: (prod(B…),) int64: ``p_i - i`` of each batch row
+    offsets: np.ndarray
+    #: (prod(B…), H) ALiBi slopes in the compute dtype, or (1, 1) zeros without ALiBi
+    slopes: np.ndarray
+
+
+def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype: Any,
+          scale: float, mask_kind: int, block_k: int) -> Lowered:
+    """``rules`` for a call of batch ``batch`` and ``heads`` query heads, work items of
+    ``rows`` query rows per head, ``block_k`` keys per block, in the compute ``dtype``;
+    ``mask_kind``: 0 no mask, 1 a float mask (added), 2 a boolean one (hides keys).
+
+    >>> low = lower(Rules(4, 6, causal=True, offset=2, window=(3, None), softcap=30.0),
+    ...             batch=(2,), heads=4, rows=16, dtype=np.dtype(np.float32), scale=0.5,
+    ...             mask_kind=0, block_k=256)
+    >>> low.iparams[:8].tolist(), low.fparams[:2].tolist(), low.offsets.tolist()
+    ([1, 3, 0, 0, 0, 1, 256, 0], [0.5, 30.0], [2, 2])
+    """
+    n_batch = math.prod(batch)
+    tk = rules.tk
+    if rules.key_lengths is None:
+        lengths = np.full(n_batch, tk, dtype=np.int64)
+    else:
+        lengths = np.broadcast_to(np.asarray(rules.key_lengths), batch).reshape(-1)
+        lengths = np.clip(lengths.astype(np.int64), 0, tk)
+    # p_i = i + offset + shift·Tk_b; keys p_i - left ..= p_i + right (UNBOUNDED: every key)
+    offset, shift, left, right = reach(rules, covering=True)
+    offsets = position(np.zeros(n_batch, np.int64), offset, shift, lengths)
+    if rules.alibi is not None:
+        slopes = np.broadcast_to(np.asarray(rules.alibi, dtype=dtype),
+                                 (*batch, heads)).reshape(n_batch, heads)
+        slopes = np.ascontiguousarray(slopes)
+    else:
+        slopes = np.zeros((1, 1), dtype=dtype)
+    fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf,
+                        rules.dropout_scale if rules.dropout else 1.0], dtype=dtype)
+    key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
+    iparams = np.array([
+        int(rules.causal), left, right, mask_kind, int(rules.alibi is not None),
+        int(rules.softcap is not None), block_k, int(rules.dropout),
+        threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, heads, rows,
+    ], dtype=np.int64)
+    return Lowered(iparams=iparams, fparams=fparams, lengths=lengths, offsets=offsets,
+                   slopes=slopes)

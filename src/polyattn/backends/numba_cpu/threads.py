@@ -1,0 +1,92 @@
+"""The threads the kernels run on: Numba's threading layer, chosen before the first
+compile, and :func:`run`, which hands a kernel's work items out one at a time.
+
+TBB is preferred (safe with concurrent callers and across ``fork``), then OpenMP;
+Numba's own "workqueue" layer is used only where neither loads, and calls are then
+made one at a time. This module imports Numba only inside its functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+#: The Numba threading layer in use once a kernel has run (for ``explain``).
+_layer: list[str] = []
+#: Held by a call where the threading layer is not safe for concurrent callers.
+_call_lock = threading.Lock()
+
+
+def _preload_tbb() -> None:
+    """Make the TBB library of the ``tbb`` wheel loadable by Numba (it sits in the
+    environment's ``lib`` folder, which the dynamic loader does not search)."""
+    for path in sorted(glob.glob(os.path.join(sys.prefix, "lib", "libtbb.so.1[2-9]*"))):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            continue
+
+
+def choose_threading_layer(numba: Any) -> None:
+    """Prefer a threading layer that is safe with concurrent callers: TBB (also fork-safe),
+    else OpenMP; Numba's own "workqueue" is used only when neither loads, and then calls
+    are serialised (:func:`_serialised`). ``NUMBA_THREADING_LAYER`` set by the user wins."""
+    if os.environ.get("NUMBA_THREADING_LAYER"):
+        return
+    _preload_tbb()
+    safe = []
+    for layer, module in (("tbb", "tbbpool"), ("omp", "omppool")):
+        try:
+            __import__(f"numba.np.ufunc.{module}")
+            safe.append(layer)
+        except ImportError:
+            continue
+    numba.config.THREADING_LAYER_PRIORITY = [*safe, *(
+        x for x in ("tbb", "omp", "workqueue") if x not in safe)]
+    numba.config.THREADING_LAYER = "threadsafe" if safe else "workqueue"
+
+
+def threading_layer() -> str:
+    """The Numba threading layer the kernel runs on ("" before its first call)."""
+    return _layer[0] if _layer else ""
+
+
+@contextmanager
+def _serialised() -> Iterator[None]:
+    """Calls one at a time where the threading layer is not safe for concurrent callers."""
+    with _call_lock if threading_layer() in ("", "workqueue") else nullcontext():
+        yield
+
+
+def run(kernel: Any, *args: Any) -> None:
+    """``kernel(*args)`` with items handed out one at a time to whichever thread is free
+    (static chunks of items sorted largest first would leave one thread with the large
+    ones), serialised where the threading layer needs it."""
+    import numba
+
+    with _serialised():
+        before = numba.set_parallel_chunksize(1)
+        try:
+            kernel(*args)
+        finally:
+            numba.set_parallel_chunksize(before)
+        if not _layer:
+            _layer.append(str(numba.threading_layer()))
+
+
+def _after_fork_in_child() -> None:
+    """A fresh lock in a child started by ``fork``: one held by another thread at the fork
+    (a serialised call) would stay held there."""
+    global _call_lock
+    _call_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
