@@ -320,6 +320,7 @@ def numpy_one_task(shape: dict[str, int], reps: int) -> float:
     import dask
 
     from polyattn.backends.numpy import forward as numpy_chunked
+    from polyattn.rules.visibility import Rules
 
     q, k, v = dask.compute(*dask_inputs(shape["b"], shape["h"], shape["t"], shape["e"],
                                         shape["chunk"]), scheduler="threads")
@@ -327,7 +328,7 @@ def numpy_one_task(shape: dict[str, int], reps: int) -> float:
     with blas_mode("pool"):
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            numpy_chunked.attention(q, k, v, mask=None, causal_offset=None,
+            numpy_chunked.attention(q, k, v, mask=None, rules=Rules(q.shape[-2], k.shape[-2]),
                                     scale=1 / math.sqrt(shape["e"]), xp=np, threads=1)
             times.append(time.perf_counter() - t0)
     return min(times[1:])
@@ -338,17 +339,18 @@ def _tiles_on_one_thread(shape: tuple[int, ...], count: int) -> float:
     from threadpoolctl import threadpool_limits
 
     from polyattn.backends.numpy import forward as numpy_chunked
+    from polyattn.rules.visibility import Rules
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
     scale = 1 / math.sqrt(shape[-1])
+    rules = Rules(shape[-2], shape[-2])
     with threadpool_limits(1, "blas"):
-        numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=scale, xp=np,
-                                threads=1)
+        numpy_chunked.attention(q, k, v, mask=None, rules=rules, scale=scale, xp=np, threads=1)
         t0 = time.perf_counter()
         for _ in range(count):
-            numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=scale,
-                                    xp=np, threads=1)
+            numpy_chunked.attention(q, k, v, mask=None, rules=rules, scale=scale, xp=np,
+                                    threads=1)
         return time.perf_counter() - t0
 
 

@@ -24,6 +24,7 @@ from helpers import Backend, to_numpy, to_xp
 
 import polyattn
 from polyattn.backends.array_api import blocked as chunked
+from polyattn.rules.visibility import Rules
 
 THREADS = 8
 
@@ -136,6 +137,11 @@ def test_repeated_calls_are_bitwise_identical(backend, xp, device, implementatio
             assert_bitwise_equal(lse, want_lse, "lse")
 
 
+def rules_of(q, k, *, causal):
+    """The rules of a call of the NumPy path on ``q`` and ``k``: top-left causal, or none."""
+    return Rules(q.shape[-2], k.shape[-2], causal=causal)
+
+
 @contextlib.contextmanager
 def items_on_threads(numpy_chunked):
     """The NumPy path's thread pool in use.
@@ -193,7 +199,8 @@ def test_numpy_path_leaves_other_threads_blas_alone(monkeypatch):
 
     def call():
         try:
-            return numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=0.125,
+            return numpy_chunked.attention(q, k, v, mask=None,
+                                           rules=rules_of(q, k, causal=False), scale=0.125,
                                            xp=np)
         finally:
             done.set()
@@ -226,7 +233,8 @@ def test_numpy_path_thread_count_changed_during_calls(monkeypatch):
     q, k, v = (rng.standard_normal((2, 4, 67, 8)) for _ in range(3))
 
     def call():
-        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3, xp=np)
+        return numpy_chunked.attention(q, k, v, mask=None, rules=rules_of(q, k, causal=True),
+                                       scale=0.3, xp=np)
 
     want_out, want_lse = call()
     barrier = threading.Barrier(THREADS)
@@ -298,7 +306,8 @@ def test_numpy_path_without_thread_local_blas_runs_inline(monkeypatch):
     monkeypatch.setattr(numpy_chunked, "_attend_item", spy)
     rng = np.random.default_rng(304)
     q, k, v = (rng.standard_normal((2, 2, 300, 8)) for _ in range(3))
-    numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=0.3, xp=np)
+    numpy_chunked.attention(q, k, v, mask=None, rules=rules_of(q, k, causal=False), scale=0.3,
+                            xp=np)
     assert ran_in == {threading.get_ident()}
 
 
@@ -340,7 +349,8 @@ def test_numpy_path_pool_sets_each_workers_blas_once(monkeypatch):
     rng = np.random.default_rng(305)
     q, k, v = (rng.standard_normal((2, 2, 61, 8)) for _ in range(3))
     for _ in range(2):
-        out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3, xp=np)
+        out, lse = numpy_chunked.attention(q, k, v, mask=None,
+                                           rules=rules_of(q, k, causal=True), scale=0.3, xp=np)
     here = threading.get_ident()
     workers = [ident for ident, _ in calls_to_setter]
     assert here not in ran_in and here not in workers
@@ -348,7 +358,8 @@ def test_numpy_path_pool_sets_each_workers_blas_once(monkeypatch):
     assert len(workers) == len(set(workers)) <= 3          # once per worker thread
     assert ran_in <= set(workers)                          # every item ran in one of them
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)   # inline: the same bits
-    want_out, want_lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3,
+    want_out, want_lse = numpy_chunked.attention(q, k, v, mask=None,
+                                                 rules=rules_of(q, k, causal=True), scale=0.3,
                                                  xp=np)
     assert_bitwise_equal(out, want_out)
     assert_bitwise_equal(lse, want_lse, "lse")
@@ -365,7 +376,8 @@ def test_numpy_path_pool_raises_the_error_of_a_job(monkeypatch, failing):
     q, k, v = (rng.standard_normal((2, 2, 61, 8)) for _ in range(3))
 
     def call():
-        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.3, xp=np)
+        return numpy_chunked.attention(q, k, v, mask=None, rules=rules_of(q, k, causal=True),
+                                       scale=0.3, xp=np)
 
     with items_on_threads(numpy_chunked):
         want_out, _ = call()
@@ -414,8 +426,8 @@ def test_numpy_path_holds_shared_blas_to_one_thread_while_its_pool_runs(monkeypa
     q, k, v = (rng.standard_normal((1, 8, 1024, 64)) for _ in range(3))
 
     def call():
-        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=None, scale=0.125,
-                                       xp=np)
+        return numpy_chunked.attention(q, k, v, mask=None, rules=rules_of(q, k, causal=False),
+                                       scale=0.125, xp=np)
 
     want_out, _ = call()                   # a call from this thread first, then from another
     assert [lib.num_threads for lib in held] == before
@@ -456,7 +468,8 @@ def test_numpy_path_overlapping_calls_give_blas_threads_back_once(monkeypatch):
 
     def call(i):
         q, k, v = problems[i]
-        return numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.2, xp=np)
+        return numpy_chunked.attention(q, k, v, mask=None, rules=rules_of(q, k, causal=True),
+                                       scale=0.2, xp=np)
 
     want = [call(i) for i in range(THREADS)]
     barrier = threading.Barrier(THREADS)

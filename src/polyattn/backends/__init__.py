@@ -21,14 +21,15 @@ mask
     the scaled scores).
 causal_offset
     ``None`` or an int: key ``j`` is visible to query ``i`` iff
-    ``j <= i + causal_offset``.
+    ``j <= i + causal_offset`` (the same as ``rules.causal_offset``).
 scale
     Python float multiplying ``q · k``.
 rules
-    A :class:`polyattn.rules.visibility.Rules` with windows, key lengths,
-    soft-capping, ALiBi or dropout (docs/semantics.rst); the modules below the
-    families take it as ``rules=`` only when it is more than causal
-    (``Problem.keywords()``).
+    A :class:`polyattn.rules.visibility.Rules`, always: causality, windows,
+    key lengths, soft-capping, ALiBi and dropout (docs/semantics.rst). The
+    modules below the families take it as ``rules=``, with the mask, the scale
+    and the namespace (``Problem.arguments()``), and no ``causal_offset``:
+    causality travels in the rules.
 
 ``forward`` returns ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq) in the
 compute dtype. A fully masked row gives ``out = 0`` and ``lse = -inf``. Every

@@ -16,6 +16,7 @@ from helpers import Backend, assert_close, assert_lse_close, ref_attention, sele
 import polyattn
 from polyattn import scaled_dot_product_attention as sdpa
 from polyattn.backends.dask import plan as distributed
+from polyattn.rules.visibility import Rules
 
 pytestmark = pytest.mark.skipif(
     Backend.DASK not in selected_backends(),
@@ -270,7 +271,7 @@ def test_needs_dask_arrays_and_has_no_backward():
 def test_unknown_chunk_sizes_are_named():
     q = da.zeros((1, 1, 8, 4), chunks=(1, 1, 4, 4))
     unknown = q[:, :, q[0, 0, :, 0] == 0]          # (1, 1, nan, 4)
-    why = distributed.unavailable(unknown, q, q, None, None)
+    why = distributed.unavailable(unknown, q, q, None, Rules(8, 8))
     assert why is not None and "unknown size" in why
     for implementation in ("auto", "chunked", "distributed"):
         with pytest.raises(ValueError, match=r"`query` has a shape that is not known.*"

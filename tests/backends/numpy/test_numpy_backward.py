@@ -23,6 +23,7 @@ from polyattn._problem import prepare
 from polyattn.backends.array_api import reference
 from polyattn.backends.numpy import backward as numpy_vjp
 from polyattn.backends.numpy import forward as numpy_chunked
+from polyattn.rules.visibility import Rules
 
 pytestmark = NUMPY_SESSION_ONLY
 
@@ -65,8 +66,7 @@ def prepared(q, k, v, dtype_name, mask=None, **kw):
 
 def call(module, pb, go, gl=None):
     """``module``'s forward on a prepared problem, then its backward: (out, lse, dq, dk, dv)."""
-    kw = {"mask": pb.mask, "causal_offset": pb.causal_offset, "scale": pb.scale, "xp": np,
-          "rules": pb.rules}
+    kw = {**pb.arguments(), "xp": np}
     out, lse = module.attention(pb.q, pb.k, pb.v, **kw)
     grads = module.backward(pb.q, pb.k, pb.v, out, lse, go.astype(pb.q.dtype), grad_lse=gl, **kw)
     return (out, lse, *grads)
@@ -152,7 +152,7 @@ def test_bthe_views(dtype_name, tiles, monkeypatch):
     q, k, v = bthe(dtype_name)
     go = np.swapaxes(np.random.default_rng(19).standard_normal((2, 13, 4, 6)), 1, 2)
     go = go.astype(dtype_name)
-    kw = {"mask": None, "causal_offset": 2, "scale": 0.4, "xp": np}
+    kw = {"mask": None, "rules": Rules(13, 17, causal=True, offset=2), "scale": 0.4, "xp": np}
     out, lse = numpy_chunked.attention(q, k, v, **kw)
     want = numpy_chunked.backward(*(np.ascontiguousarray(x) for x in (q, k, v, out)), lse,
                                   np.ascontiguousarray(go), **kw)
@@ -201,8 +201,7 @@ def test_inputs_not_modified(tiles):
     q, k, v = problem(23)
     pb = prepared(q, k, v, "float64", is_causal=True, dropout_p=0.2, dropout_seed=1,
                   key_lengths=np.array([17, 9]))
-    kw = {"mask": pb.mask, "causal_offset": pb.causal_offset, "scale": pb.scale, "xp": np,
-          "rules": pb.rules}
+    kw = {**pb.arguments(), "xp": np}
     out, lse = numpy_chunked.attention(pb.q, pb.k, pb.v, **kw)
     rng = np.random.default_rng(24)
     go, gl = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
@@ -222,7 +221,7 @@ def test_memory_follows_the_band(monkeypatch):
     t = 4096
     q, k, v = (x.astype(np.float32) for x in problem(25, b=1, h=1, hkv=1, tq=t, tk=t, e=8,
                                                        ev=8))
-    kw = {"mask": None, "causal_offset": 0, "scale": 0.3, "xp": np}
+    kw = {"mask": None, "rules": Rules(t, t, causal=True), "scale": 0.3, "xp": np}
     out, lse = numpy_chunked.attention(q, k, v, **kw)
     tracemalloc.start()
     try:
@@ -247,8 +246,7 @@ def test_forward_dropout_matches_reference_and_drops_the_same_weights(tiles, p):
                {"window": (4, 2), "key_lengths": np.array([[12, 5, 9], [0, 12, 1]])},
                {"scale": 40.0}):   # scores beyond exp's range: the exact path runs
         pb = prepared(q, k, v, "float64", dropout_p=p, dropout_seed=99, **kw)
-        args = {"mask": pb.mask, "causal_offset": pb.causal_offset, "scale": pb.scale, "xp": np,
-                "rules": pb.rules}
+        args = {**pb.arguments(), "xp": np}
         out, lse = numpy_chunked.attention(pb.q, pb.k, pb.v, **args)
         want_out, want_lse = reference.attention(pb.q, pb.k, pb.v, **args)
         weights = reference.weights(pb.q, pb.k, **args)
@@ -268,7 +266,7 @@ def test_forward_dropout_float32(tiles):
     pb = prepared(q, k, v, "float32", dropout_p=0.4, dropout_seed=8, is_causal=True)
     pb64 = prepared(*(x.astype(np.float32) for x in (q, k, v)), "float64", dropout_p=0.4,
                     dropout_seed=8, is_causal=True)
-    args = {"mask": None, "causal_offset": pb.causal_offset, "scale": pb.scale, "xp": np}
+    args = {"mask": None, "scale": pb.scale, "xp": np}
     out, _ = numpy_chunked.attention(pb.q, pb.k, pb.v, rules=pb.rules, **args)
     want, _ = reference.attention(pb64.q, pb64.k, pb64.v, rules=pb64.rules, **args)
     assert out.dtype == np.float32 and rel(out, want) <= 1e-5

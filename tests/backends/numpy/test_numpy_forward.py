@@ -20,6 +20,12 @@ import polyattn
 from polyattn import _dispatch
 from polyattn.backends.array_api import blocked as chunked
 from polyattn.backends.numpy import forward as numpy_chunked
+from polyattn.rules.visibility import Rules
+
+
+def causal_rules(tq, tk, offset):
+    """The rules of a causal mask ``j <= i + offset`` (``offset=None``: none)."""
+    return Rules(tq, tk, causal=offset is not None, offset=offset or 0)
 
 pytestmark = NUMPY_SESSION_ONLY
 
@@ -135,7 +141,7 @@ def test_empty_queries_and_keys(tiles):
                                                      implementation="chunked")
     assert out.shape == (2, 0, 4) and lse.shape == (2, 0)
     out, lse = numpy_chunked.attention(np.ones((1, 2, 0, 4)), np.ones((1, 2, 5, 4)),
-                                       np.ones((1, 2, 5, 3)), mask=None, causal_offset=None,
+                                       np.ones((1, 2, 5, 3)), mask=None, rules=Rules(0, 5),
                                        scale=0.5, xp=np)
     assert out.shape == (1, 2, 0, 3) and lse.shape == (1, 2, 0)
 
@@ -150,7 +156,7 @@ def test_against_array_api_path(dtype_name, tiles, monkeypatch):
     k = rng.standard_normal((2, 2, 17, 6)).astype(dtype_name)
     v = rng.standard_normal((2, 2, 17, 5)).astype(dtype_name)
     mask = rng.random((1, 4, 12, 17)) < 0.8
-    kw = {"mask": mask, "causal_offset": 3, "scale": 0.4}
+    kw = {"mask": mask, "rules": causal_rules(12, 17, 3), "scale": 0.4}
     out, lse = numpy_chunked.attention(q, k, v, xp=xp, **kw)
     ref_out, ref_lse = chunked.attention(q, k, v, xp=xp, **kw)
     assert out.dtype == ref_out.dtype and lse.dtype == ref_lse.dtype
@@ -200,7 +206,8 @@ def test_bthe_views_give_the_bits_of_contiguous_inputs(dtype_name, tiles):
     q, k, v, mask = bthe_problem(dtype_name)
     assert not q.flags.c_contiguous and q.strides[-2] == 4 * 5 * q.itemsize
     for m, offset in [(None, None), (mask, 3), (None, 0)]:
-        kw = {"mask": m, "causal_offset": offset, "scale": 0.4, "xp": np}
+        kw = {"mask": m, "rules": causal_rules(q.shape[-2], k.shape[-2], offset),
+              "scale": 0.4, "xp": np}
         out, lse = numpy_chunked.attention(q, k, v, **kw)
         want_out, want_lse = numpy_chunked.attention(
             *(np.ascontiguousarray(x) for x in (q, k, v)), **kw)
@@ -220,7 +227,8 @@ def test_bthe_views_are_not_copied(dtype_name, monkeypatch):
     def peak(arrays):
         tracemalloc.start()
         try:
-            numpy_chunked.attention(*arrays, mask=None, causal_offset=0, scale=0.3, xp=np)
+            numpy_chunked.attention(*arrays, mask=None, rules=causal_rules(512, 512, 0),
+                                    scale=0.3, xp=np)
             return tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -252,7 +260,8 @@ def test_tiles_cover_each_visible_score_once(offset, bq, bk):
     """Every (query, key) pair a causal mask lets through is in exactly one rectangle."""
     tq, tk = 23, 29
     z = np.zeros((1, tq, 4))
-    p = numpy_chunked._Problem(z, np.zeros((1, tk, 4)), np.zeros((1, tk, 4)), None, offset, 1.0)
+    p = numpy_chunked._Problem(z, np.zeros((1, tk, 4)), np.zeros((1, tk, 4)), None, 1.0,
+                               causal_rules(tq, tk, offset))
     seen = np.zeros((tq, tk), dtype=int)
     for q0 in range(0, tq, bq):
         q1 = min(q0 + bq, tq)
@@ -384,8 +393,6 @@ def test_rules_with_strided_read_only_inputs(dtype_name, tiles):
 
 def test_rules_with_bthe_views_are_not_copied(dtype_name, monkeypatch):
     """No copy of q, k or v with a window, ALiBi and key lengths either."""
-    from polyattn.rules.visibility import Rules
-
     monkeypatch.setattr(numpy_chunked, "NUM_THREADS", 1)
     q, k, v, _ = bthe_problem(dtype_name, b=1, tq=512, tk=512, h=8, hkv=8, e=32, ev=32)
     rules = Rules(tq=512, tk=512, causal=True, window=(100, 0), key_lengths=np.array([400]),
@@ -394,8 +401,7 @@ def test_rules_with_bthe_views_are_not_copied(dtype_name, monkeypatch):
     def peak(arrays):
         tracemalloc.start()
         try:
-            numpy_chunked.attention(*arrays, mask=None, causal_offset=0, scale=0.3, xp=np,
-                                    rules=rules)
+            numpy_chunked.attention(*arrays, mask=None, rules=rules, scale=0.3, xp=np)
             return tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -452,15 +458,13 @@ def _visible(rules, tq, tk, lengths=None):
 @pytest.mark.parametrize(("bq", "bk"), [(6, 4), (5, 16), (1, 1), (64, 64)])
 def test_band_tiles_cover_each_visible_score_once(window, causal, shift, bq, bk):
     """Each score visible by window, causal mask and key length lies in exactly one rectangle."""
-    from polyattn.rules.visibility import Rules
-
     tq, tk = 23, 29
     lengths = np.array([0, 29, 11, 1])
     rules = Rules(tq=tq, tk=tk, causal=causal, offset=tk - tq if shift else 0,
                   key_lengths=lengths, lengths_shift=shift, window=window)
     z = np.zeros((4, 1, tq, 4))
     p = numpy_chunked._Problem(z, np.zeros((4, 1, tk, 4)), np.zeros((4, 1, tk, 4)), None,
-                               None, 1.0, rules)
+                               1.0, rules)
     for b, visible in enumerate(_visible(rules, tq, tk, lengths)):
         seen = np.zeros((tq, tk), dtype=int)
         for q0 in range(0, tq, bq):
@@ -479,13 +483,11 @@ def test_window_work_follows_the_band():
     The rectangles of the default tiles hold the band's T·1025 visible scores and
     a margin of at most the key block width per row.
     """
-    from polyattn.rules.visibility import Rules
-
     areas = {}
     for t in (8192, 32768):
         rules = Rules(tq=t, tk=t, causal=True, window=(1024, 0))
         z = np.zeros((1, 1, t, 64), dtype=np.float32)
-        p = numpy_chunked._Problem(z, z, z, None, 0, 1.0, rules)
+        p = numpy_chunked._Problem(z, z, z, None, 1.0, rules)
         area = 0
         for q0 in range(0, t, p.bq):
             for r0, r1, k0, k1 in numpy_chunked._tiles(p, q0, min(q0 + p.bq, t),
@@ -610,8 +612,6 @@ def test_no_floating_point_warning_escapes(dtype_name, tiles):
     their own), and the values say what happened."""
     import warnings
 
-    from polyattn.rules.visibility import Rules
-
     q, k, v = (x.astype(dtype_name) for x in problem(45, tq=13, tk=17, hkv=4))
     q *= 400                                     # exp underflows in float32 and float64
     q[0, 1, 4, 2] = np.inf
@@ -622,15 +622,15 @@ def test_no_floating_point_warning_escapes(dtype_name, tiles):
     with warnings.catch_warnings(), np.errstate(all="raise"):
         warnings.simplefilter("error")
         for offset in (None, 0):
-            out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=offset,
-                                               scale=0.45, xp=np)
+            out, lse = numpy_chunked.attention(q, k, v, mask=None,
+                                               rules=causal_rules(13, 17, offset), scale=0.45,
+                                               xp=np)
             assert np.isnan(out[0, 1, 4]).all() and np.isnan(out[1, 2, 7]).all()
             assert np.isnan(out[0, 3, 9]).all() and np.isnan(lse[0, 3, 9])
             assert np.isnan(out[1, 1]).any()                 # the head that reads key 3
             assert np.isfinite(out[0, [0, 2]]).all()
         rules = Rules(tq=13, tk=17, causal=True, window=(3, 1), softcap=2.0, alibi=slopes)
-        out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.45,
-                                           xp=np, rules=rules)
+        out, lse = numpy_chunked.attention(q, k, v, mask=None, rules=rules, scale=0.45, xp=np)
         assert np.isnan(out[0, 3, 9]).all() and np.isfinite(out[0, 0]).all()
         out, _ = run(q, k, v, dtype_name, is_causal=True)    # and through the public function
         assert np.isnan(out[0, 3, 9]).all()

@@ -33,13 +33,13 @@ class ArrayApiPath:
 
     def forward(self, problem: Any) -> tuple[Any, Any]:
         return self._code().attention(  # type: ignore[no-any-return]
-            problem.q, problem.k, problem.v, **problem.keywords())
+            problem.q, problem.k, problem.v, **problem.arguments())
 
     def backward(self, problem: Any, out: Any, lse: Any, grad_out: Any,
                  grad_lse: Any) -> tuple[Any, Any, Any]:
         return self._code().backward(  # type: ignore[no-any-return]
             problem.q, problem.k, problem.v, out, lse, grad_out, grad_lse=grad_lse,
-            **problem.keywords())
+            **problem.arguments())
 
     def describe(self, problem: Any) -> dict[str, str]:
         lines = {"module": f"{__name__}.{self.module}"}
@@ -61,6 +61,4 @@ def weights(problem: Any) -> Any:
     """The attention weights (B…, H, Tq, Tk) by the formula (:func:`polyattn.attention_weights`)."""
     from polyattn.backends.array_api import reference
 
-    return reference.weights(problem.q, problem.k, mask=problem.mask,
-                             causal_offset=problem.causal_offset, scale=problem.scale,
-                             xp=problem.xp, rules=problem.rules)
+    return reference.weights(problem.q, problem.k, **problem.arguments())

@@ -110,9 +110,8 @@ def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0:
     return out, lse
 
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
-              block_q: int | None = None, block_k: int | None = None,
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any, block_q: int | None = None, block_k: int | None = None,
               lse_dtype: Any = None) -> tuple[Array, Array]:
     """Blocked online-softmax attention; see :mod:`polyattn.backends`.
 
@@ -120,7 +119,6 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     (e.g. float64 for float32 inputs) keeps the lse's ``m + log l`` exact enough to
     merge partial results whose scores are large.
     """
-    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     block_q = block_q or BLOCK_Q
     block_k = block_k or BLOCK_K
     hkv, tq = k.shape[-3], q.shape[-2]
@@ -149,10 +147,9 @@ def _key_blocks(rules: Rules, q0: int, q1: int, block_k: int) -> range:
 
 
 def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
-             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
-             rules: Rules | None = None, grad_lse: Array | None = None,
-             block_q: int | None = None, block_k: int | None = None,
-             ) -> tuple[Array, Array, Array]:
+             mask: Array | None, rules: Rules, scale: float, xp: Any,
+             grad_lse: Array | None = None, block_q: int | None = None,
+             block_k: int | None = None) -> tuple[Array, Array, Array]:
     """Gradients of :func:`attention`, block by block (FlashAttention-2's backward pass).
 
     The scores of each (query block, key block) pair that some query can see
@@ -164,7 +161,6 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
     shaped like (q, k, v); key/value gradients are summed over the query heads
     that share a key/value head.
     """
-    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     block_q = block_q or BLOCK_Q
     block_k = block_k or BLOCK_K
     hkv, tq, tk = k.shape[-3], q.shape[-2], k.shape[-2]

@@ -69,11 +69,9 @@ def _normalised(s: Array, xp: Any) -> tuple[Array, Array]:
     return weights, lse
 
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any,
-              rules: Rules | None = None) -> tuple[Array, Array]:
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any) -> tuple[Array, Array]:
     """Attention by the formula; see :mod:`polyattn.backends` for the contract."""
-    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     k, v = drop_padding(k, rules, xp), drop_padding(v, rules, xp)
     s = _masked_scores(q, k, mask, rules, scale, xp)
     weights, lse = _normalised(s, xp)                # (B…, Hkv, G, Tq, Tk)
@@ -85,10 +83,9 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     return ungroup_heads(out, xp) + bad, ungroup_heads(lse, xp)[..., 0] + bad[..., 0]
 
 
-def weights(q: Array, k: Array, /, *, mask: Array | None, causal_offset: int | None,
-            scale: float, xp: Any, rules: Rules | None = None) -> Array:
+def weights(q: Array, k: Array, /, *, mask: Array | None, rules: Rules, scale: float,
+            xp: Any) -> Array:
     """The attention weights α (B…, H, Tq, Tk); rows sum to 1, fully masked rows to 0."""
-    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     s = _masked_scores(q, drop_padding(k, rules, xp), mask, rules, scale, xp)
     alpha, _ = _normalised(s, xp)
     return ungroup_heads(_dropped(alpha, rules, xp), xp) + non_finite_rows(q, xp)
@@ -103,9 +100,8 @@ def _dropped(weights: Array, rules: Rules, xp: Any) -> Array:
 
 
 def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
-             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
-             rules: Rules | None = None, grad_lse: Array | None = None,
-             ) -> tuple[Array, Array, Array]:
+             mask: Array | None, rules: Rules, scale: float, xp: Any,
+             grad_lse: Array | None = None) -> tuple[Array, Array, Array]:
     """Gradients of :func:`attention` by the formula, scores materialised.
 
     With ``P = exp(s - lse)`` (the softmax before dropout), ``Z`` the dropout
@@ -115,7 +111,6 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
     ``dK = scale·dSᵀ Q``; ``dK`` and ``dV`` are summed over the query heads that
     share a key/value head. Returns (dq, dk, dv) shaped like (q, k, v).
     """
-    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     hkv = k.shape[-3]
     k, v = drop_padding(k, rules, xp), drop_padding(v, rules, xp)
     raw, s = _scores(q, k, mask, rules, scale, xp)   # (B…, Hkv, G, Tq, Tk)

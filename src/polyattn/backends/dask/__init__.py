@@ -34,7 +34,7 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
 def forward(problem: Any) -> tuple[Any, Any]:
     from polyattn.backends.dask import plan
 
-    return plan.attention(problem.q, problem.k, problem.v, **problem.keywords())
+    return plan.attention(problem.q, problem.k, problem.v, **problem.arguments())
 
 
 def backward(problem: Any, out: Any, lse: Any, grad_out: Any,

@@ -110,7 +110,7 @@ def _is_dask(x: Any) -> bool:
 
 
 def unavailable(q: Array, k: Array, v: Array | None, mask: Array | None,
-                rules: Rules | None) -> str | None:
+                rules: Rules) -> str | None:
     """Why the plan cannot run this call (``None``: it can)."""
     if not _is_dask(q):
         return f"inputs are {array_library(q)} arrays, not Dask arrays"
@@ -119,7 +119,7 @@ def unavailable(q: Array, k: Array, v: Array | None, mask: Array | None,
     for name, x in (("query", q), ("key", k), ("value", v), ("attn_mask", mask)):
         if x is not None and any(math.isnan(c) for cs in x.chunks for c in cs):
             return f"`{name}` has chunks of unknown size (call compute_chunk_sizes() first)"
-    if rules is not None and rules.dropout:
+    if rules.dropout:
         return ("dropout's keep-mask is counted over the whole problem, which a tile task "
                 "does not see; the Array-API blocked path runs dropout on Dask arrays")
     return None
@@ -191,9 +191,8 @@ def _block(x: Array | None, index: tuple[int, ...]) -> Any:
     return (x.name, *index)
 
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any,
-              rules: Rules | None = None) -> tuple[Array, Array]:
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any) -> tuple[Array, Array]:
     """The blocked plan on Dask arrays; see :mod:`polyattn.backends` for the contract.
 
     Returns lazy Dask arrays ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq), chunked
@@ -203,7 +202,6 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 
-    rules = rules or Rules.from_causal_offset(causal_offset, q.shape[-2], k.shape[-2])
     why = unavailable(q, k, v, mask, rules)
     if why is not None:
         raise ValueError(f"implementation='distributed' cannot run this call: {why}")
@@ -347,14 +345,12 @@ def _run(q: Array, k: Array, v: Array, mask: Array | None, spec: Spec, offset: i
                   window=spec.window, softcap=spec.softcap, alibi=slopes)
     # a window side that reaches every key of the tile from every query of it is dropped
     rules = dataclasses.replace(rules, window=window(dataclasses.replace(rules, causal=False)))
-    causal_offset = offset if spec.causal else None
     if isinstance(q, np.ndarray):
         from polyattn.backends.numpy import forward as numpy_chunked
 
-        return numpy_chunked.attention(q, k, v, mask=mask, causal_offset=causal_offset,
-                                       scale=spec.scale, xp=xp, rules=rules,
-                                       threads=spec.threads, lse_dtype=np.float64)
+        return numpy_chunked.attention(q, k, v, mask=mask, rules=rules, scale=spec.scale,
+                                       xp=xp, threads=spec.threads, lse_dtype=np.float64)
     from polyattn.backends.array_api import blocked as chunked
 
-    return chunked.attention(q, k, v, mask=mask, causal_offset=causal_offset,
-                             scale=spec.scale, xp=xp, rules=rules, lse_dtype=xp.float64)
+    return chunked.attention(q, k, v, mask=mask, rules=rules, scale=spec.scale, xp=xp,
+                             lse_dtype=xp.float64)

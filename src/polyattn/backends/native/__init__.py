@@ -38,7 +38,7 @@ def forward(problem: Any) -> tuple[Any, Any]:
     """``(out, None)``: the native functions return no log-sum-exp."""
     from polyattn.backends.native import fused
 
-    return fused.attention(problem.q, problem.k, problem.v, **problem.keywords())
+    return fused.attention(problem.q, problem.k, problem.v, **problem.arguments())
 
 
 def backward(problem: Any, out: Any, lse: Any, grad_out: Any,

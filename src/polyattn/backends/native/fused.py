@@ -11,7 +11,7 @@ dispatcher then takes the next implementation, and an explicit
 How each part of polyattn's contract (docs/semantics.rst, "dtypes") is kept:
 
 * **Causal alignment.** Both libraries' ``is_causal`` is top-left (query i
-  sees keys j <= i), which is polyattn's ``causal_offset == 0``. Any other
+  sees keys j <= i), which is ``Rules.causal_offset == 0``. Any other
   offset (``"bottom_right"`` with Tq != Tk) and a causal mask combined with
   ``attn_mask`` are passed as one explicit boolean or float mask.
 * **Fully masked rows** must give 0. torch >= 2.5 returns 0 for them (checked
@@ -58,7 +58,7 @@ def _torch_version() -> tuple[int, int]:
 
 
 def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: bool,
-                rules: Rules | None = None) -> str | None:
+                rules: Rules) -> str | None:
     """Why the native attention cannot run this call exactly; ``None`` when it can.
 
     ``q``, ``k``, ``v`` are the implementations' (B…, H, T, E) arrays in the
@@ -79,10 +79,10 @@ def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: boo
                     f"(key {tuple(k.shape)}, value {tuple(v.shape)})")
     else:
         return f"{lib} has no native attention function that polyattn uses"
-    if rules is not None and rules.softcap is not None:
+    if rules.softcap is not None:
         return (f"softcap: {name} has no logit soft-capping, and tanh cannot be folded "
                 "into an additive mask")
-    if rules is not None and rules.dropout:
+    if rules.dropout:
         return (f"dropout_p: {name} draws its dropout mask from its own generator, not from "
                 "the Philox counters that give every polyattn implementation the same mask")
     if return_lse:
@@ -91,32 +91,31 @@ def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: boo
     return None
 
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any,
-              rules: Rules | None = None) -> tuple[Array, None]:
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any) -> tuple[Array, None]:
     """Run the native attention; returns ``(out, None)`` (no log-sum-exp).
 
     Call :func:`unavailable` first: this function assumes the call maps exactly.
-    Windows, key lengths and ALiBi are folded into one dense mask (which is
-    what both libraries build for them anyway).
+    Rules beyond a causal mask (windows, key lengths, ALiBi) are folded into one
+    dense mask (which is what both libraries build for them anyway); a causal mask
+    alone is the library's ``is_causal`` where it is top-left and no mask is given.
     """
-    if rules is not None and not rules.simple:
+    if not rules.simple:
         mask = fold_into_mask(rules, mask, k.shape[-3], xp, q.dtype, device_of(q))
-        causal_offset = None
         k, v = drop_padding(k, rules, xp), drop_padding(v, rules, xp)
+        rules = Rules(rules.tq, rules.tk)                # all in the mask now
     run = _torch if library_name(xp) == "torch" else _jax
-    out = run(q, k, v, mask, causal_offset, scale, xp)
+    out = run(q, k, v, mask, rules, scale, xp)
     # torch's fused CPU kernel reports a query row holding NaN as 0, like a fully masked
     # row: NaN never disappears (docs/semantics.rst). Adds exactly 0 to finite rows, and 0·grad
     # to their gradients.
     return out + non_finite_rows(q, xp), None
 
 
-def _with_causal(mask: Array | None, causal_offset: int | None, tq: int, tk: int, xp: Any,
-                 device: Any) -> Array | None:
-    """``mask`` with the causal rule folded in (bool: and; float: -inf where hidden)."""
-    allowed = visible(Rules.from_causal_offset(causal_offset, tq, tk), 0, tq, 0, tk, xp,
-                      device)                                          # (Tq, Tk)
+def _with_causal(mask: Array | None, rules: Rules, xp: Any, device: Any) -> Array | None:
+    """``mask`` with the causal rule of ``rules`` (causal only) folded in (bool: and; float:
+    -inf where hidden)."""
+    allowed = visible(rules, 0, rules.tq, 0, rules.tk, xp, device)      # (Tq, Tk)
     if allowed is None:
         return mask
     if mask is None:
@@ -126,37 +125,35 @@ def _with_causal(mask: Array | None, causal_offset: int | None, tq: int, tk: int
     return xp.where(allowed, mask, NEG_INF)
 
 
-def _visible_rows(mask: Array | None, causal_offset: int | None, tq: int, tk: int,
-                  xp: Any, device: Any) -> Array | None:
+def _visible_rows(mask: Array | None, rules: Rules, xp: Any, device: Any) -> Array | None:
     """Bool (…, Tq, 1): whether each row sees a key; ``None`` when every row does.
 
-    ``mask`` is the boolean mask with the causal rule already folded in.
+    ``mask`` is the boolean mask with the causal rule of ``rules`` already folded in.
     """
     if mask is not None:
         return xp.any(mask, axis=-1, keepdims=True)
-    if causal_offset is not None and causal_offset < 0:                  # Tq > Tk, bottom-right
-        rules = Rules.from_causal_offset(causal_offset, tq, tk)
-        return positions(rules, 0, tq, xp, device) >= 0                   # (Tq, 1): p_i >= 0
+    offset = rules.causal_offset
+    if offset is not None and offset < 0:                                # Tq > Tk, bottom-right
+        return positions(rules, 0, rules.tq, xp, device) >= 0             # (Tq, 1): p_i >= 0
     return None
 
 
 # --- torch ----------------------------------------------------------------------------------
 
-def _torch(q: Array, k: Array, v: Array, mask: Array | None, causal_offset: int | None,
-           scale: float, xp: Any) -> Array:
+def _torch(q: Array, k: Array, v: Array, mask: Array | None, rules: Rules, scale: float,
+           xp: Any) -> Array:
     import torch.nn.functional as F
 
-    tq, tk = q.shape[-2], k.shape[-2]
     dev = device_of(q)
-    is_causal = causal_offset == 0 and mask is None
-    attn_mask = mask if is_causal else _with_causal(mask, causal_offset, tq, tk, xp, dev)
+    is_causal = rules.causal_offset == 0 and mask is None
+    attn_mask = mask if is_causal else _with_causal(mask, rules, xp, dev)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                          scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
     if getattr(dev, "type", "cpu") != "cpu":
         # torch returns 0 for rows that see no key on the CPU (checked); elsewhere make sure
         hidden = attn_mask if attn_mask is None or attn_mask.dtype == xp.bool else (
             attn_mask != NEG_INF)
-        visible = _visible_rows(hidden, None if is_causal else causal_offset, tq, tk, xp, dev)
+        visible = None if is_causal else _visible_rows(hidden, rules, xp, dev)
         if visible is not None:
             out = xp.where(visible, out, 0.0)
     return out
@@ -164,12 +161,12 @@ def _torch(q: Array, k: Array, v: Array, mask: Array | None, causal_offset: int 
 
 # --- JAX ------------------------------------------------------------------------------------
 
-def _jax(q: Array, k: Array, v: Array, mask: Array | None, causal_offset: int | None,
-         scale: float, xp: Any) -> Array:
+def _jax(q: Array, k: Array, v: Array, mask: Array | None, rules: Rules, scale: float,
+         xp: Any) -> Array:
     import jax
 
     *batch, h, tq, _ = q.shape
-    tk, ev = k.shape[-2], v.shape[-1]
+    ev = v.shape[-1]
     flat = math.prod(batch)
     dev = device_of(q)
 
@@ -182,10 +179,10 @@ def _jax(q: Array, k: Array, v: Array, mask: Array | None, causal_offset: int | 
     if mask is not None and mask.dtype != xp.bool:
         hidden = mask == NEG_INF
         bias, mask = xp.where(hidden, 0.0, mask), xp.logical_not(hidden)
-    is_causal = causal_offset == 0 and mask is None
+    is_causal = rules.causal_offset == 0 and mask is None
     if not is_causal:
-        mask = _with_causal(mask, causal_offset, tq, tk, xp, dev)
-    visible = None if is_causal else _visible_rows(mask, causal_offset, tq, tk, xp, dev)
+        mask = _with_causal(mask, rules, xp, dev)
+    visible = None if is_causal else _visible_rows(mask, rules, xp, dev)
 
     def four_d(x: Array | None) -> Array | None:
         """(B…|1, H|1, Tq|1, Tk|1) -> (B|1, H|1, Tq|1, Tk|1), as JAX needs."""

@@ -42,13 +42,13 @@ class FastPath:
 
     def forward(self, problem: Any) -> tuple[Any, Any]:
         return importlib.import_module(self.MODULE).attention(  # type: ignore[no-any-return]
-            problem.q, problem.k, problem.v, **problem.keywords())
+            problem.q, problem.k, problem.v, **problem.arguments())
 
     def backward(self, problem: Any, out: Any, lse: Any, grad_out: Any,
                  grad_lse: Any) -> tuple[Any, Any, Any]:
         return importlib.import_module(self.MODULE).backward(  # type: ignore[no-any-return]
             problem.q, problem.k, problem.v, out, lse, grad_out, grad_lse=grad_lse,
-            **problem.keywords())
+            **problem.arguments())
 
     def describe(self, problem: Any) -> dict[str, str]:
         where = ("on torch CPU tensors it runs the multi-threaded blocked NumPy path "

@@ -238,8 +238,8 @@ def _quiet(job: Callable[..., None], *args: Any) -> None:
 
 
 def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,
-             causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
-             grad_lse: Any = None) -> tuple[Any, Any, Any]:
+             rules: Rules, scale: float, xp: Any, grad_lse: Any = None,
+             ) -> tuple[Any, Any, Any]:
     """Gradients (dq, dk, dv) of :func:`.forward.attention` on NumPy arrays.
 
     Arguments as for ``attention``, plus its ``out`` (B…, H, Tq, Ev) and ``lse``
@@ -253,9 +253,10 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     >>> import numpy as np
     >>> from polyattn.backends.array_api import reference
     >>> from polyattn.backends.numpy import forward as numpy_chunked
+    >>> from polyattn.rules.visibility import Rules
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
-    >>> kw = dict(mask=None, causal_offset=0, scale=0.5, xp=np)
+    >>> kw = dict(mask=None, rules=Rules(5, 5, causal=True), scale=0.5, xp=np)
     >>> out, lse = numpy_chunked.attention(q, k, v, **kw)
     >>> dq, dk, dv = backward(q, k, v, out, lse, np.ones_like(out), **kw)
     >>> want = reference.backward(q, k, v, out, lse, np.ones_like(out), **kw)
@@ -263,8 +264,7 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     True
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    p = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset, scale,
-                 rules)
+    p = _Problem(q, k, v, None if mask is None else np.asarray(mask), scale, rules)
     out, lse, grad_out = np.asarray(out), np.asarray(lse), np.asarray(grad_out)
     grad_lse = None if grad_lse is None else np.asarray(grad_lse)
     dq, dk, dv = _output(q, p.e), _output(k, p.e), _output(v, p.ev)

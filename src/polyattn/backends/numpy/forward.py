@@ -243,16 +243,15 @@ def _normalise(p: _Problem, ix: tuple[Any, ...], m: np.ndarray, l: np.ndarray,
         lse_slice[lost] = np.nan
 
 
-def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None,
-              scale: float, xp: Any, rules: Rules | None = None,
+def attention(q: Any, k: Any, v: Any, /, *, mask: Any, rules: Rules, scale: float, xp: Any,
               threads: int | None = None, lse_dtype: Any = None) -> tuple[Any, Any]:
     """Blocked, multi-threaded attention on NumPy arrays; see :mod:`polyattn.backends`.
 
     ``xp`` is accepted for the common signature; the arrays must be NumPy arrays. They
     may be strided views (no copy is made of ``q`` or ``k``, nor of ``v`` where its rows
     are contiguous), and ``out`` follows the memory order of ``q`` (:func:`_output`).
-    ``rules`` (windows, key lengths, soft-capping, ALiBi) replaces ``causal_offset``
-    where given; its key lengths and slopes are read as NumPy arrays. ``threads``
+    ``rules`` are the call's rules (causal, windows, key lengths, soft-capping, ALiBi,
+    dropout); their key lengths and slopes are read as NumPy arrays. ``threads``
     caps the worker threads of this call (default :func:`num_threads`; 1 runs inline);
     ``lse_dtype`` (e.g. float64 for float32 inputs) is the dtype of ``lse`` = ``m + log l``,
     summed in it, so that partial results with large scores merge exactly enough.
@@ -266,16 +265,14 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
     >>> from polyattn.rules.visibility import Rules
     >>> q = k = v = np.ones((1, 2, 6, 4))
     >>> rules = Rules(tq=6, tk=6, causal=True, window=(2, 0))
-    >>> out, lse = numpy_chunked.attention(q, k, v, mask=None, causal_offset=0, scale=0.5,
-    ...                                    xp=np, rules=rules)
+    >>> out, lse = numpy_chunked.attention(q, k, v, mask=None, rules=rules, scale=0.5, xp=np)
     >>> out.shape, np.exp(lse[0, 0] - 0.5 * 4).round(6).tolist()   # keys seen per row
     ((1, 2, 6, 4), [1.0, 2.0, 3.0, 3.0, 3.0, 3.0])
     """
     q, k = np.asarray(q), np.asarray(k)   # read into per-item buffers only: any strides
     v = _blas_ready(np.asarray(v))        # a BLAS operand as it is
     with np.errstate(all="ignore"):       # e.g. a scale beyond float32 becomes inf, silently
-        problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), causal_offset,
-                           scale, rules)
+        problem = _Problem(q, k, v, None if mask is None else np.asarray(mask), scale, rules)
     out = _output(q, problem.ev)                  # (B…, H, Tq, Ev)
     lse = np.empty(q.shape[:-1], dtype=lse_dtype or q.dtype)   # (B…, H, Tq)
     items = [(b, hk, q0) for b in np.ndindex(*q.shape[:-3]) for hk in range(problem.hkv)
@@ -304,11 +301,11 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, causal_offset: int | None
 
 
 def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,
-             causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
-             grad_lse: Any = None) -> tuple[Any, Any, Any]:
+             rules: Rules, scale: float, xp: Any, grad_lse: Any = None,
+             ) -> tuple[Any, Any, Any]:
     """The gradients (dq, dk, dv) of :func:`attention`; see :func:`.backward.backward`."""
-    return _backward(q, k, v, out, lse, grad_out, mask=mask, causal_offset=causal_offset,
-                     scale=scale, xp=xp, rules=rules, grad_lse=grad_lse)
+    return _backward(q, k, v, out, lse, grad_out, mask=mask, rules=rules, scale=scale, xp=xp,
+                     grad_lse=grad_lse)
 
 
 # --- settings: the plan's block sizes and the threads' settings, set here or there --------

@@ -61,12 +61,12 @@ def _row(a: np.ndarray, b: tuple[int, ...]) -> Any:
 class _Problem:
     """The arrays, sizes and rules every work item reads, and the per-thread scratch.
 
-    ``rules`` (a :class:`~polyattn.rules.visibility.Rules`) is authoritative where
-    given; otherwise the rules are those of ``causal_offset`` alone.
+    ``rules`` (a :class:`~polyattn.rules.visibility.Rules`) are the call's rules,
+    causality included; their key lengths and slopes are read as NumPy arrays.
     """
 
     def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                 causal_offset: int | None, scale: float, rules: Rules | None = None) -> None:
+                 scale: float, rules: Rules) -> None:
         self.q, self.k, self.v, self.mask = q, k, v, mask
         self.dtype = q.dtype
         self.batch = tuple(q.shape[:-3])
@@ -76,7 +76,7 @@ class _Problem:
         self.g = q.shape[-3] // self.hkv
         self.tq, self.tk = q.shape[-2], k.shape[-2]
         self.e, self.ev = q.shape[-1], v.shape[-1]
-        self.rules = rules or Rules.from_causal_offset(causal_offset, self.tq, self.tk)
+        self.rules = rules
         # p_i = i + offset + shift·Tk_b; how far left and right of p_i a query sees (None:
         # unbounded, also where a side reaches every key from every position)
         self.offset, self.shift, left, right = reach(self.rules, covering=True)
