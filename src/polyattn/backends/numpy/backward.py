@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from polyattn.backends.numpy.plan import _band_tiles, _flat, _Item, _output, _Problem
-from polyattn.backends.numpy.scores import _dropout_factor, _hide, _scores
+from polyattn.backends.numpy.scores import _dropout_factor, _hide, _scores, _shift_column
 from polyattn.backends.numpy.threads import _run_jobs, num_threads, threading_mode
 from polyattn.rules.visibility import Rules
 
@@ -79,10 +79,7 @@ class _Head:
         self.lse = np.where(np.isneginf(lse_h), 0.0, lse_h).astype(p.dtype, copy=False)
         self.qe = np.empty((g, p.tq, e + 1), dtype=p.dtype)
         np.multiply(p.q[ix], p.qscale, out=self.qe[..., :e])
-        if p.softcap is None:
-            np.negative(self.lse, out=self.qe[..., e])
-        else:
-            self.qe[..., e] = 0.0
+        _shift_column(p, self.lse, self.qe[..., e])
         do = grad_out[ix]                                 # (G, Tq, Ev)
         self.d = np.einsum("gte,gte->gt", do, out[ix])    # rowsum(dO ∘ O)
         if grad_lse is not None:
@@ -113,8 +110,7 @@ def _tile(p: _Problem, h: _Head, it: _Item, qt: np.ndarray, dt: np.ndarray, r0: 
     shape = (g, r1 - r0, w)
     lse = h.lse[:, it.q0 + r0:it.q0 + r1]                # (G, r)
     s = p.buffer("s", shape)
-    t = p.buffer("t", shape) if p.softcap is not None else None
-    _scores(p, it, qt, h.ke, lse, r0, r1, k0, k1, s, hide=False, tanh=t)
+    grad = _scores(p, it, qt, h.ke, lse, r0, r1, k0, k1, s, hide=False, grad=True)
     np.exp(s, out=s)                                      # P, hidden entries then set to 0
     _hide(p, it, s, r0, r1, k0, k1, 0.0)
     ds = p.buffer("ds", shape)
@@ -129,10 +125,8 @@ def _tile(p: _Problem, h: _Head, it: _Item, qt: np.ndarray, dt: np.ndarray, r0: 
         ds -= h.d[:, it.q0 + r0:it.q0 + r1, None]         # - D
         pz *= s                                           # P∘Z
     ds *= s                                               # dS = P ∘ (dP - D)
-    if t is not None:                                     # times 1 - tanh²
-        np.multiply(t, t, out=t)
-        np.subtract(1.0, t, out=t)
-        ds *= t
+    if grad is not None:                                  # times the scores' derivative
+        ds *= grad
     return pz, ds
 
 

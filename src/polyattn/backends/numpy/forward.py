@@ -94,7 +94,13 @@ from polyattn.backends.numpy.plan import (
     _Problem,
     _tiles,
 )
-from polyattn.backends.numpy.scores import _dropout_factor, _dropout_keep, _hide, _scores
+from polyattn.backends.numpy.scores import (
+    _dropout_factor,
+    _dropout_keep,
+    _hide,
+    _scores,
+    _shift_column,
+)
 from polyattn.backends.numpy.threads import _run_jobs, num_threads, threading_mode
 from polyattn.rules.visibility import Rules
 
@@ -137,7 +143,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     out_slice = out[ix]                              # (G, bq, Ev)
     lse_slice = lse[ix]                              # (G, bq)
 
-    # --- queries of the G heads, scaled once, extended by the column -m (0 with softcap)
+    # --- queries of the G heads, scaled once, extended by the column -m (m = 0 at first)
     qe = p.buffer("q", (g, bq, e + 1))
     np.multiply(p.q[ix], p.qscale, out=qe[..., :e])
     qe[..., e] = 0.0
@@ -216,8 +222,7 @@ def _rescaled_block(p: _Problem, it: _Item, qr: np.ndarray, ke: np.ndarray, vb: 
     lr *= alpha
     lr += l_blk
     mr += d
-    if p.softcap is None:
-        np.negative(mr, out=qr[..., e])
+    _shift_column(p, mr, qr[..., e])
 
 
 def _normalise(p: _Problem, ix: tuple[Any, ...], m: np.ndarray, l: np.ndarray,

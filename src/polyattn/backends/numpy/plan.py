@@ -4,9 +4,13 @@ A call is cut into independent work items, one per (batch index, key/value
 head, query block); the ``G = H // Hkv`` query heads that share a key/value
 head are stacked into one item. :class:`_Problem` holds the arrays, sizes and
 rules every item reads (and each thread's scratch), :class:`_Item` one item's
-positions and visible keys ``[lo, hi)`` per row (docs/semantics.rst), and
+positions and visible keys ``[lo, hi)`` per row (docs/semantics.rst),
 :func:`_band_tiles` the (rows, keys) rectangles of scores that follow the
-visible band. :mod:`.forward` and :mod:`.backward` both run on this plan.
+visible band, and :func:`_hide_band` the entries of a tile outside it: the
+causal mask, the window and key lengths are lowered here (as that band) and
+nowhere else in the family. The rules that change the scores themselves
+(soft-capping, ALiBi's bias, dropout) are lowered in :mod:`.scores`.
+:mod:`.forward` and :mod:`.backward` both run on this plan.
 """
 
 from __future__ import annotations
@@ -87,7 +91,6 @@ class _Problem:
                         else np.asarray(self.rules.key_lengths))     # (B…|1 …), integers
         self.slopes = (None if self.rules.alibi is None
                        else np.asarray(self.rules.alibi, dtype=self.dtype))  # (B…|1 …, H|1)
-        self.softcap = None if self.rules.softcap is None else self.dtype.type(self.rules.softcap)
         self.block_k = max(1, int(BLOCK_K))
         rows = max(1, int(BLOCK_Q) * 4 // self.dtype.itemsize)
         self.bq = max(1, rows // self.g)             # query rows per head in an item
@@ -229,6 +232,36 @@ class _Item:
         self.q1 = min(q0 + p.bq, p.tq)
         self.pos, self.lo, self.hi = p.key_ranges(b, q0, self.q1)
         self.neg_slopes = p.neg_slopes(b, hk)
+
+
+def _hide_band(p: _Problem, it: _Item, s: np.ndarray, r0: int, r1: int, k0: int, k1: int,
+               value: float) -> None:
+    """Set the entries of ``s`` (G, r1 - r0, k1 - k0) outside the visible band to ``value``.
+
+    Rows r0:r1 of ``it`` and keys k0:k1, a rectangle of :func:`_band_tiles`: only the
+    triangles at the band's edges (the causal mask's or a window's) are written, as
+    slices of :meth:`_Problem.edges`. Key lengths need nothing: no tile reaches past them.
+    """
+    if not p.banded:
+        return
+    w = k1 - k0
+    # rows whose visible keys end inside the block: a leading run of the tile's rows, row
+    # r0 + t seeing columns c < hi[r0] - k0 + t (the edge moves one key per row)
+    rh = min(r1, int(np.searchsorted(it.hi, k1, side="left")))
+    if rh > r0:
+        c = int(it.hi[r0]) - k0
+        right, _ = p.edges(rh - r0, w - c)
+        np.copyto(s[:, :rh - r0, c:], value, where=right)
+    # rows whose visible keys start inside the block: a trailing run, row rl + t seeing
+    # columns c >= lo[rl] - k0 + t; the first lo[rl] - k0 columns are hidden from all of them
+    rl = max(r0, int(np.searchsorted(it.lo, k0, side="right")))
+    if r1 > rl:
+        d = int(it.lo[rl]) - k0
+        n = r1 - rl
+        s[:, rl - r0:, :d] = value
+        _, left = p.edges(n, n - 1)
+        np.copyto(s[:, rl - r0:, d:d + n - 1], value, where=left)
+
 
 
 def _flat(x: np.ndarray) -> np.ndarray:

@@ -2,9 +2,12 @@
 
 :func:`_scores` computes ``[q·scale | -m] @ [k | 1]ᵀ`` for a (rows, keys)
 rectangle of a work item and applies soft-capping, ALiBi and a float mask in
-place; :func:`_hide` sets the entries a boolean mask, a causal mask or a window
-hides; :func:`_dropout_factor` gives dropout's ``keep / (1 - p)`` from the
-Philox counters of :mod:`polyattn.rules.dropout`. Used by :mod:`.forward` and
+place (and, for the backward pass, the derivative of what it applied);
+:func:`_shift_column` fills the queries' extra column ``-m`` where the shift can
+ride in the product; :func:`_hide` sets the entries a boolean mask hides, and
+those outside the visible band (:func:`.plan._hide_band`: causal mask, window);
+:func:`_dropout_factor` gives dropout's ``keep / (1 - p)`` from the Philox
+counters of :mod:`polyattn.rules.dropout`. Used by :mod:`.forward` and
 :mod:`.backward` alike.
 """
 
@@ -12,34 +15,53 @@ from __future__ import annotations
 
 import numpy as np
 
-from polyattn.backends.numpy.plan import _flat, _Item, _Problem
+from polyattn.backends.numpy.plan import _flat, _hide_band, _Item, _Problem
 from polyattn.rules.dropout import MASK32, philox_numpy, threshold
+
+
+def _shift_column(p: _Problem, m: np.ndarray, column: np.ndarray) -> None:
+    """Fill ``column`` (the extended queries' last column, shaped as ``m``) with ``-m``.
+
+    The product ``[q·scale | -m] @ [k | 1]ᵀ`` then delivers the scores already shifted.
+    Soft-capping ``c·tanh(s/c)`` cannot take the shift inside the product: with it the
+    column is 0 and :func:`_scores` subtracts ``m`` after the cap.
+    """
+    if p.rules.softcap is None:
+        np.negative(m, out=column)
+    else:
+        column[...] = 0.0
 
 
 def _scores(p: _Problem, it: _Item, qe: np.ndarray, ke: np.ndarray, m: np.ndarray, r0: int,
             r1: int, k0: int, k1: int, s: np.ndarray, *, hide: bool = True,
-            tanh: np.ndarray | None = None) -> None:
+            grad: bool = False) -> np.ndarray | None:
     """The scores of rows r0:r1 of item ``it`` and keys k0:k1, shifted by ``-m``, into ``s``.
 
-    ``qe`` (G, r1 - r0, E + 1) holds the scaled queries and, without soft-capping,
-    the column ``-m``; ``m`` (G, r1 - r0); ``s`` (G, r1 - r0, k1 - k0). In the
+    ``qe`` (G, r1 - r0, E + 1) holds the scaled queries and the column of
+    :func:`_shift_column`; ``m`` (G, r1 - r0); ``s`` (G, r1 - r0, k1 - k0). In the
     order of docs/semantics.rst: ``[q·scale | -m] @ [k | 1]ᵀ`` (with soft-capping the
     product has a 0 column, the cap applies, then ``m`` is subtracted), ALiBi's ``-slope·|p - j|``,
     the float mask. Hidden entries (boolean mask, key lengths, causal, window) are
     -inf, or left as they are with ``hide=False`` (for :func:`_hide` to zero after
-    the exponential). With soft-capping, ``tanh`` (shaped as ``s``), where given,
-    receives ``tanh(scale·q·k / c)`` (for the cap's derivative).
+    the exponential). With ``grad``, returns the derivative of the scores that enter
+    the softmax by the scaled scores ``scale·q·k`` (G, r1 - r0, k1 - k0), for the
+    backward pass: soft-capping's ``1 - tanh²(scale·q·k / c)``, or ``None`` where it is 1
+    (ALiBi and masks add constants).
     """
     if qe.flags.c_contiguous:
         np.matmul(_flat(qe), ke[k0:k1].T, out=_flat(s))  # (G·r, bk)
     else:
         np.matmul(qe, ke[k0:k1].T, out=s)                # (G, r, bk), one product per head
-    if p.softcap is not None:                            # c·tanh(s / c) - m
-        np.divide(s, p.softcap, out=s)
+    derivative = None
+    if p.rules.softcap is not None:                      # c·tanh(s / c) - m
+        cap = p.dtype.type(p.rules.softcap)
+        np.divide(s, cap, out=s)
         np.tanh(s, out=s)
-        if tanh is not None:
-            np.copyto(tanh, s)
-        np.multiply(s, p.softcap, out=s)
+        if grad:                                         # 1 - tanh²
+            derivative = p.buffer("grad", s.shape)
+            np.multiply(s, s, out=derivative)
+            np.subtract(1.0, derivative, out=derivative)
+        np.multiply(s, cap, out=s)
         np.subtract(s, m[..., None], out=s)
     if it.neg_slopes is not None:                        # - slope_h·|p_i - j|
         dist = p.buffer("dist", (r1 - r0, k1 - k0))
@@ -54,6 +76,7 @@ def _scores(p: _Problem, it: _Item, qe: np.ndarray, ke: np.ndarray, m: np.ndarra
         s += mb
     if hide:
         _hide(p, it, s, r0, r1, k0, k1, -np.inf)
+    return derivative
 
 
 def _hide(p: _Problem, it: _Item, s: np.ndarray, r0: int, r1: int, k0: int, k1: int,
@@ -63,30 +86,13 @@ def _hide(p: _Problem, it: _Item, s: np.ndarray, r0: int, r1: int, k0: int, k1: 
     The cheap path exponentiates first and then writes 0 here: NumPy's float64
     ``exp`` takes a slow path for -inf (about 3× the time per element), and an
     entry overwritten afterwards cannot leak, whatever the exponential made of it.
-    Key lengths need nothing here: no tile reaches past them (:func:`_band_tiles`).
+    The causal mask and the window are the visible band's edges (:func:`.plan._hide_band`);
+    key lengths need nothing here: no tile reaches past them (:func:`.plan._band_tiles`).
     """
     mb = p.mask_block(it.b, it.hk, it.q0 + r0, it.q0 + r1, k0, k1)
     if mb is not None and mb.dtype == np.bool_:
         np.copyto(s, value, where=~mb)
-    if not p.banded:
-        return
-    w = k1 - k0
-    # rows whose visible keys end inside the block: a leading run of the tile's rows, row
-    # r0 + t seeing columns c < hi[r0] - k0 + t (the edge moves one key per row)
-    rh = min(r1, int(np.searchsorted(it.hi, k1, side="left")))
-    if rh > r0:
-        c = int(it.hi[r0]) - k0
-        right, _ = p.edges(rh - r0, w - c)
-        np.copyto(s[:, :rh - r0, c:], value, where=right)
-    # rows whose visible keys start inside the block: a trailing run, row rl + t seeing
-    # columns c >= lo[rl] - k0 + t; the first lo[rl] - k0 columns are hidden from all of them
-    rl = max(r0, int(np.searchsorted(it.lo, k0, side="right")))
-    if r1 > rl:
-        d = int(it.lo[rl]) - k0
-        n = r1 - rl
-        s[:, rl - r0:, :d] = value
-        _, left = p.edges(n, n - 1)
-        np.copyto(s[:, rl - r0:, d:d + n - 1], value, where=left)
+    _hide_band(p, it, s, r0, r1, k0, k1, value)
 
 
 def _dropout_keep(p: _Problem, it: _Item, r0: int, r1: int, k0: int, k1: int) -> np.ndarray:
