@@ -356,8 +356,9 @@ def test_tiles_of_other_libraries_run_the_blocked_path(shift):
     rng = np.random.default_rng(14)
     q, k, v = _inputs(rng, b=2, tq=6, tk=20)
     lengths = np.array([[17], [9]]).reshape(2)
-    spec = distributed.Spec(scale=0.3, tq=12, tk=30, causal=True, offset=4,
-                            lengths_shift=shift, window=(7, 0), softcap=3.0)
+    spec = distributed.Spec(scale=0.3, rules=Rules(12, 30, causal=True, offset=4,
+                                                   lengths_shift=shift, window=(7, 0),
+                                                   softcap=3.0))
     slopes = np.array([[0.5, 0.25, 0.125, 0.0625]])
     got = distributed._tile(*(xps.asarray(x) for x in (q, k, v)), None,
                             xps.asarray(lengths), xps.asarray(slopes), spec, 5, 8)

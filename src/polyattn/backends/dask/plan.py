@@ -49,19 +49,23 @@ SPLIT_EVERY = 8
 
 @dataclass(frozen=True)
 class Spec:
-    """The global rules a tile task needs, without arrays (key lengths and slopes come
-    as blocks)."""
+    """What every tile task needs besides its blocks: the scale and the call's rules.
+
+    ``rules`` are the call's :class:`Rules` without their arrays (:meth:`of`): key lengths
+    and ALiBi slopes come to each task as blocks, and each task moves the rules to its
+    tile (:func:`_run`).
+    """
 
     scale: float
-    tq: int
-    tk: int
-    causal: bool
-    offset: int
-    lengths_shift: bool
-    window: tuple[int | None, int | None] | None
-    softcap: float | None
+    rules: Rules
     #: worker threads of the NumPy fast path inside one task (parallelism is across tasks)
     threads: int = 1
+
+    @classmethod
+    def of(cls, rules: Rules, scale: float) -> Spec:
+        """The spec of a call with these rules: their arrays left out (they come as blocks)."""
+        return cls(scale=float(scale), rules=dataclasses.replace(
+            rules, key_lengths=None, alibi=None, lengths_at_hand=None))
 
 
 @dataclass(frozen=True)
@@ -212,9 +216,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
     lengths = _along(rules.key_lengths, batch)
     slopes = _along(rules.alibi, [*batch, None])
     plan = make_plan(q, k, rules, rules.lengths_at_hand)
-    spec = Spec(scale=float(scale), tq=rules.tq, tk=rules.tk, causal=rules.causal,
-                offset=rules.offset, lengths_shift=rules.lengths_shift, window=rules.window,
-                softcap=rules.softcap)
+    spec = Spec.of(rules, scale)
     ev = int(v.shape[-1])
     token = tokenize(q.name, k.name, v.name, None if mask is None else mask.name,
                      None if lengths is None else lengths.name,
@@ -308,9 +310,10 @@ def _tile(q: Array, k: Array, v: Array, mask: Array | None, lengths: Array | Non
     """
     xp = _namespace(q)
     tk = k.shape[-2]
-    if not spec.lengths_shift:
+    rules = spec.rules
+    if not rules.lengths_shift:
         local = None if lengths is None else xp.clip(lengths - k0, 0, tk)
-        return _run(q, k, v, mask, spec, position(q0 - k0, spec.offset, 0, 0), local, slopes,
+        return _run(q, k, v, mask, spec, position(q0 - k0, rules.offset, 0, 0), local, slopes,
                     xp)
     assert lengths is not None
     nb = q.ndim - 3
@@ -331,7 +334,7 @@ def _tile(q: Array, k: Array, v: Array, mask: Array | None, lengths: Array | Non
         local = xp.asarray(np.clip(length - k0, 0, tk), dtype=lengths.dtype)
         local = xp.reshape(local, (1,) * nb)
         o, s = _run(take(q, 3), take(k, 3), take(v, 3), take(mask, 3), spec,
-                    position(q0 - k0, -spec.tq, 1, length), local, take(slopes, 1), xp)
+                    position(q0 - k0, -rules.tq, 1, length), local, take(slopes, 1), xp)
         out[(*row, ...)] = o
         lse[(*row, ...)] = s
     return out, lse
@@ -339,10 +342,14 @@ def _tile(q: Array, k: Array, v: Array, mask: Array | None, lengths: Array | Non
 
 def _run(q: Array, k: Array, v: Array, mask: Array | None, spec: Spec, offset: int,
          lengths: Array | None, slopes: Array | None, xp: Any) -> tuple[Array, Array]:
-    """One tile with top-left-style rules (a fixed offset) on the fastest local path."""
+    """One tile with top-left-style rules (a fixed offset) on the fastest local path.
+
+    The call's rules moved to the tile: its own sizes, the position offset ``offset``,
+    the tile's key lengths and slopes (every other rule as the call has it).
+    """
     tq, tk = q.shape[-2], k.shape[-2]
-    rules = Rules(tq=tq, tk=tk, causal=spec.causal, offset=offset, key_lengths=lengths,
-                  window=spec.window, softcap=spec.softcap, alibi=slopes)
+    rules = dataclasses.replace(spec.rules, tq=tq, tk=tk, offset=offset, key_lengths=lengths,
+                                lengths_shift=False, alibi=slopes)
     # a window side that reaches every key of the tile from every query of it is dropped
     rules = dataclasses.replace(rules, window=window(dataclasses.replace(rules, causal=False)))
     if isinstance(q, np.ndarray):
