@@ -17,6 +17,15 @@ HOST = False
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
 RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
+#: The rules of :data:`RULES` that no native function expresses exactly: a call using one is
+#: refused with its reason (``{name}``: the library's function), so the dispatcher takes
+#: the next implementation. Causality, windows, key lengths and ALiBi become one dense mask.
+REFUSED = {
+    "softcap": ("softcap: {name} has no logit soft-capping, and tanh cannot be folded into "
+                "an additive mask"),
+    "dropout": ("dropout_p: {name} draws its dropout mask from its own generator, not from "
+                "the Philox counters that give every polyattn implementation the same mask"),
+}
 
 #: The function that runs, per library.
 FUNCTIONS = {"torch": "torch.nn.functional.scaled_dot_product_attention",
@@ -31,7 +40,7 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     from polyattn.backends.native import fused
 
     return fused.unavailable(problem.xp, problem.q, problem.k, problem.v,
-                             return_lse="lse" in needs, rules=problem.rules)
+                             return_lse="lse" in needs, rules=problem.rules, refused=REFUSED)
 
 
 def forward(problem: Any) -> tuple[Any, Any]:

@@ -25,7 +25,8 @@ How each part of polyattn's contract (docs/semantics.rst, "dtypes") is kept:
   float64 JAX arrays are not run natively (docs/semantics.rst); float32 products run at
   ``"highest"`` matmul precision (no TF32 or bfloat16 passes on GPUs).
 * **Windows, key lengths, ALiBi** become one dense mask (bool, or float with
-  the ALiBi bias); soft-capping is not additive, so it is not native.
+  the ALiBi bias); the rules no mask expresses are refused, each with its
+  reason (``REFUSED`` in :mod:`polyattn.backends.native`).
 * **Non-finite queries.** torch's fused CPU kernel reports a query row holding
   NaN as 0, as if the row were fully masked; NaN never disappears (docs/semantics.rst), so
   the row sum of ``0·q`` (NaN for a row holding NaN or inf, else exactly 0) is
@@ -38,6 +39,7 @@ How each part of polyattn's contract (docs/semantics.rst, "dtypes") is kept:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from polyattn._interop import device_of, library_name
@@ -58,11 +60,12 @@ def _torch_version() -> tuple[int, int]:
 
 
 def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: bool,
-                rules: Rules) -> str | None:
+                rules: Rules, refused: Mapping[str, str]) -> str | None:
     """Why the native attention cannot run this call exactly; ``None`` when it can.
 
     ``q``, ``k``, ``v`` are the implementations' (B…, H, T, E) arrays in the
-    compute dtype.
+    compute dtype. ``refused`` maps the rules the native functions cannot express to
+    the reason, with ``{name}`` for the function's name; the first in use is given.
     """
     lib = library_name(xp)
     if lib == "torch":
@@ -79,12 +82,10 @@ def unavailable(xp: Any, q: Array, k: Array, v: Array | None, *, return_lse: boo
                     f"(key {tuple(k.shape)}, value {tuple(v.shape)})")
     else:
         return f"{lib} has no native attention function that polyattn uses"
-    if rules.softcap is not None:
-        return (f"softcap: {name} has no logit soft-capping, and tanh cannot be folded "
-                "into an additive mask")
-    if rules.dropout:
-        return (f"dropout_p: {name} draws its dropout mask from its own generator, not from "
-                "the Philox counters that give every polyattn implementation the same mask")
+    used = rules.in_use()
+    for rule, why in refused.items():
+        if rule in used:
+            return why.format(name=name)
     if return_lse:
         return (f"return_lse=True: {name} does not return the log-sum-exp"
                 + (" with its gradients (return_residual stops them)" if lib == "jax" else ""))
