@@ -305,6 +305,7 @@ def bench_backward_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], d
     import array_api_compat.cupy as xp
 
     from polyattn.backends.cuda import facade as numba_cuda
+    from polyattn.rules.visibility import Rules
 
     b, h, t, e = shape
     rng = cupy.random.default_rng(1)
@@ -317,10 +318,10 @@ def bench_backward_case(ctx: dict[str, Any], shape: tuple[int, int, int, int], d
                               "pass": "fwd+bwd", "gflop": n_flops / 1e9, "methods": {}}
 
     def kernel() -> tuple[Any, Any, Any]:
-        out, lse = numba_cuda.attention(q, k, v, mask=None, causal_offset=offset,
-                                        scale=scale, xp=xp)
-        return numba_cuda.backward(q, k, v, out, lse, grad_out, mask=None,
-                                   causal_offset=offset, scale=scale, xp=xp)
+        rules = Rules.from_causal_offset(offset, t, t)
+        out, lse = numba_cuda.attention(q, k, v, mask=None, rules=rules, scale=scale, xp=xp)
+        return numba_cuda.backward(q, k, v, out, lse, grad_out, mask=None, rules=rules,
+                                   scale=scale, xp=xp)
 
     methods: dict[str, Any] = {"numba_cuda": kernel}
     ref = None

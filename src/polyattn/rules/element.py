@@ -7,22 +7,47 @@ that Numba compiles into each kernel, forward and backward, through
 :func:`polyattn.rules.lowering.lower`. Each kernel keeps its own loops and
 memory layout and calls these for the rules.
 
-Integers are positions and key indices (int64 in the kernels); ``left`` and
-``right`` are the reaches of :func:`polyattn.rules.lowering.reach`, an
-unbounded side given as a large number rather than ``None``. ``T`` is the
-compute type's constructor (``numpy.float32`` or ``numpy.float64``), bound
-by :func:`~polyattn.rules.lowering.lower`; as plain Python it is ``float``.
+The rule parameters
+-------------------
+A kernel takes the rules' run-time parameters as one tuple, ``rules``, built in
+one place (:func:`polyattn.rules.lowering.kernel_parameters`, typed for kernel
+signatures by :func:`~polyattn.rules.lowering.parameter_types`), and hands it to
+the functions below, which alone read it: kernels never name a rule's parameter.
+It holds one tuple per rule, by these indices:
+
+* ``rules[MODIFIERS]``: ``(softcap,)`` in the compute type, 0 for none (ALiBi's
+  slopes are a table: an array argument, read by :func:`head_slope`);
+* ``rules[DROPOUT]``: ``(scale, threshold, key0, key1)``: ``1/(1-p)`` in the
+  compute type, then the threshold and the Philox key words as unsigned words
+  (threshold 0: no dropout);
+* ``rules[REACH]``: ``(offset, shift, left, right)``, int64, the reaches of
+  :func:`polyattn.rules.lowering.reach` (an unbounded side a large number).
+
+A new rule's run-time parameter is a new entry there (and in
+:func:`~polyattn.rules.lowering.kernel_parameters`) read by code here; the
+kernels' signatures and arguments stay as they are.
+
+The first functions work on numbers (:func:`position`, :func:`keys_in_reach`,
+:func:`modifiers`, :func:`modify`, ...), for any caller; those taking ``rules``
+read the tuple and call them. Integers are positions and key indices (int64 in
+the kernels). ``T`` is the compute type's constructor (``numpy.float32`` or
+``numpy.float64``) and ``WORD`` that of the unsigned words (``numpy.uint64``),
+bound by :func:`~polyattn.rules.lowering.lower`; as plain Python they are
+``float`` and ``int``.
 
 Examples
 --------
->>> position(3, -4, 1, 10)           # bottom-right with key length 10, Tq = 4
+>>> rules = ((2.0,), (1.0, 0, 0, 0), (-4, 1, 2, 0))   # bottom-right (Tq = 4), window 2
+>>> row_position(3, rules, 10)             # with key length 10
 9
->>> visible(9, 9, 2, 0, 10), visible(6, 9, 2, 0, 10)
+>>> visible(9, 9, rules, 10), visible(6, 9, rules, 10)
 (True, False)
 >>> round(modify(3.0, 5, 2, 2.0, 0.5, 0.25), 6)     # 2·tanh(3/2) - 0.25·|5 - 2|
 1.060297
->>> row_keys(9, 2, 0, 0, 10), block_queries(2, 3, 0, 2, 0, 8)
+>>> row_keys(9, rules, 0, 10), block_queries(2, 3, 0, rules, 8)
 ((7, 10), (2, 6))
+>>> drops(rules), drops(((0.0,), (1.25, 2**30, 7, 9), (0, 0, 0, 0)))
+(False, True)
 
 Every float is made by ``T`` (``T(1)``, not ``1``): Numba would compute an int64
 literal with a float32 in float64.
@@ -33,7 +58,16 @@ from __future__ import annotations
 import math
 
 T = float
+WORD = int
 
+#: Indices of the rule parameter tuple (module docstring), one entry per rule; numba-cuda
+#: passes the entries as consecutive kernel parameters, in this order.
+MODIFIERS, DROPOUT, REACH = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- #
+# On numbers
+# --------------------------------------------------------------------------- #
 
 def position(i, offset, shift, length):  # type: ignore[no-untyped-def]
     """Query row ``i``'s position: ``i + offset``, plus the key length when ``shift`` is 1."""
@@ -55,30 +89,10 @@ def head_slope(slopes, b, h):  # type: ignore[no-untyped-def]
     return slopes[sb, sh]
 
 
-def visible(j, p, left, right, end):  # type: ignore[no-untyped-def]
-    """Whether key ``j`` is visible to a query at position ``p`` (keys ``>= end`` do not exist)."""
-    return j < end and j <= p + right and j >= p - left
-
-
-def row_keys(p, left, right, first, end):  # type: ignore[no-untyped-def]
-    """Keys ``[lo, hi)`` of ``[first, end)`` visible to a query at position ``p``: the
-    ``j`` of :func:`visible`, as a range (``lo >= hi``: none)."""
-    return max(p - left, first), min(p + right + 1, end)
-
-
-def block_keys(first, last, pos_offset, left, right, tk, length):  # type: ignore[no-untyped-def]
-    """Keys ``[lo, hi)`` that some query row in ``[first, last]`` may see (``lo >= hi``: none)."""
-    lo = max(0, first + pos_offset - left)
-    hi = min(tk, length, last + pos_offset + right + 1)
-    return lo, hi
-
-
-def block_queries(first, last, pos_offset, left, right, tq):  # type: ignore[no-untyped-def]
-    """Query rows ``[lo, hi)`` that may see some key in ``[first, last]`` (keys that exist;
-    ``lo >= hi``: none): :func:`block_keys` the other way round."""
-    lo = max(0, first - right - pos_offset)
-    hi = min(tq, last + left - pos_offset + 1)
-    return lo, hi
+def keys_in_reach(p_first, p_last, left, right, first, end):  # type: ignore[no-untyped-def]
+    """Keys ``[lo, hi)`` of ``[first, end)`` that a query at some position in
+    ``[p_first, p_last]`` may see, with reaches ``left`` and ``right`` (``lo >= hi``: none)."""
+    return max(p_first - left, first), min(p_last + right + 1, end)
 
 
 def modifiers(softcap, slope, unit):  # type: ignore[no-untyped-def]
@@ -89,17 +103,6 @@ def modifiers(softcap, slope, unit):  # type: ignore[no-untyped-def]
     if cap > 0:
         inv_cap = T(1) / cap
     return cap, inv_cap, slope * unit
-
-
-def head_modifiers(mods, softcap, slopes, b, h, unit):  # type: ignore[no-untyped-def]
-    """:func:`modifiers` of head ``h`` of batch row ``b`` where the kernel has modifiers
-    (``mods``, a compile-time flag), else zeros (nothing to read)."""
-    cap = T(0)
-    inv_cap = T(0)
-    slope = T(0)
-    if mods:
-        cap, inv_cap, slope = modifiers(softcap, head_slope(slopes, b, h), unit)
-    return cap, inv_cap, slope
 
 
 def mask_steps(masked, mask, mask_batch, b, h):  # type: ignore[no-untyped-def]
@@ -146,3 +149,75 @@ def modify_grad(x, cap, inv_cap):  # type: ignore[no-untyped-def]
         t = math.tanh(x * inv_cap)
         return T(1) - t * t
     return T(1)
+
+
+# --------------------------------------------------------------------------- #
+# From the rule parameters
+# --------------------------------------------------------------------------- #
+
+def row_position(i, rules, length):  # type: ignore[no-untyped-def]
+    """Query row ``i``'s position (:func:`position`) in a batch row of key length ``length``."""
+    offset, shift, _, _ = rules[REACH]
+    return position(i, offset, shift, length)
+
+
+def visible(j, p, rules, end):  # type: ignore[no-untyped-def]
+    """Whether key ``j`` is visible to a query at position ``p`` (keys ``>= end`` do not exist)."""
+    _, _, left, right = rules[REACH]
+    return j < end and j <= p + right and j >= p - left
+
+
+def row_keys(p, rules, first, end):  # type: ignore[no-untyped-def]
+    """Keys ``[lo, hi)`` of ``[first, end)`` visible to a query at position ``p``: the
+    ``j`` of :func:`visible`, as a range (``lo >= hi``: none)."""
+    _, _, left, right = rules[REACH]
+    return keys_in_reach(p, p, left, right, first, end)
+
+
+def block_keys(first, last, pos_offset, rules, tk, length):  # type: ignore[no-untyped-def]
+    """Keys ``[lo, hi)`` that some query row in ``[first, last]`` may see (``lo >= hi``: none),
+    row ``i`` at position ``i + pos_offset``."""
+    _, _, left, right = rules[REACH]
+    lo = max(0, first + pos_offset - left)
+    hi = min(tk, length, last + pos_offset + right + 1)
+    return lo, hi
+
+
+def block_queries(first, last, pos_offset, rules, tq):  # type: ignore[no-untyped-def]
+    """Query rows ``[lo, hi)`` that may see some key in ``[first, last]`` (keys that exist;
+    ``lo >= hi``: none): :func:`block_keys` the other way round."""
+    _, _, left, right = rules[REACH]
+    lo = max(0, first - right - pos_offset)
+    hi = min(tq, last + left - pos_offset + 1)
+    return lo, hi
+
+
+def head_modifiers(mods, rules, slopes, b, h, unit):  # type: ignore[no-untyped-def]
+    """:func:`modifiers` of head ``h`` of batch row ``b`` where the kernel has modifiers
+    (``mods``, a compile-time flag), else zeros (nothing to read)."""
+    cap = T(0)
+    inv_cap = T(0)
+    slope = T(0)
+    if mods:
+        cap, inv_cap, slope = modifiers(rules[MODIFIERS][0], head_slope(slopes, b, h), unit)
+    return cap, inv_cap, slope
+
+
+def drops(rules):  # type: ignore[no-untyped-def]
+    """Whether weights are dropped at all (a threshold of 0 keeps every one)."""
+    return rules[DROPOUT][1] != WORD(0)
+
+
+def dropout_key(rules):  # type: ignore[no-untyped-def]
+    """The two Philox key words (:func:`polyattn.rules.dropout.key_words`)."""
+    return rules[DROPOUT][2], rules[DROPOUT][3]
+
+
+def kept(word, rules):  # type: ignore[no-untyped-def]
+    """Whether a weight whose Philox word (under :func:`dropout_key`) is ``word`` is kept."""
+    return word >= rules[DROPOUT][1]
+
+
+def kept_scale(rules):  # type: ignore[no-untyped-def]
+    """The factor of a kept weight, ``1 / (1 - p)``."""
+    return rules[DROPOUT][0]

@@ -1,10 +1,15 @@
 """The rules as kernel parameters, and the score element compiled for a target.
 
-:func:`reach` turns :class:`~.visibility.Rules` into the four integers every
-kernel takes (the position offset, the key-length shift flag, and the left
-and right reach); :func:`lower` compiles a function of :mod:`.element` for the
-CPU (``numba.njit``) or the GPU (a CUDA device function) with its compute type
-bound. Numba is imported only when something is lowered.
+:func:`reach` turns :class:`~.visibility.Rules` into the four integers of
+visibility (the position offset, the key-length shift flag, and the left and
+right reach). :func:`kernel_parameters` is the one place that turns the rules
+into what a kernel takes at run time: one tuple of per-rule tuples, read only by
+the functions of :mod:`.element` (its indices ``MODIFIERS``, ``DROPOUT``,
+``REACH``), whose Numba type :func:`parameter_types` gives for the kernels'
+signatures; :func:`modifies` says whether a kernel needs its score-modifier
+code. :func:`lower` compiles a function of :mod:`.element` for the CPU
+(``numba.njit``) or the GPU (a CUDA device function) with its compute type bound.
+Numba is imported only when something is lowered or typed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from polyattn.rules import dropout as _dropout
+from polyattn.rules import element
 from polyattn.rules.visibility import Rules
 
 #: An unbounded window side as a reach: farther than any key (positions are int64).
@@ -58,9 +65,58 @@ def window(rules: Rules) -> tuple[int | None, int | None] | None:
     return None if sides == (None, None) else (sides[0], sides[1])
 
 
+def kernel_parameters(rules: Rules, dtype: str) -> tuple[tuple[Any, ...], ...]:
+    """The rules' run-time parameters as a kernel takes them: one tuple holding a tuple
+    per rule at the indices of :mod:`.element` (``MODIFIERS``, ``DROPOUT``, ``REACH``;
+    see its docstring), read there only. Integers are int64, floats in ``dtype``
+    (``"float32"`` or ``"float64"``), dropout's threshold and key words uint64, so that
+    every call gives the one type of :func:`parameter_types`.
+
+    A rule with a run-time parameter adds its entry here and its reader in
+    :mod:`.element`; kernels pass the tuple on whole.
+
+    >>> (softcap,), dropout, offset_shift_reaches = kernel_parameters(
+    ...     Rules(4, 6, causal=True, offset=2, softcap=30.0, dropout_p=0.5), "float32")
+    >>> float(softcap), [int(x) for x in dropout], [int(x) for x in offset_shift_reaches]
+    (30.0, [2, 2147483648, 0, 0], [2, 0, 1099511627776, 0])
+    """
+    import numpy as np
+
+    t = np.dtype(dtype).type
+    word = np.uint64
+    if rules.dropout:
+        key0, key1 = _dropout.key_words(rules.dropout_seed)
+        dropout = (t(rules.dropout_scale), word(_dropout.threshold(rules.dropout_p)),
+                   word(key0), word(key1))
+    else:
+        dropout = (t(1.0), word(0), word(0), word(0))
+    parts = {
+        element.MODIFIERS: (t(0.0 if rules.softcap is None else rules.softcap),),
+        element.DROPOUT: dropout,
+        element.REACH: tuple(np.int64(x) for x in reach(rules)),
+    }
+    return tuple(parts[index] for index in range(len(parts)))
+
+
+@functools.cache
+def parameter_types(dtype: str) -> Any:
+    """The Numba type of :func:`kernel_parameters` in ``dtype``: a kernel signature's
+    entry for the rules (numba-cuda passes a tuple argument as its elements)."""
+    import numba
+
+    return numba.typeof(kernel_parameters(Rules(1, 1), dtype))
+
+
+def modifies(rules: Rules) -> bool:
+    """Whether scores are modified after scaling (soft-capping or ALiBi): kernels compile
+    :func:`.element.modify` into their loops only for such calls."""
+    return rules.softcap is not None or rules.alibi is not None
+
+
 def lower(function: Callable[..., Any], target: str, compute_type: Any = float) -> Any:
     """``function`` of :mod:`.element` compiled for ``target`` ("cpu" or "cuda") with ``T``
-    bound to ``compute_type`` (once per combination), inlined into the kernels that call it."""
+    bound to ``compute_type`` and ``WORD`` to ``numpy.uint64`` (once per combination),
+    inlined into the kernels that call it."""
     return _lower(function, target, compute_type)
 
 
@@ -68,7 +124,9 @@ def lower(function: Callable[..., Any], target: str, compute_type: Any = float) 
 def _lower(function: Callable[..., Any], target: str, compute_type: Any) -> Any:
     """``function`` of :mod:`.element` compiled for ``target`` ("cpu" or "cuda") with ``T``
     bound to ``compute_type``, inlined into the kernels that call it."""
-    names = {**function.__globals__, "T": compute_type}
+    import numpy as np
+
+    names = {**function.__globals__, "T": compute_type, "WORD": np.uint64}
     for name in function.__code__.co_names:   # the element's functions it calls, lowered too
         called = function.__globals__.get(name)
         if isinstance(called, types.FunctionType) and called.__module__ == function.__module__:

@@ -55,7 +55,16 @@ from polyattn.backends.cuda import launch as cuda_launch  # noqa: E402
 from polyattn.backends.cuda import philox  # noqa: E402
 from polyattn.backends.cuda import rows as cuda_rows  # noqa: E402
 from polyattn.rules import dropout as _dropout  # noqa: E402
+from polyattn.rules import element  # noqa: E402
+from polyattn.rules.lowering import kernel_parameters  # noqa: E402
 from polyattn.rules.visibility import Rules  # noqa: E402
+
+
+def causal(offset, q, k):
+    """The rules of a call where key ``j`` is visible to query ``i`` iff ``j <= i + offset``
+    (every key where ``offset`` is None)."""
+    return Rules.from_causal_offset(offset, q.shape[-2], k.shape[-2])
+
 
 # Small tiles: small shapes then cover several query blocks and key tiles.
 SMALL_TILES = {"block_q": 8, "block_k": 4}
@@ -155,7 +164,7 @@ def run(q, k, v, *, mask=None, causal_offset=None, scale=None, dtype="float64",
     out, lse = numba_cuda.attention(
         convert(q), convert(k), convert(v),
         mask=None if mask is None else convert(mask),
-        causal_offset=causal_offset, scale=scale, xp=namespace(),
+        rules=causal(causal_offset, q, k), scale=scale, xp=namespace(),
         **(SMALL_TILES if tiles is None else tiles),
     )
     return (out, lse), ref
@@ -311,7 +320,7 @@ def test_non_contiguous_inputs(dtype):
     q, k, v = (a.astype(dtype) for a in (q, k, v))
     ref = reference(q, k, v, mask, 2, 0.5)
     out, lse = numba_cuda.attention(convert(q), convert(k), convert(v), mask=convert(mask),
-                                    causal_offset=2, scale=0.5, xp=namespace(),
+                                    rules=causal(2, q, k), scale=0.5, xp=namespace(),
                                     **SMALL_TILES)
     assert_matches(out, lse, *ref, dtype)
 
@@ -325,7 +334,7 @@ def test_inputs_are_not_modified():
         for a in (q, k, v, mask):
             a.flags.writeable = False
     numba_cuda.attention(to_library(q), to_library(k), to_library(v), mask=to_library(mask),
-                         causal_offset=None, scale=0.5, xp=namespace(), **SMALL_TILES)
+                         rules=causal(None, q, k), scale=0.5, xp=namespace(), **SMALL_TILES)
     for a, c in zip((q, k, v, mask), copies, strict=True):
         np.testing.assert_array_equal(a, c)
 
@@ -339,7 +348,7 @@ def test_head_size_above_limit_names_sizes_and_chunked():
     q, k, v = make_inputs(rng, (1,), 1, 1, 2, 2, 257, 4)
     with pytest.raises(ValueError, match=r"257.*chunked"):
         numba_cuda.attention(to_library(q), to_library(k), to_library(v), mask=None,
-                             causal_offset=None, scale=1.0, xp=namespace())
+                             rules=causal(None, q, k), scale=1.0, xp=namespace())
 
 
 def test_unsupported_dtypes():
@@ -347,11 +356,11 @@ def test_unsupported_dtypes():
     q, k, v = make_inputs(rng, (1,), 1, 1, 2, 2, 4, 4)
     with pytest.raises(TypeError, match="float16"):
         numba_cuda.attention(*(to_library(a.astype(np.float16)) for a in (q, k, v)),
-                             mask=None, causal_offset=None, scale=1.0, xp=namespace())
+                             mask=None, rules=causal(None, q, k), scale=1.0, xp=namespace())
     with pytest.raises(TypeError, match="mask"):
         numba_cuda.attention(*(to_library(a) for a in (q, k, v)),
                              mask=to_library(np.zeros((1, 1, 2, 2), np.float32)),
-                             causal_offset=None, scale=1.0, xp=namespace())
+                             rules=causal(None, q, k), scale=1.0, xp=namespace())
 
 
 def test_head_buckets():
@@ -408,14 +417,13 @@ def run_rules(q, k, v, *, dtype="float64", tiles=None, dropout=None, **options):
         ref_options["mask"] = mask.astype(dtype).astype(np.float64)
     ref = prepared(*rounded[:3], "float64", dropout=dropout, **ref_options)
     ref_out, ref_lse = reference_implementation.attention(
-        ref.q, ref.k, ref.v, mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale,
-        xp=ref.xp, rules=ref.rules)
+        ref.q, ref.k, ref.v, mask=ref.mask, rules=ref.rules, scale=ref.scale, xp=ref.xp)
     got = prepared(q, k, v, dtype, dropout=dropout, **options)
     out, lse = numba_cuda.attention(
         convert_problem(got.q), convert_problem(got.k), convert_problem(got.v),
         mask=None if got.mask is None else convert_problem(got.mask),
-        causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
-        rules=rules_on_device(got.rules), **(SMALL_TILES if tiles is None else tiles))
+        rules=rules_on_device(got.rules), scale=got.scale, xp=namespace(),
+        **(SMALL_TILES if tiles is None else tiles))
     return (out, lse), (np.asarray(ref_out), np.asarray(ref_lse))
 
 
@@ -472,18 +480,13 @@ def test_alibi_slopes_broadcast(slopes_shape):
     assert_matches(*got, *ref, "float64")
 
 
-def test_rules_without_features_equal_the_causal_offset():
+def test_causal_rules_with_an_offset_match_the_reference():
     rng = np.random.default_rng(25)
     q, k, v = make_inputs(rng, (1,), 2, 2, 7, 12, 4, 4)
     rules = Rules(tq=7, tk=12, causal=True, offset=5)
-    plain = numba_cuda.attention(*(to_library(a) for a in (q, k, v)), mask=None,
-                                 causal_offset=5, scale=0.5, xp=namespace(), **SMALL_TILES)
     ruled = numba_cuda.attention(*(to_library(a) for a in (q, k, v)), mask=None,
-                                 causal_offset=None, scale=0.5, xp=namespace(), rules=rules,
-                                 **SMALL_TILES)
-    ref = reference(q, k, v, None, 5, 0.5)
-    assert_matches(*plain, *ref, "float64")
-    assert_matches(*ruled, *ref, "float64")
+                                 rules=rules, scale=0.5, xp=namespace(), **SMALL_TILES)
+    assert_matches(*ruled, *reference(q, k, v, None, 5, 0.5), "float64")
 
 
 def test_keys_outside_the_visible_area_are_never_read():
@@ -597,20 +600,26 @@ def test_philox_word_is_the_reference_cipher(seed):
     n = np.concatenate([np.arange(4), rng.integers(0, 2**62, 60), [2**32 - 1, 2**32, 2**63 - 1]])
     key0, key1 = _dropout.key_words(seed)
     keep_word = philox.philox_function()
-    got = [int(keep_word(int(x), np.uint64(key0), np.uint64(key1))) for x in n]
+    got = [int(keep_word(int(x), (np.uint64(key0), np.uint64(key1)))) for x in n]
     zero = np.zeros_like(n)
     expected = _dropout.philox_numpy(n & _dropout.MASK32, n >> 32, zero, zero, seed)[0]
     np.testing.assert_array_equal(np.array(got, dtype=np.uint64), expected)
 
 
-def test_dropout_arguments():
-    assert numba_cuda.dropout_arguments(None, "float32")[1] == 0
-    assert numba_cuda.dropout_arguments(Rules(2, 3), "float64")[1] == 0  # p = 0: none
-    scale, threshold, key0, key1 = numba_cuda.dropout_arguments(
-        Rules(2, 3, dropout_p=0.25, dropout_seed=2**32 * 3 + 9), "float32")
+def test_dropout_parameters():
+    no_dropout = kernel_parameters(Rules(2, 3), "float64")[element.DROPOUT]  # p = 0: none
+    assert int(no_dropout[1]) == 0 and not element.drops(kernel_parameters(Rules(2, 3),
+                                                                            "float64"))
+    rules = kernel_parameters(Rules(2, 3, dropout_p=0.25, dropout_seed=2**32 * 3 + 9),
+                              "float32")
+    scale, threshold, key0, key1 = rules[element.DROPOUT]
     assert scale.dtype == np.float32 and scale == np.float32(1 / 0.75)
     assert threshold.dtype == np.uint64 and int(threshold) == 2**30
     assert (int(key0), int(key1)) == (9, 3)
+    assert element.drops(rules) and element.kept_scale(rules) == scale
+    assert tuple(map(int, element.dropout_key(rules))) == (9, 3)
+    assert element.kept(np.uint64(2**30), rules) and not element.kept(np.uint64(2**30 - 1),
+                                                                         rules)
 
 
 # The three launches: one thread per row, key lanes, key lanes with split keys.
@@ -637,8 +646,8 @@ def test_dropout_keeps_exactly_the_reference_weights(launch, dtype):
     rules = dropout_rules(p, seed, tq, tk)
     q, k, v = (a.astype(dtype) for a in (q, k, v))
     out, lse = numba_cuda.attention(to_library(q), to_library(k), to_library(v), mask=None,
-                                    causal_offset=None, scale=0.5, xp=namespace(),
-                                    rules=rules, **SMALL_TILES, **LAUNCHES[launch])
+                                    rules=rules, scale=0.5, xp=namespace(),
+                                    **SMALL_TILES, **LAUNCHES[launch])
     out = to_numpy(out)
     row = np.arange(2 * h * tq).reshape(*batch, h, tq, 1)  # flat (b, h, i)
     expected = _dropout.keep(row, np.arange(tk), tk, seed, p, np)
@@ -646,7 +655,7 @@ def test_dropout_keeps_exactly_the_reference_weights(launch, dtype):
     np.testing.assert_array_equal(out != 0, expected)
     ref_out, ref_lse = reference_implementation.attention(
         q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=None,
-        causal_offset=None, scale=0.5, xp=np, rules=rules)
+        rules=rules, scale=0.5, xp=np)
     assert_matches(out, lse, np.asarray(ref_out), np.asarray(ref_lse), dtype)
 
 
@@ -676,8 +685,7 @@ def test_dropout_that_keeps_nothing():
     assert _dropout.threshold(p) == 2**32
     rules = dropout_rules(p, 5, 6, 9)
     out, lse = numba_cuda.attention(*(to_library(a) for a in (q, k, v)), mask=None,
-                                    causal_offset=None, scale=0.5, xp=namespace(),
-                                    rules=rules, **SMALL_TILES)
+                                    rules=rules, scale=0.5, xp=namespace(), **SMALL_TILES)
     _, ref_lse = reference(q, k, v, None, None, 0.5)
     assert np.all(to_numpy(out) == 0)
     np.testing.assert_allclose(to_numpy(lse), ref_lse, rtol=1e-14)
@@ -790,7 +798,7 @@ def test_gpu_torch_tensors():
     ref = reference(q, k, v, mask, 40, 0.125)
     tq, tk, tv, tm = (torch.as_tensor(a, device="cuda") for a in (q, k, v, mask))
     tq.requires_grad_(True)
-    out, lse = numba_cuda.attention(tq, tk, tv, mask=tm, causal_offset=40, scale=0.125,
+    out, lse = numba_cuda.attention(tq, tk, tv, mask=tm, rules=causal(40, q, k), scale=0.125,
                                     xp=torch_compat)
     assert isinstance(out, torch.Tensor) and out.device == tq.device
     torch.cuda.synchronize()

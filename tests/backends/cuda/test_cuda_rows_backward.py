@@ -18,6 +18,7 @@ from test_cuda_rows import (  # also skips this module where the kernel cannot r
     SIMULATOR,
     SMALL_TILES,
     assert_matches,
+    causal,
     convert_problem,
     make_inputs,
     make_mask,
@@ -55,8 +56,7 @@ def run_backward(q, k, v, grad_out, *, dtype="float64", grad_lse=None, dropout=N
         ref_options["mask"] = _rounded(mask, dtype)
     ref = prepared(*(_rounded(a, dtype) for a in (q, k, v)), "float64", dropout=dropout,
                    **ref_options)
-    ref_kw = dict(mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale, xp=ref.xp,
-                  rules=ref.rules)
+    ref_kw = dict(mask=ref.mask, rules=ref.rules, scale=ref.scale, xp=ref.xp)
     ref_out, ref_lse = reference_implementation.attention(ref.q, ref.k, ref.v, **ref_kw)
     ref_grads = reference_implementation.backward(
         ref.q, ref.k, ref.v, ref_out, ref_lse, _rounded(grad_out, dtype),
@@ -64,8 +64,7 @@ def run_backward(q, k, v, grad_out, *, dtype="float64", grad_lse=None, dropout=N
 
     got = prepared(q, k, v, dtype, dropout=dropout, **options)
     kw = dict(mask=None if got.mask is None else convert_problem(got.mask),
-              causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
-              rules=rules_on_device(got.rules))
+              rules=rules_on_device(got.rules), scale=got.scale, xp=namespace())
     qkv = [convert_problem(a) for a in (got.q, got.k, got.v)]
     out, lse = numba_cuda.attention(*qkv, **kw,
                                     **(SMALL_TILES if forward_tiles is None else forward_tiles))
@@ -122,18 +121,18 @@ def test_mask_broadcast_over_batch_dims_with_gqa(kind):
     assert_grads_match(grads, ref, "float32")
 
 
-def test_causal_offset_without_rules():
-    # The 0.1 form: rules=None and a causal offset, with a negative offset.
+def test_causal_rules_with_a_negative_offset():
+    # Causal with j <= i - 2 and nothing else.
     rng = np.random.default_rng(5)
     q, k, v, do = draw(rng, (2,), 2, 2, 6, 8, 4, 4)
-    out, lse = reference_implementation.attention(q, k, v, mask=None, causal_offset=-2,
+    out, lse = reference_implementation.attention(q, k, v, mask=None, rules=causal(-2, q, k),
                                                   scale=0.4, xp=np)
     ref = reference_implementation.backward(q, k, v, out, lse, do, mask=None,
-                                            causal_offset=-2, scale=0.4, xp=np)
+                                            rules=causal(-2, q, k), scale=0.4, xp=np)
     grads = numba_cuda.backward(*(to_library(a) for a in (q, k, v, np.asarray(out),
                                                           np.asarray(lse), do)),
-                                mask=None, causal_offset=-2, scale=0.4, xp=namespace(),
-                                **BACKWARD_TILES)
+                                mask=None, rules=causal(-2, q, k), scale=0.4,
+                                xp=namespace(), **BACKWARD_TILES)
     assert_grads_match([to_numpy(g) for g in grads], [np.asarray(g) for g in ref], "float64")
 
 
@@ -250,8 +249,7 @@ def test_keys_past_the_lengths_are_never_read():
         k[b, :, : n - 7] = v[b, :, : n - 7] = np.nan
         k[b, :, n:] = v[b, :, n:] = np.nan
     got = prepared(q, k, v, "float64", **options)
-    kw = dict(mask=None, causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
-              rules=rules_on_device(got.rules))
+    kw = dict(mask=None, rules=rules_on_device(got.rules), scale=got.scale, xp=namespace())
     qkv = [convert_problem(a) for a in (got.q, got.k, got.v)]
     out, lse = numba_cuda.attention(*qkv, **kw, **SMALL_TILES)
     grads = [to_numpy(g) for g in numba_cuda.backward(*qkv, out, lse, to_library(do), **kw,
@@ -267,11 +265,12 @@ def test_time_major_views(dtype):
     rng = np.random.default_rng(42)
     q, k, v, do = (np.swapaxes(np.ascontiguousarray(np.swapaxes(a.astype(dtype), 1, 2)), 1, 2)
                    for a in draw(rng, (2,), 3, 3, 7, 8, 4, 5))  # (B, H, T, E) views
-    out, lse = reference_implementation.attention(q, k, v, mask=None, causal_offset=1,
+    out, lse = reference_implementation.attention(q, k, v, mask=None, rules=causal(1, q, k),
                                                   scale=0.5, xp=np)
     ref = reference_implementation.backward(*(a.astype(np.float64) for a in (q, k, v, out,
                                                                              lse, do)),
-                                            mask=None, causal_offset=1, scale=0.5, xp=np)
+                                            mask=None, rules=causal(1, q, k), scale=0.5,
+                                            xp=np)
 
     def convert(a):
         if SIMULATOR:
@@ -281,7 +280,7 @@ def test_time_major_views(dtype):
         return cupy.swapaxes(cupy.asarray(np.ascontiguousarray(np.swapaxes(a, 1, 2))), 1, 2)
 
     grads = numba_cuda.backward(*(convert(a) for a in (q, k, v, out)), to_library(lse),
-                                convert(do), mask=None, causal_offset=1, scale=0.5,
+                                convert(do), mask=None, rules=causal(1, q, k), scale=0.5,
                                 xp=namespace(), **BACKWARD_TILES)
     assert_grads_match([to_numpy(g) for g in grads], [np.asarray(g) for g in ref], dtype)
 
@@ -291,7 +290,7 @@ def test_inputs_are_not_modified():
     q, k, v, do = draw(rng, (1,), 2, 2, 5, 6, 4, 4)
     mask = make_mask(rng, "float", (1, 2, 5, 6))
     out, lse = (np.asarray(a) for a in reference_implementation.attention(
-        q, k, v, mask=mask, causal_offset=None, scale=0.5, xp=np))
+        q, k, v, mask=mask, rules=causal(None, q, k), scale=0.5, xp=np))
     grad_lse = rng.standard_normal((1, 2, 5))
     arrays = (q, k, v, out, lse, do, grad_lse, mask)
     copies = [a.copy() for a in arrays]
@@ -299,8 +298,8 @@ def test_inputs_are_not_modified():
         for a in arrays:
             a.flags.writeable = False
     numba_cuda.backward(*(to_library(a) for a in arrays[:6]), grad_lse=to_library(grad_lse),
-                        mask=to_library(mask), causal_offset=None, scale=0.5, xp=namespace(),
-                        **BACKWARD_TILES)
+                        mask=to_library(mask), rules=causal(None, q, k), scale=0.5,
+                        xp=namespace(), **BACKWARD_TILES)
     for a, c in zip(arrays, copies, strict=True):
         np.testing.assert_array_equal(a, c)
 
@@ -311,8 +310,8 @@ def test_no_scores(tq, tk):
     q, k, v, do = draw(rng, (1,), 2, 2, tq, tk, 4, 3)
     out, lse = np.zeros((1, 2, tq, 3)), np.full((1, 2, tq), -np.inf)
     grads = [to_numpy(g) for g in numba_cuda.backward(
-        *(to_library(a) for a in (q, k, v, out, lse, do)), mask=None, causal_offset=None,
-        scale=0.5, xp=namespace())]
+        *(to_library(a) for a in (q, k, v, out, lse, do)), mask=None,
+        rules=causal(None, q, k), scale=0.5, xp=namespace())]
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     assert all(np.all(g == 0) for g in grads)
 
@@ -324,7 +323,7 @@ def test_dtypes_must_agree():
     with pytest.raises(TypeError, match="`grad_out` has dtype float32"):
         numba_cuda.backward(*(to_library(a) for a in (q, k, v, out, lse,
                                                       do.astype(np.float32))),
-                            mask=None, causal_offset=None, scale=1.0, xp=namespace())
+                            mask=None, rules=causal(None, q, k), scale=1.0, xp=namespace())
 
 
 def test_specializations_cover_every_combination():

@@ -134,6 +134,7 @@ needs_kernel = pytest.mark.skipif(
 
 if SIMULATOR or _gpu_reason() is None:
     from test_cuda_rows import (  # noqa: F401  (simulator_threads: an autouse fixture)
+        causal,
         make_inputs,
         make_mask,
         namespace,
@@ -171,14 +172,13 @@ def run_tc(arithmetic, q, k, v, *, dropout=None, **options):
     ref = prepared(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                    "float64", dropout=dropout, **options)
     ref_out, ref_lse = reference_implementation.attention(
-        ref.q, ref.k, ref.v, mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale,
-        xp=ref.xp, rules=ref.rules)
+        ref.q, ref.k, ref.v, mask=ref.mask, rules=ref.rules, scale=ref.scale, xp=ref.xp)
     got = prepared(q, k, v, "float32", dropout=dropout, **options)
     out, lse = numba_cuda_tc.attention(
         *(to_library(np.asarray(a)) for a in (got.q, got.k, got.v)),
         mask=None if got.mask is None else to_library(np.asarray(got.mask)),
-        causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
-        arithmetic=arithmetic, rules=rules_on_device(got.rules))
+        rules=rules_on_device(got.rules), scale=got.scale, xp=namespace(),
+        arithmetic=arithmetic)
     return (to_numpy(out), to_numpy(lse)), (np.asarray(ref_out), np.asarray(ref_lse))
 
 
@@ -237,7 +237,7 @@ def test_nan_rows_and_inputs_never_modified():
     q[0, 0, 3, 2] = np.nan
     copies = [a.copy() for a in (q, k, v)]
     out, lse = numba_cuda_tc.attention(*(to_library(a) for a in (q, k, v)), mask=None,
-                                       causal_offset=None, scale=0.25, xp=namespace(),
+                                       rules=causal(None, q, k), scale=0.25, xp=namespace(),
                                        arithmetic="f16")
     out, lse = to_numpy(out), to_numpy(lse)
     assert np.isnan(out[0, 0, 3]).all() and np.isnan(lse[0, 0, 3])
@@ -250,15 +250,15 @@ def test_nan_rows_and_inputs_never_modified():
 def test_refuses_what_it_cannot_take():
     q = np.zeros((1, 1, 8, 16), np.float32)
     with pytest.raises(ValueError, match="8 query rows"):
-        numba_cuda_tc.attention(q, q, q, mask=None, causal_offset=None, scale=1.0,
+        numba_cuda_tc.attention(q, q, q, mask=None, rules=causal(None, q, q), scale=1.0,
                                 xp=namespace(), arithmetic="f16")
     big = to_library(np.zeros((1, 1, 32, 160), np.float32))
     with pytest.raises(ValueError, match="160 exceeds"):
-        numba_cuda_tc.attention(big, big, big, mask=None, causal_offset=None, scale=1.0,
-                                xp=namespace(), arithmetic="f16")
+        numba_cuda_tc.attention(big, big, big, mask=None, rules=causal(None, big, big),
+                                scale=1.0, xp=namespace(), arithmetic="f16")
     # numba_cuda hands such calls to its exact kernel instead.
-    out, _ = numba_cuda.attention(big, big, big, mask=None, causal_offset=None, scale=1.0,
-                                  xp=namespace(), arithmetic="f16")
+    out, _ = numba_cuda.attention(big, big, big, mask=None, rules=causal(None, big, big),
+                                  scale=1.0, xp=namespace(), arithmetic="f16")
     assert to_numpy(out).shape == (1, 1, 32, 160)
 
 

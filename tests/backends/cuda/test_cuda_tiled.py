@@ -23,6 +23,7 @@ if not SIMULATOR and _gpu_reason() is not None:
                 allow_module_level=True)
 
 from test_cuda_rows import (  # noqa: F401  (simulator_threads: an autouse fixture)
+    causal,
     make_inputs,
     make_mask,
     namespace,
@@ -37,7 +38,7 @@ from test_cuda_rows import (  # noqa: F401  (simulator_threads: an autouse fixtu
 import polyattn
 from polyattn.backends.array_api import reference as reference_implementation
 from polyattn.backends.cuda import facade as numba_cuda
-from polyattn.backends.cuda import launch
+from polyattn.backends.cuda import inputs
 from polyattn.backends.cuda import tiled as numba_cuda_tiled
 
 TOL = {"float32": 1e-5, "float64": 1e-12}
@@ -48,14 +49,12 @@ def run_tiled(dtype, q, k, v, *, dropout=None, **options):
     ref = prepared(*(a.astype(np.float64) for a in (q, k, v)), "float64", dropout=dropout,
                    **options)
     ref_out, ref_lse = reference_implementation.attention(
-        ref.q, ref.k, ref.v, mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale,
-        xp=ref.xp, rules=ref.rules)
+        ref.q, ref.k, ref.v, mask=ref.mask, rules=ref.rules, scale=ref.scale, xp=ref.xp)
     got = prepared(q, k, v, dtype, dropout=dropout, **options)
     out, lse = numba_cuda_tiled.attention(
         *(to_library(np.asarray(a)) for a in (got.q, got.k, got.v)),
         mask=None if got.mask is None else to_library(np.asarray(got.mask)),
-        causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
-        rules=rules_on_device(got.rules))
+        rules=rules_on_device(got.rules), scale=got.scale, xp=namespace())
     return (to_numpy(out), to_numpy(lse)), (np.asarray(ref_out), np.asarray(ref_lse))
 
 
@@ -104,7 +103,8 @@ def test_nan_rows():
     q, k, v = (a.astype(np.float32) for a in make_inputs(rng, (1,), 1, 1, 20, 40, 8, 8))
     q[0, 0, 3, 2] = np.nan
     out, lse = numba_cuda_tiled.attention(*(to_library(a) for a in (q, k, v)), mask=None,
-                                          causal_offset=None, scale=0.25, xp=namespace())
+                                          rules=causal(None, q, k), scale=0.25,
+                                          xp=namespace())
     out, lse = to_numpy(out), to_numpy(lse)
     assert np.isnan(out[0, 0, 3]).all() and np.isnan(lse[0, 0, 3])
     assert not np.isnan(np.delete(out, 3, axis=2)).any()
@@ -129,12 +129,13 @@ def test_vector_and_element_loads_agree(dtype, monkeypatch):
     q, k, v = (a.astype(dtype) for a in make_inputs(rng, (2,), 2, 1, 70, 90, 16, 8))
     decisions = []
     fit = numba_cuda.vector_loads_fit
-    monkeypatch.setattr(launch, "vector_loads_fit",
+    monkeypatch.setattr(inputs, "vector_loads_fit",
                         lambda *arrays: decisions.append(fit(*arrays)) or decisions[-1])
 
     def run(q, k, v):
         out, lse = numba_cuda_tiled.attention(*(to_library(a) for a in (q, k, v)), mask=None,
-                                              causal_offset=0, scale=0.25, xp=namespace())
+                                              rules=causal(0, q, k), scale=0.25,
+                                              xp=namespace())
         return to_numpy(out), to_numpy(lse)
 
     aligned = run(*(_aligned_copy(a) for a in (q, k, v)))
@@ -151,7 +152,7 @@ def test_vector_and_element_loads_agree(dtype, monkeypatch):
 def test_vector_loads_fit():
     x = _aligned_copy(np.zeros((2, 3, 5, 8), np.float32))
     fit = numba_cuda.vector_loads_fit
-    memory = launch._memory
+    memory = inputs.memory_of
     assert fit(memory(x), memory(np.swapaxes(_aligned_copy(np.zeros((2, 5, 3, 8))), 1, 2)))
     assert fit(memory(x[:, :1]), memory(x[..., 4:]))  # strides of whole 16-byte groups
     assert not fit(memory(x[..., :6]))  # rows of 24 bytes

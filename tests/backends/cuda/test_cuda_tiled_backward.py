@@ -22,8 +22,9 @@ from test_cuda_tensor_core import SIMULATOR, _gpu_reason
 
 from polyattn.backends.array_api import reference as reference_implementation
 from polyattn.backends.cuda import facade as numba_cuda
-from polyattn.backends.cuda import launch, tiled_backward
+from polyattn.backends.cuda import inputs, launch, tiled_backward
 from polyattn.backends.cuda import rows_backward as numba_cuda_backward
+from polyattn.rules.visibility import Rules
 
 # Why the kernels cannot run here (None: on the simulator or a GPU with CuPy); the
 # tests that need no kernel run anyway.
@@ -63,8 +64,7 @@ def run_backward(q, k, v, grad_out, *, dtype="float64", grad_lse=None, dropout=N
         ref_options["mask"] = _rounded(mask, dtype)
     ref = prepared(*(_rounded(a, dtype) for a in (q, k, v)), "float64", dropout=dropout,
                    **ref_options)
-    ref_kw = dict(mask=ref.mask, causal_offset=ref.causal_offset, scale=ref.scale, xp=ref.xp,
-                  rules=ref.rules)
+    ref_kw = dict(mask=ref.mask, rules=ref.rules, scale=ref.scale, xp=ref.xp)
     ref_out, ref_lse = reference_implementation.attention(ref.q, ref.k, ref.v, **ref_kw)
     ref_grads = reference_implementation.backward(
         ref.q, ref.k, ref.v, ref_out, ref_lse, _rounded(grad_out, dtype),
@@ -72,8 +72,7 @@ def run_backward(q, k, v, grad_out, *, dtype="float64", grad_lse=None, dropout=N
 
     got = prepared(q, k, v, dtype, dropout=dropout, **options)
     kw = dict(mask=None if got.mask is None else convert_problem(got.mask),
-              causal_offset=got.causal_offset, scale=got.scale, xp=namespace(),
-              rules=rules_on_device(got.rules))
+              rules=rules_on_device(got.rules), scale=got.scale, xp=namespace())
     qkv = [convert_problem(a) for a in (got.q, got.k, got.v)]
     out, lse = (to_library(np.asarray(a, dtype=dtype)) for a in (ref_out, ref_lse))
     grads = tiled_backward.backward(
@@ -167,7 +166,7 @@ def test_nan_rows_as_the_row_kernel():
     q, k, v, do = (a.astype(np.float32) for a in draw(rng, (1,), 2, 1, 66, 40, 8, 8))
     q[0, 1, 3, 2] = np.nan
     k[0, 0, 20, 1] = np.nan  # a key that the rows before 20 do not see
-    kw = dict(mask=None, causal_offset=0, scale=0.25, xp=namespace())
+    kw = dict(mask=None, rules=Rules(66, 40, causal=True), scale=0.25, xp=namespace())
     out, lse = numba_cuda.attention(*(to_library(a) for a in (q, k, v)), **kw)
     args = [to_library(a) for a in (q, k, v)] + [out, lse, to_library(do)]
     got = [to_numpy(g) for g in tiled_backward.backward(*args, **kw)]
@@ -185,7 +184,7 @@ def test_no_scores():
     q, k, v, do = draw(rng, (1,), 2, 2, 0, 5, 4, 3)
     out, lse = np.zeros((1, 2, 0, 3)), np.full((1, 2, 0), -np.inf)
     grads = [to_numpy(g) for g in tiled_backward.backward(
-        *(to_library(a) for a in (q, k, v, out, lse, do)), mask=None, causal_offset=None,
+        *(to_library(a) for a in (q, k, v, out, lse, do)), mask=None, rules=Rules(0, 5),
         scale=0.5, xp=namespace())]
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     assert all(np.all(g == 0) for g in grads)
@@ -228,17 +227,18 @@ def test_vector_and_element_loads_agree(dtype, monkeypatch):
     q, k, v = (a.astype(dtype) for a in make_inputs(rng, (1,), 2, 1, 70, 75, 16, 8))
     grad_out = rng.standard_normal((1, 2, 70, 8)).astype(dtype)
     out, lse = (np.asarray(a, dtype=dtype) for a in reference_implementation.attention(
-        q, k, v, mask=None, causal_offset=0, scale=0.25, xp=namespace()))
+        q, k, v, mask=None, rules=Rules(70, 75, causal=True), scale=0.25, xp=namespace()))
     decisions = []
     fit = numba_cuda.vector_loads_fit
-    monkeypatch.setattr(launch, "vector_loads_fit",
-                        lambda *arrays: decisions.append(fit(*arrays)) or decisions[-1])
+    for module in (inputs, launch):  # q, k and v's decision, then dO's
+        monkeypatch.setattr(module, "vector_loads_fit",
+                            lambda *arrays: decisions.append(fit(*arrays)) or decisions[-1])
 
     def run(grad_out):
         grads = tiled_backward.backward(
             *(to_library(_aligned_copy(a)) for a in (q, k, v)), to_library(out),
-            to_library(lse), to_library(grad_out), mask=None, causal_offset=0, scale=0.25,
-            xp=namespace())
+            to_library(lse), to_library(grad_out), mask=None, rules=Rules(70, 75, causal=True),
+            scale=0.25, xp=namespace())
         return [to_numpy(g) for g in grads]
 
     aligned = run(_aligned_copy(grad_out))

@@ -77,14 +77,14 @@ def _tensor_core_choice(problem: Any) -> tuple[str | None, str]:
 def forward(problem: Any) -> tuple[Any, Any]:
     return entry_points().attention(  # type: ignore[no-any-return]
         problem.q, problem.k, problem.v, arithmetic=_arithmetic(problem),
-        **problem.keywords())
+        **problem.arguments())
 
 
 def backward(problem: Any, out: Any, lse: Any, grad_out: Any,
              grad_lse: Any) -> tuple[Any, Any, Any]:
     return entry_points().backward(  # type: ignore[no-any-return]
         problem.q, problem.k, problem.v, out, lse, grad_out, grad_lse=grad_lse,
-        **problem.keywords())
+        **problem.arguments())
 
 
 def describe(problem: Any) -> dict[str, str]:

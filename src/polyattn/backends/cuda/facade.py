@@ -24,7 +24,7 @@ dropout decision with the forward's rules (:mod:`polyattn.rules.element`).
 Arrays: any array exposing ``__cuda_array_interface__`` (CuPy arrays, torch
 CUDA tensors) is used in place, strides included; outputs are allocated by the
 input library and returned as its arrays, the kernels run on its current
-stream (:mod:`.launch`). With ``NUMBA_ENABLE_CUDASIM=1`` NumPy arrays run on
+stream (:mod:`.inputs`, :mod:`.launch`). With ``NUMBA_ENABLE_CUDASIM=1`` NumPy arrays run on
 Numba's CPU simulator (slow; for testing the kernels' logic). Head sizes go up
 to ``MAX_HEAD_DIM`` (256; the ``chunked`` implementation has no limit). The
 one-thread-per-row backward (decoding shapes, ``POLYATTN_CUDA_KERNEL=rows``) is
@@ -47,40 +47,36 @@ from polyattn.backends.cuda.environment import (
     availability,
     kernel_choice,
 )
-from polyattn.backends.cuda.launch import (
-    DECODE_MAX_TQ,
-    dropout_arguments,
+from polyattn.backends.cuda.inputs import (
     head_bucket,
-    launch_plan,
-    launch_tiles,
     row_loads,
     vector_loads_fit,
     vector_loads_problem,
 )
+from polyattn.backends.cuda.launch import DECODE_MAX_TQ, launch_plan, launch_tiles
 from polyattn.rules.online import non_finite_rows
 from polyattn.rules.visibility import Rules
 
 __all__ = [
     "DECODE_MAX_TQ", "DTYPES", "HEAD_DIM_BUCKETS", "KERNEL_CHOICES", "KERNEL_VARIABLE",
     "MASK_KINDS", "MAX_HEAD_DIM", "attention", "availability", "backward",
-    "dropout_arguments", "head_bucket", "kernel_choice", "launch_plan", "launch_tiles",
+    "head_bucket", "kernel_choice", "launch_plan", "launch_tiles",
     "row_loads", "vector_loads_fit", "vector_loads_problem",
 ]
 
 Array = Any
 
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
-              block_q: int | None = None, block_k: int | None = None,
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any, block_q: int | None = None, block_k: int | None = None,
               decode: bool | None = None, num_splits: int | None = None,
               arithmetic: str | None = None) -> tuple[Array, Array]:
     """Fused attention on a CUDA GPU: ``(out, lse)`` in one kernel launch (two with
     split keys).
 
     See the module docstring for the kernels and :mod:`polyattn.backends` for the
-    shared contract; ``rules`` (windows, key lengths, soft-capping, ALiBi, per-row
-    positions, dropout) are applied inside the kernels. ``block_q`` and ``block_k``
+    shared contract; ``rules`` (causality, windows, key lengths, soft-capping, ALiBi,
+    per-row positions, dropout) are applied inside the kernels. ``block_q`` and ``block_k``
     override the one-thread-per-row kernel's tile sizes (threads per block, key rows
     per tile), ``decode`` and ``num_splits`` its launch plan
     (:func:`.launch.launch_plan`); they exist for tests and tuning (and keep that
@@ -97,8 +93,8 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     ImportError
         numba-cuda is not installed.
     """
-    out, lse = _attention(q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp,
-                          rules=rules, block_q=block_q, block_k=block_k, decode=decode,
+    out, lse = _attention(q, k, v, mask=mask, rules=rules, scale=scale, xp=xp,
+                          block_q=block_q, block_k=block_k, decode=decode,
                           num_splits=num_splits, arithmetic=arithmetic)
     # a query row holding NaN or inf is NaN whatever the kernels made of its scores (all
     # -inf: reported as fully masked; soft-capped: finite); NaN never disappears
@@ -106,15 +102,13 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     return out + bad, lse + bad[..., 0]
 
 
-def _attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-               causal_offset: int | None, scale: float, xp: Any, rules: Rules | None,
-               block_q: int | None, block_k: int | None, decode: bool | None,
+def _attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+               scale: float, xp: Any, block_q: int | None, block_k: int | None, decode: bool | None,
                num_splits: int | None, arithmetic: str | None) -> tuple[Array, Array]:
     """:func:`attention` but for non-finite query rows: the kernel that takes the call."""
     tq, e = q.shape[-2:]
     ev = v.shape[-1]
-    common = {"mask": mask, "causal_offset": causal_offset, "scale": scale, "xp": xp,
-              "rules": rules}
+    common = {"mask": mask, "rules": rules, "scale": scale, "xp": xp}
     if arithmetic is not None and tensor_core.unsupported(arithmetic, tq, e, ev) is None:
         return tensor_core.attention(q, k, v, arithmetic=arithmetic, **common)
     if _tiled_forward(block_q, block_k, decode, num_splits, tq):
@@ -131,17 +125,15 @@ def _tiled_forward(block_q: int | None, block_k: int | None, decode: bool | None
 
 
 def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
-             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
-             rules: Rules | None = None, grad_lse: Array | None = None,
-             block_q: int | None = None, block_k: int | None = None,
-             ) -> tuple[Array, Array, Array]:
+             mask: Array | None, rules: Rules, scale: float, xp: Any,
+             grad_lse: Array | None = None, block_q: int | None = None,
+             block_k: int | None = None) -> tuple[Array, Array, Array]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention` on a CUDA GPU, in two kernel
     launches: the register-tiled kernels of :mod:`.tiled_backward` where the forward
     runs the register-tiled kernel (:func:`kernel_choice`, not for decoding shapes),
     else those of :mod:`.rows_backward` (``block_q`` and ``block_k`` set their tile
     sizes and keep them)."""
-    common = {"mask": mask, "causal_offset": causal_offset, "scale": scale, "xp": xp,
-              "rules": rules, "grad_lse": grad_lse}
+    common = {"mask": mask, "rules": rules, "scale": scale, "xp": xp, "grad_lse": grad_lse}
     if _tiled_forward(block_q, block_k, None, None, q.shape[-2]):
         return tiled_backward.backward(q, k, v, out, lse, grad_out, **common)
     return rows_backward.backward(q, k, v, out, lse, grad_out, block_q=block_q,

@@ -519,7 +519,7 @@ def _vector_load(width: int) -> Any:
     integers.
 
     The caller guarantees what makes that valid (see
-    :func:`.launch.vector_loads_fit`): the elements are consecutive in memory,
+    :func:`.inputs.vector_loads_fit`): the elements are consecutive in memory,
     the address is aligned to ``width`` elements, the array is not written by the
     kernel, and every byte offset in it fits in a signed 32-bit integer.
     """

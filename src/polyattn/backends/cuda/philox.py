@@ -20,14 +20,15 @@ from polyattn.rules import dropout as _dropout
 
 @functools.cache
 def philox_function() -> Any:
-    """The device function ``keep_word(n, key0, key1)``: the first output word x0 of
+    """The device function ``keep_word(n, key)``: the first output word x0 of
     Philox4x32-10 for the counter ``(n mod 2³², n div 2³², 0, 0)``.
 
-    ``n`` is a weight's flat index in (B, H, Tq, Tk) (int64), ``key0``, ``key1``
-    the words of :func:`polyattn.rules.dropout.key_words` (uint64 holding 32 bits).
+    ``n`` is a weight's flat index in (B, H, Tq, Tk) (int64), ``key`` the two words
+    of :func:`polyattn.rules.dropout.key_words` (uint64 holding 32 bits), as
+    :func:`polyattn.rules.element.dropout_key` reads them from the rules' tuple.
     Words are uint64 holding 32-bit values: a 32 × 32-bit product fits, and its high
     and low words are a shift and a mask. A weight is kept iff the word is at least
-    :func:`polyattn.rules.dropout.threshold` of ``p``.
+    :func:`polyattn.rules.dropout.threshold` of ``p`` (:func:`polyattn.rules.element.kept`).
     """
     _cuda()
     u64 = np.uint64
@@ -35,15 +36,14 @@ def philox_function() -> Any:
     mask32, shift32, zero = u64(_dropout.MASK32), u64(32), u64(0)
     rounds = _dropout.ROUNDS
 
-    def keep_word(n, key0, key1):
-        """x0 of Philox4x32-10((n mod 2³², n div 2³², 0, 0); (key0, key1))."""
+    def keep_word(n, key):
+        """x0 of Philox4x32-10((n mod 2³², n div 2³², 0, 0); key)."""
         counter = u64(n)
         c0 = counter & mask32
         c1 = counter >> shift32
         c2 = zero
         c3 = zero
-        k0 = key0
-        k1 = key1
+        k0, k1 = key
         for _ in range(rounds):
             p0 = c0 * m0
             p1 = c2 * m1
@@ -61,10 +61,10 @@ def philox_function() -> Any:
     # ``cuda.jit(device=True)`` function would ask a GPU for its architecture,
     # so kernels calling it could not be compiled to PTX without one.
     @intrinsic
-    def keep_word_intrinsic(typingctx: Any, n: Any, key0: Any, key1: Any) -> Any:
+    def keep_word_intrinsic(typingctx: Any, n: Any, key: Any) -> Any:
         from numba import types
 
-        signature = types.uint64(n, key0, key1)
+        signature = types.uint64(n, key)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
             return context.compile_internal(builder, keep_word, sig, args)

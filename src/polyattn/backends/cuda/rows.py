@@ -63,10 +63,12 @@ whose size is a compile-time constant, the bucket ``HEAD_DIM_BUCKETS`` entry
 that holds ``max(E, Ev)``; shared tiles and the query row are zero-padded to
 it, so the feature loops have constant trip counts the compiler can unroll.
 ``mods`` kernels carry soft-capping and ALiBi (a zero slope when only
-soft-capping is asked for, a zero softcap meaning none); plain kernels have
+soft-capping is asked for, a zero cap meaning none); plain kernels have
 neither in their inner loop. Causality, windows, key lengths, positions,
 dropout, the lane layout and the number of splits are run-time values, not
-specialisations. The merge kernel has one specialisation per dtype.
+specialisations: the rules' come in one tuple argument
+(:func:`polyattn.rules.lowering.kernel_parameters`) that only the functions of
+:mod:`polyattn.rules.element` read. The merge kernel has one specialisation per dtype.
 
 Limits and costs
 ----------------
@@ -93,18 +95,11 @@ from typing import Any
 import numpy as np
 
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda, _Device
-from polyattn.backends.cuda.launch import (
-    check_grid,
-    common_dtype,
-    empty_like_layout,
-    head_bucket,
-    kernel_inputs,
-    launch_plan,
-    launching,
-)
+from polyattn.backends.cuda.inputs import common_dtype, head_bucket, kernel_inputs
+from polyattn.backends.cuda.launch import check_grid, empty_like_layout, launch_plan, launching
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.rules import element
-from polyattn.rules.lowering import lower
+from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -139,16 +134,14 @@ def _signature(dtype: str, mask_kind: str) -> Any:
     strided = types.Array(t, 4, "A")
     mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
     table = types.Array(types.int64, 1, "A")
-    i64, u64 = types.int64, types.uint64
+    i64 = types.int64
     return types.void(
         strided, strided, strided,  # q, k, v
         mask_t, table,  # mask, mask_batch
         table, types.Array(t, 2, "A"),  # key lengths (B|1,), ALiBi slopes (B|1, H|1)
         strided, types.Array(t, 3, "A"),  # out, lse
         types.Array(t, 5, "C"), types.Array(t, 4, "C"),  # split scratch: out, lse
-        t, t,  # scale, softcap (0: none)
-        t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
-        i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
+        t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
         i64, i64, i64,  # rows per block, lanes per row, splits
     )
 
@@ -175,22 +168,22 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     acc_t = getattr(types, dtype)
     np_t = np.dtype(dtype).type
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
-    U_ZERO = np.uint64(0)
     HEAD, BK = bucket, block_k
     PADDED = HEAD + 1  # tile rows padded by one column: lanes reading different keys
     CAP = 2 * BK  # lane states the two tiles hold at once when lanes merge
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
 
     keep_word = philox_function()  # Philox4x32-10's first word for a weight's index
-    # The score element (positions, visibility, key ranges, modifiers), in np_t.
-    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify = (
+    # The score element (positions, visibility, key ranges, modifiers, dropout), in np_t.
+    (row_position, key_length, visible, block_keys, head_modifiers, mask_steps, modify, drops,
+     dropout_key, kept, kept_scale) = (
         lower(f, "cuda", np_t) for f in (
-            element.position, element.key_length, element.visible, element.block_keys,
-            element.head_modifiers, element.mask_steps, element.modify))
+            element.row_position, element.key_length, element.visible, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify, element.drops,
+            element.dropout_key, element.kept, element.kept_scale))
 
     def attention_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, o_part,
-                         lse_part, scale, softcap, drop_scale, threshold, key0, key1, offset,
-                         shift, left, right, rows, lanes, n_splits):
+                         lse_part, scale, rules, rows, lanes, n_splits):
         """Out and lse (or one split's partial) for one query tile of one (batch, head)."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -213,11 +206,11 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         # This row's position; keys [lo, hi) that some row of the block may see,
         # and this split's share of them, [k_start, k_end), in whole tiles.
         len_b = key_length(lengths, b)
-        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
+        pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
         p = i + pos_offset
         first_row = qt * rows
         last_row = min(first_row + rows, tq) - 1
-        lo, hi = block_keys(first_row, last_row, pos_offset, left, right, tk, len_b)
+        lo, hi = block_keys(first_row, last_row, pos_offset, rules, tk, len_b)
         n_tiles_all = max(0, (hi - lo + BK - 1) // BK)
         per_split = (n_tiles_all + n_splits - 1) // n_splits * BK
         k_start = lo + split * per_split
@@ -232,11 +225,11 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             mi = i * mi_step
 
         # Dropout: weight (b, h, i, j) has the flat index row_n + j.
-        dropping = threshold != U_ZERO
+        dropping = drops(rules)
         row_n = ((b * n_heads + h) * tq + i) * tk
 
-        # Score modifiers: soft-capping (softcap > 0) and this head's ALiBi slope.
-        cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
+        # Score modifiers: soft-capping (cap > 0) and this head's ALiBi slope.
+        cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b, h, ONE)
 
         q_row = cuda.local.array(HEAD, acc_t)
         acc = cuda.local.array(HEAD, acc_t)
@@ -288,7 +281,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         x += q_row[d] * k_tile[jj, d]
                     if MODS:
                         x = modify(x, p, j, cap, inv_cap, slope)
-                    if not visible(j, p, left, right, k_end):
+                    if not visible(j, p, rules, k_end):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi, j * mj_step]:
@@ -313,8 +306,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         weight = math.exp(s[jj] - m_new)
                         l += weight  # l (and lse) before dropout, acc after it
                         if dropping and weight != ZERO:
-                            if keep_word(row_n + j0 + jj, key0, key1) >= threshold:
-                                weight *= drop_scale
+                            if kept(keep_word(row_n + j0 + jj, dropout_key(rules)), rules):
+                                weight *= kept_scale(rules)
                             else:
                                 weight = ZERO
                         for d in range(HEAD):
@@ -469,10 +462,9 @@ def specializations() -> Iterator[tuple[Any, Any]]:
 # Launcher
 # --------------------------------------------------------------------------- #
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any, rules: Rules | None = None,
-              block_q: int | None = None, block_k: int | None = None,
-              decode: bool | None = None,
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any, block_q: int | None = None,
+              block_k: int | None = None, decode: bool | None = None,
               num_splits: int | None = None) -> tuple[Array, Array]:
     """``(out, lse)`` from this kernel, in one launch (two with split keys).
 
@@ -491,7 +483,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     out = empty_like_layout(dev, q, (n_batch, n_heads, tq, ev), xp)  # (B, H, Tq, Ev)
     lse = dev.empty((n_batch, n_heads, tq), q.dtype)  # (B, H, Tq)
     if n_batch * n_heads * tq > 0:
-        inputs = kernel_inputs(q, k, v, mask, causal_offset, rules, scale, xp, dev)
+        inputs = kernel_inputs(q, k, v, mask, rules, scale, xp, dev)
         bq = BLOCK_Q if block_q is None else int(block_q)
         bk = default_block_k(dtype, bucket) if block_k is None else int(block_k)
         rows, lanes, splits = launch_plan(tq, tk, n_batch * n_heads, bq, bk, decode=decode,
@@ -506,8 +498,8 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
                                     q.dtype))  # (S, B, H, Tq, Ev)
         lse_part = dev.view(dev.empty(scratch_shape, q.dtype))  # (S, B, H, Tq)
         out_d, lse_d = dev.view(out), dev.view(lse)
-        args = [*inputs.arrays, out_d, lse_d, o_part, lse_part, *inputs.scalars, rows, lanes,
-                splits]
+        args = [*inputs.arrays, out_d, lse_d, o_part, lse_part, *inputs.parameters, rows,
+                lanes, splits]
         with launching(dev) as stream:
             kernel[n_blocks, rows * lanes, stream](*args)
             if splits > 1:

@@ -9,10 +9,10 @@ FlashAttention-2 (docs/semantics.rst), every score recomputed from
     Z  = keep / (1 − p)               (1 without dropout; the same Philox counters)
     D  = rowsum(dO ∘ O) − dlse        (computed with the input library before launch)
     dV = (P ∘ Z)ᵀ dO
-    dS = P ∘ ((dO Vᵀ) ∘ Z − D) ∘ (1 − tanh²(raw / softcap))
+    dS = P ∘ ((dO Vᵀ) ∘ Z − D) ∘ (1 − tanh²(raw / cap))
     dQ = scale · dS K,   dK = scale · dSᵀ Q
 
-with ``raw = scale·q·k`` the score before soft-capping. Float masks and
+with ``raw = scale·q·k`` the score before soft-capping at ``cap``. Float masks and
 ALiBi slopes are constants: they get no gradient.
 
 * **dQ kernel.** A block owns ``block_q`` query rows of one (batch, head)
@@ -55,7 +55,7 @@ from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KI
 from polyattn.backends.cuda.launch import check_grid, launch_backward
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.rules import element
-from polyattn.rules.lowering import lower
+from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -86,16 +86,13 @@ def _signature(dtype: str, mask_kind: str, outputs: int) -> Any:
     mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
     table = types.Array(types.int64, 1, "A")
     rows = types.Array(t, 3, "A")
-    i64, u64 = types.int64, types.uint64
     return types.void(
         strided, strided, strided,  # q, k, v
         mask_t, table,  # mask, mask_batch
         table, types.Array(t, 2, "A"),  # key lengths (B|1,), ALiBi slopes (B|1, H|1)
         strided, rows, rows,  # dO, lse, D
         *([strided] * outputs),  # dq, or dk and dv
-        t, t,  # scale, softcap (0: none)
-        t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
-        i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
+        t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
     )
 
 
@@ -111,17 +108,18 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     acc_t = getattr(types, dtype)
     np_t = np.dtype(dtype).type
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
-    U_ZERO = np.uint64(0)
     HEAD, BK = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     keep_word = philox_function()
-    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify_and_grad = (
+    (row_position, key_length, visible, block_keys, head_modifiers, mask_steps,
+     modify_and_grad, drops, dropout_key, kept, kept_scale) = (
         lower(f, "cuda", np_t) for f in (
-            element.position, element.key_length, element.visible, element.block_keys,
-            element.head_modifiers, element.mask_steps, element.modify_and_grad))
+            element.row_position, element.key_length, element.visible, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify_and_grad,
+            element.drops, element.dropout_key, element.kept, element.kept_scale))
 
     def dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq, scale,
-                  softcap, drop_scale, threshold, key0, key1, offset, shift, left, right):
+                  rules):
         """dq of one query tile of one (batch, head) pair; one thread per query row."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -140,11 +138,11 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
 
         # This row's position; keys [lo, hi) some row of the block may see.
         len_b = key_length(lengths, b)
-        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
+        pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
         p = i + pos_offset
         first_row = qt * rows
         last_row = min(first_row + rows, tq) - 1
-        lo, hi = block_keys(first_row, last_row, pos_offset, left, right, tk, len_b)
+        lo, hi = block_keys(first_row, last_row, pos_offset, rules, tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         # Where this thread reads the mask: size-1 axes broadcast at index 0.
@@ -155,8 +153,8 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             mi = i * mi_step
 
         # Score modifiers and dropout.
-        cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
-        dropping = threshold != U_ZERO
+        cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b, h, ONE)
+        dropping = drops(rules)
         row_n = ((b * n_heads + h) * tq + i) * tk
 
         q_row = cuda.local.array(HEAD, acc_t)
@@ -205,7 +203,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             if live:
                 for jj in range(BK):
                     j = j0 + jj
-                    if visible(j, p, left, right, hi):
+                    if visible(j, p, rules, hi):
                         # The score, as in the forward.
                         raw = ZERO
                         for d in range(HEAD):
@@ -228,8 +226,8 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                             for d in range(HEAD):
                                 dp += do_row[d] * v_tile[jj, d]
                             if dropping:
-                                if keep_word(row_n + j, key0, key1) >= threshold:
-                                    dp *= drop_scale
+                                if kept(keep_word(row_n + j, dropout_key(rules)), rules):
+                                    dp *= kept_scale(rules)
                                 else:
                                     dp = ZERO
                             ds = weight * (dp - d_i)
@@ -263,18 +261,18 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     acc_t = getattr(types, dtype)
     np_t = np.dtype(dtype).type
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
-    U_ZERO = np.uint64(0)
     HEAD, BT = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     keep_word = philox_function()
-    position, key_length, visible, block_queries, head_modifiers, modify_and_grad = (
+    (row_position, key_length, visible, block_queries, head_modifiers, modify_and_grad, drops,
+     dropout_key, kept, kept_scale) = (
         lower(f, "cuda", np_t) for f in (
-            element.position, element.key_length, element.visible, element.block_queries,
-            element.head_modifiers, element.modify_and_grad))
+            element.row_position, element.key_length, element.visible, element.block_queries,
+            element.head_modifiers, element.modify_and_grad, element.drops,
+            element.dropout_key, element.kept, element.kept_scale))
 
     def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
-                    scale, softcap, drop_scale, threshold, key0, key1, offset, shift, left,
-                    right):
+                    scale, rules):
         """dk and dv of one key tile of one (batch, key/value head) pair, summed over
         the query heads of its group; one thread per key row."""
         n_batch, n_heads, tq, e = q.shape
@@ -295,8 +293,8 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
         key_ok = j < tk and j < len_b
         first_key = kt * cols
         last_key = min(first_key + cols, tk, len_b) - 1
-        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
-        q_lo, q_hi = block_queries(first_key, last_key, pos_offset, left, right, tq)
+        pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
+        q_lo, q_hi = block_queries(first_key, last_key, pos_offset, rules, tq)
         n_qtiles = 0
         if last_key >= first_key:
             n_qtiles = max(0, (q_hi - q_lo + BT - 1) // BT)
@@ -307,7 +305,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             mb = mask_batch[b]
             if mask.shape[3] > 1 and key_ok:
                 mj = j
-        dropping = threshold != U_ZERO
+        dropping = drops(rules)
 
         k_row = cuda.local.array(HEAD, acc_t)
         v_row = cuda.local.array(HEAD, acc_t)
@@ -337,7 +335,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             if BOOL_MASK or FLOAT_MASK:
                 if mask.shape[1] > 1:
                     mh = h
-            cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
+            cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b, h, ONE)
             row0 = (b * n_heads + h) * tq  # flat index of row 0 in (B, H, Tq)
 
             for qt in range(n_qtiles):
@@ -373,7 +371,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                         i = i0 + ii
                         p = i + pos_offset
                         lse_i = lse_tile[ii]
-                        if lse_i != NEG_INF and visible(j, p, left, right, len_b):
+                        if lse_i != NEG_INF and visible(j, p, rules, len_b):
                             # The score, as in the forward.
                             raw = ZERO
                             for d in range(HEAD):
@@ -398,10 +396,11 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                                 # dv += P Z dO_i; dS = P (dP Z - D) (1 - tanh²); dk += dS q_i.
                                 z = ONE
                                 if dropping:
-                                    if keep_word((row0 + i) * tk + j, key0, key1) < threshold:
+                                    if not kept(keep_word((row0 + i) * tk + j,
+                                                          dropout_key(rules)), rules):
                                         z = ZERO
                                     else:
-                                        z = drop_scale
+                                        z = kept_scale(rules)
                                 dp = ZERO
                                 for d in range(HEAD):
                                     dp += do_tile[ii, d] * v_row[d]
@@ -462,10 +461,9 @@ def specializations(buckets: tuple[int, ...] = HEAD_DIM_BUCKETS,
 # --------------------------------------------------------------------------- #
 
 def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
-             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
-             rules: Rules | None = None, grad_lse: Array | None = None,
-             block_q: int | None = None, block_k: int | None = None,
-             ) -> tuple[Array, Array, Array]:
+             mask: Array | None, rules: Rules, scale: float, xp: Any,
+             grad_lse: Array | None = None, block_q: int | None = None,
+             block_k: int | None = None) -> tuple[Array, Array, Array]:
     """Gradients ``(dq, dk, dv)`` of :func:`.facade.attention`, shaped like
     ``(q, k, v)``, in two kernel launches.
 
@@ -495,10 +493,9 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
         check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
         compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
-            dq_blocks, rows, stream](*inputs.arrays, *arrays, dq_d, *inputs.scalars)
+            dq_blocks, rows, stream](*inputs.arrays, *arrays, dq_d, *inputs.parameters)
         compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
-            kv_blocks, rows, stream](*inputs.arrays, *arrays, *dkdv_d, *inputs.scalars)
+            kv_blocks, rows, stream](*inputs.arrays, *arrays, *dkdv_d, *inputs.parameters)
 
-    return launch_backward(q, k, v, out, lse, grad_out, mask=mask,
-                           causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
-                           grad_lse=grad_lse, launch=launch)
+    return launch_backward(q, k, v, out, lse, grad_out, mask=mask, rules=rules, scale=scale,
+                           xp=xp, grad_lse=grad_lse, launch=launch)

@@ -73,10 +73,11 @@ import numpy as np
 from polyattn._interop import simulator_enabled
 from polyattn.backends.cuda import mma as _mma
 from polyattn.backends.cuda.environment import MASK_KINDS, _cuda, kernel_choice
-from polyattn.backends.cuda.launch import DECODE_MAX_TQ, common_dtype, launch_tiles
+from polyattn.backends.cuda.inputs import common_dtype
+from polyattn.backends.cuda.launch import DECODE_MAX_TQ, launch_tiles
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.rules import element
-from polyattn.rules.lowering import lower
+from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -129,15 +130,12 @@ def _signature(mask_kind: str) -> Any:
     strided = types.Array(t, 4, "A")
     mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
     table = types.Array(types.int64, 1, "A")
-    i64, u64 = types.int64, types.uint64
     return types.void(
         strided, strided, strided,  # q, k, v
         mask_t, table,  # mask, mask_batch
         table, types.Array(t, 2, "A"),  # key lengths, ALiBi slopes
         strided, types.Array(t, 3, "A"),  # out, lse
-        t, t,  # scale, softcap (0: none)
-        t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
-        i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
+        t, parameter_types("float32"),  # scale, the rules (lowering.kernel_parameters)
     )
 
 
@@ -163,11 +161,12 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
 
     f32, u32 = types.float32, types.uint32
     ZERO, ONE, NEG_INF = np.float32(0.0), np.float32(1.0), np.float32(-np.inf)
-    U_ZERO = np.uint64(0)
-    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify = (
+    (row_position, key_length, visible, block_keys, head_modifiers, mask_steps, modify, drops,
+     dropout_key, kept, kept_scale) = (
         lower(f, "cuda", np.float32) for f in (
-            element.position, element.key_length, element.visible, element.block_keys,
-            element.head_modifiers, element.mask_steps, element.modify))
+            element.row_position, element.key_length, element.visible, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify, element.drops,
+            element.dropout_key, element.kept, element.kept_scale))
     HEAD, BK = bucket, block_k(arithmetic, bucket)
     BQ, NTHREADS = BLOCK_Q, THREADS
     STEPS = BK // 16  # 16-key steps per tile: S, softmax and P V, one after another
@@ -187,8 +186,7 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         TILE_T = f32
         Q_WORDS = KS * 4
 
-    def tc_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, softcap,
-                  drop_scale, threshold, key0, key1, offset, shift, left, right):
+    def tc_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules):
         """Out and lse of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -211,12 +209,12 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         row1 = row0 + 8
 
         len_b = key_length(lengths, b)
-        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
+        pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
         p0 = row0 + pos_offset
         p1 = row1 + pos_offset
         first_row = qt * BQ
-        lo, hi = block_keys(first_row, min(first_row + BQ, tq) - 1, pos_offset, left, right,
-                            tk, len_b)
+        lo, hi = block_keys(first_row, min(first_row + BQ, tq) - 1, pos_offset, rules, tk,
+                            len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
@@ -224,11 +222,11 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         mi0 = min(row0, tq - 1) * mi_step
         mi1 = min(row1, tq - 1) * mi_step
 
-        dropping = threshold != U_ZERO
+        dropping = drops(rules)
         row_n0 = ((b * n_heads + h) * tq + row0) * tk
         row_n1 = ((b * n_heads + h) * tq + row1) * tk
 
-        cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b, h, ONE)
+        cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b, h, ONE)
 
         k_tile = cuda.shared.array(K_SHAPE, TILE_T, alignment=ALIGN)
         v_tile = cuda.shared.array(V_SHAPE, TILE_T, alignment=ALIGN)
@@ -386,7 +384,7 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                     x = s[n] * scale
                     if MODS:
                         x = modify(x, p, j, cap, inv_cap, slope)
-                    if row >= tq or not visible(j, p, left, right, hi):
+                    if row >= tq or not visible(j, p, rules, hi):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi0 if upper else mi1, j * mj_step]:
@@ -437,9 +435,9 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                         l1 += w
                     if dropping and w != ZERO:
                         j = j0 + kk * 16 + (n // 4) * 8 + 2 * t + n % 2
-                        if keep_word((row_n0 if upper else row_n1) + j, key0,
-                                     key1) >= threshold:
-                            w *= drop_scale
+                        if kept(keep_word((row_n0 if upper else row_n1) + j,
+                                          dropout_key(rules)), rules):
+                            w *= kept_scale(rules)
                         else:
                             w = ZERO
                     s[n] = w
@@ -557,9 +555,8 @@ def ldmatrix_per_step(arithmetic: str, bucket: int) -> int:
     return 0 if arithmetic == "3xtf32" else 2 * (bucket // 16)
 
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any, arithmetic: str,
-              rules: Rules | None = None) -> tuple[Array, Array]:
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any, arithmetic: str) -> tuple[Array, Array]:
     """``(out, lse)`` on tensor cores, in float32 (one kernel launch).
 
     q, k and v are float32 (B…, H, T, E) arrays (float16 and bfloat16 inputs
@@ -584,7 +581,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     bucket = head_bucket(arithmetic, e, ev)
     assert bucket is not None
     return launch_tiles(
-        q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+        q, k, v, mask=mask, rules=rules, scale=scale, xp=xp,
         kernel_for=lambda mask_kind, mods: compiled_kernel(arithmetic, bucket, mask_kind,
                                                            mods),
         rows=BLOCK_Q, threads=THREADS)

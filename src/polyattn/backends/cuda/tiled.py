@@ -30,7 +30,7 @@ one thread per query row:
   are double-buffered through registers: the next chunk's loads are issued
   before the current chunk's multiply-adds and stored to shared memory after
   them (a tile's first V chunk before its softmax);
-* where q, k and v allow it (:func:`.launch.vector_loads_fit`: rows of
+* where q, k and v allow it (:func:`.inputs.vector_loads_fit`: rows of
   whole 16-byte groups, 16-byte aligned, below 2 GiB, such as any
   (B, H, T, E) or (B, T, H, E) array with E a multiple of 4 in float32, 2 in
   float64), a thread reads up to 16 bytes of a row per load (``ld.global.nc``
@@ -73,11 +73,12 @@ import numpy as np
 from polyattn._interop import simulator_enabled
 from polyattn.backends.cuda import mma as _mma
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda
-from polyattn.backends.cuda.launch import DECODE_MAX_TQ, common_dtype, head_bucket, launch_tiles
+from polyattn.backends.cuda.inputs import common_dtype, head_bucket
+from polyattn.backends.cuda.launch import DECODE_MAX_TQ, launch_tiles
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.backends.cuda.unroll import unroll, unrolled
 from polyattn.rules import element
-from polyattn.rules.lowering import lower
+from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
 
 Array = Any
@@ -155,16 +156,13 @@ def _signature(dtype: str, mask_kind: str) -> Any:
     strided = types.Array(t, 4, "A")
     mask_t = types.Array(types.boolean if mask_kind == "bool" else t, 4, "A")
     table = types.Array(types.int64, 1, "A")
-    i64, u64 = types.int64, types.uint64
     return types.void(
         strided, strided, strided,  # q, k, v
         mask_t, table,  # mask, mask_batch
         table, types.Array(t, 2, "A"),  # key lengths, ALiBi slopes
         strided, types.Array(t, 3, "A"),  # out, lse
-        t, t,  # scale, softcap (0: none)
-        t, u64, u64, u64,  # dropout: 1/(1-p), threshold (0: none), Philox key words
-        i64, i64, i64, i64,  # position offset, shift by key length (0/1), left, right
-        i64,  # 1: q, k and v may be read by vector loads (launch.vector_loads_fit)
+        t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
+        types.int64,  # 1: q, k and v may be read by vector loads (inputs.vector_loads_fit)
     )
 
 
@@ -186,11 +184,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     # ALiBi slope and a float mask): the softmax is then exp2, one instruction
     # fewer per weight than exp; lse goes back to base e at the end.
     LOG2E, LN2 = np_t(math.log2(math.e)), np_t(math.log(2.0))
-    U_ZERO = np.uint64(0)
-    position, key_length, row_keys, block_keys, head_modifiers, mask_steps, modify = (
+    (row_position, key_length, row_keys, block_keys, head_modifiers, mask_steps, modify, drops,
+     dropout_key, kept, kept_scale) = (
         lower(f, "cuda", np_t) for f in (
-            element.position, element.key_length, element.row_keys, element.block_keys,
-            element.head_modifiers, element.mask_steps, element.modify))
+            element.row_position, element.key_length, element.row_keys, element.block_keys,
+            element.head_modifiers, element.mask_steps, element.modify, element.drops,
+            element.dropout_key, element.kept, element.kept_scale))
     HEAD = bucket
     BQ, BK, R, NTHREADS = BLOCK_Q, block_k(dtype), rows_per_thread(bucket), threads(bucket)
     D_CHUNK = min(DC, HEAD)
@@ -215,8 +214,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     Q_SHAPE, K_SHAPE = (HEAD if Q_RESIDENT else D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
     V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
 
-    def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, softcap,
-                     drop_scale, threshold, key0, key1, offset, shift, left, right, vec):
+    def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules, vec):
         """Out and lse of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -237,11 +235,11 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         row_base = q0 + R * rg
 
         len_b = key_length(lengths, b)
-        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
-        lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, left, right, tk, len_b)
+        pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
+        lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, rules, tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
-        dropping = threshold != U_ZERO
+        dropping = drops(rules)
 
         q_chunk = cuda.shared.array(Q_SHAPE, acc_t)  # Qᵀ: feature-major
         k_chunk = cuda.shared.array(K_SHAPE, acc_t)  # Kᵀ
@@ -381,7 +379,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             # Read per tile from the kernel's arguments, like the mask's
             # parameters below: held across the key loop, they would take
             # registers the patches need.
-            cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b + z, h + z, LOG2E)
+            cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, LOG2E)
             if MASKED:
                 # A mask is applied to the whole tile by all threads together, key
                 # fastest (consecutive threads read consecutive mask entries), with
@@ -408,7 +406,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 row = q0 + R * rg_s + i
                 p = row + pos_offset
                 # Keys of the tile row i sees: [vis_lo, vis_hi) relative to j0.
-                vis_lo, vis_hi = row_keys(p, left, right, j0, hi)
+                vis_lo, vis_hi = row_keys(p, rules, j0, hi)
                 vis_lo -= j0
                 vis_hi -= j0
                 if row >= tq:
@@ -459,9 +457,9 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     ii = R * rg + (n // 4) % R
                     w = p_tile[jj, ii]
                     if w != ZERO:
-                        if keep_word((pair_n + q0 + ii) * tk + j0 + jj, key0,
-                                     key1) >= threshold:
-                            p_tile[jj, ii] = w * drop_scale
+                        if kept(keep_word((pair_n + q0 + ii) * tk + j0 + jj,
+                                          dropout_key(rules)), rules):
+                            p_tile[jj, ii] = w * kept_scale(rules)
                         else:
                             p_tile[jj, ii] = ZERO
 
@@ -543,9 +541,8 @@ def specializations() -> list[tuple[Any, Any]]:
             for mods in (False, True)]
 
 
-def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
-              causal_offset: int | None, scale: float, xp: Any,
-              rules: Rules | None = None) -> tuple[Array, Array]:
+def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rules,
+              scale: float, xp: Any) -> tuple[Array, Array]:
     """``(out, lse)`` in the inputs' dtype (float32 or float64), one kernel launch.
 
     Arguments as :func:`.facade.attention`, which calls this for every call
@@ -563,6 +560,6 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None,
     bucket = head_bucket(e, v.shape[-1])
     dtype = common_dtype(query=q, key=k, value=v)
     return launch_tiles(
-        q, k, v, mask=mask, causal_offset=causal_offset, scale=scale, xp=xp, rules=rules,
+        q, k, v, mask=mask, rules=rules, scale=scale, xp=xp,
         kernel_for=lambda mask_kind, mods: compiled_kernel(dtype, bucket, mask_kind, mods),
         rows=BLOCK_Q, threads=threads(bucket), vector_flag=True)

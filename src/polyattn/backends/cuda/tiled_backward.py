@@ -49,7 +49,7 @@ propagates, or 0, whose product is then 0 as in the row kernels). ``dV +=
 (P∘Z)ᵀ dO`` has no such guard: a non-finite ``dO`` row reaches every key of
 its tile. Keys past ``min(Tk, key_lengths[b])`` are never read.
 
-Where q, k, v and dO allow it (:func:`.launch.vector_loads_fit`), the
+Where q, k, v and dO allow it (:func:`.inputs.vector_loads_fit`), the
 chunks are read as in the forward, 16 bytes per load with 32-bit address
 arithmetic; other inputs element by element with 64-bit indices (a kernel
 argument picks the path; both give the same bits).
@@ -87,6 +87,11 @@ from polyattn.backends.cuda.unroll import unroll, unrolled
 from polyattn.rules import element
 from polyattn.rules.lowering import lower
 from polyattn.rules.visibility import Rules
+
+#: The functions of :mod:`polyattn.rules.element` both kernels lower.
+_ELEMENT = (element.row_position, element.key_length, element.visible, element.head_modifiers,
+            element.mask_steps, element.modify_and_grad, element.drops, element.dropout_key,
+            element.kept, element.kept_scale)
 
 Array = Any
 
@@ -163,7 +168,7 @@ def v_keys(dtype: str, bucket: int) -> int:
 def _signature(dtype: str, mask_kind: str, outputs: int) -> Any:
     """The signature of :func:`.rows_backward._signature` and one more int64: 1
     where q, k, v and dO may be read by vector loads
-    (:func:`.launch.vector_loads_fit`)."""
+    (:func:`.inputs.vector_loads_fit`)."""
     from numba import types
 
     base = numba_cuda_backward._signature(dtype, mask_kind, outputs)
@@ -176,7 +181,7 @@ def _constants(dtype: str, bucket: int, rows: int) -> dict[str, Any]:
     vk = v_keys(dtype, bucket)
     d_chunk = min(DC, bucket)
     return dict(
-        np_t=np_t, ZERO=np_t(0.0), ONE=np_t(1.0), NEG_INF=np_t(-np.inf), U_ZERO=np.uint64(0),
+        np_t=np_t, ZERO=np_t(0.0), ONE=np_t(1.0), NEG_INF=np_t(-np.inf),
         HEAD=bucket, R=rows, NTHREADS=8 * 64 // rows, D_CHUNK=d_chunk, VK=vk,
         KC=1,  # groups of 32 columns (keys in dQ, queries in dK/dV) per tile
         OC=(bucket + 31) // 32,  # groups of 4 features per thread in an accumulator
@@ -207,12 +212,10 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BQ = BLOCK_Q
     consts = _constants(dtype, bucket, dq_rows_per_thread(bucket))
-    position, key_length, visible, block_keys, head_modifiers, mask_steps, modify_and_grad = (
-        lower(f, "cuda", consts["np_t"]) for f in (
-            element.position, element.key_length, element.visible, element.block_keys,
-            element.head_modifiers, element.mask_steps, element.modify_and_grad))
-    np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
-                                                            "U_ZERO"))
+    (row_position, key_length, visible, head_modifiers, mask_steps, modify_and_grad, drops,
+     dropout_key, kept, kept_scale) = (lower(f, "cuda", consts["np_t"]) for f in _ELEMENT)
+    block_keys = lower(element.block_keys, "cuda", consts["np_t"])
+    np_t, ZERO, ONE, NEG_INF = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF"))
     HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
                                                          "VK"))
     KC, OC, RS, S_LEN, O_LEN = (consts[n] for n in ("KC", "OC", "RS", "S_LEN", "O_LEN"))
@@ -221,8 +224,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                             "P_SHAPE"))
 
     def tiled_dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq,
-                        scale, softcap, drop_scale, threshold, key0, key1, offset, shift,
-                        left, right, vec):
+                        scale, rules, vec):
         """dq of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -241,10 +243,10 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
         q0 = qt * BQ
 
         len_b = key_length(lengths, b)
-        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
-        lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, left, right, tk, len_b)
+        pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
+        lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, rules, tk, len_b)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
-        dropping = threshold != U_ZERO
+        dropping = drops(rules)
 
         chunk = cuda.shared.array(CHUNK_LEN, acc_t)  # Qᵀ|Kᵀ, dOᵀ|Vᵀ, then K rows
         s_tile = cuda.shared.array(P_SHAPE, acc_t)  # Sᵀ: key-major
@@ -347,7 +349,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             rg_s, kg_s = rg + z, kg + z
             mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
                                                   b + z, h)
-            cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b + z, h + z, ONE)
+            cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, ONE)
             # weight (b, h, i, j) has the flat index ((b·H + h)·Tq + i)·Tk + j
             pair_n = ((b + z) * n_heads + h) * tq
             for n in range(S_LEN):
@@ -358,7 +360,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                 p = row + pos_offset
                 lse_i = row_lse[ii]
                 ds = ZERO
-                if row < tq and visible(j, p, left, right, hi) and lse_i != NEG_INF:
+                if row < tq and visible(j, p, rules, hi) and lse_i != NEG_INF:
                     raw = s_tile[jj, ii]
                     x = raw
                     grad = ONE  # d(x) / d(raw)
@@ -375,8 +377,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                     if w != ZERO:
                         dp = ds_tile[jj, ii]
                         if dropping:
-                            if keep_word((pair_n + row) * tk + j, key0, key1) >= threshold:
-                                dp *= drop_scale
+                            if kept(keep_word((pair_n + row) * tk + j, dropout_key(rules)),
+                                    rules):
+                                dp *= kept_scale(rules)
                             else:
                                 dp = ZERO
                         ds = w * (dp - row_d[ii])
@@ -451,12 +454,10 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     BKV = BLOCK_KV
     consts = _constants(dtype, bucket, dkdv_rows_per_thread(bucket))
-    position, key_length, visible, block_queries, head_modifiers, mask_steps, modify_and_grad = (
-        lower(f, "cuda", consts["np_t"]) for f in (
-            element.position, element.key_length, element.visible, element.block_queries,
-            element.head_modifiers, element.mask_steps, element.modify_and_grad))
-    np_t, ZERO, ONE, NEG_INF, U_ZERO = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF",
-                                                            "U_ZERO"))
+    (row_position, key_length, visible, head_modifiers, mask_steps, modify_and_grad, drops,
+     dropout_key, kept, kept_scale) = (lower(f, "cuda", consts["np_t"]) for f in _ELEMENT)
+    block_queries = lower(element.block_queries, "cuda", consts["np_t"])
+    np_t, ZERO, ONE, NEG_INF = (consts[n] for n in ("np_t", "ZERO", "ONE", "NEG_INF"))
     HEAD, R, NTHREADS, D_CHUNK, VK = (consts[n] for n in ("HEAD", "R", "NTHREADS", "D_CHUNK",
                                                          "VK"))
     KC, OC, RS, S_LEN, O_LEN = (consts[n] for n in ("KC", "OC", "RS", "S_LEN", "O_LEN"))
@@ -465,8 +466,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                             "P_SHAPE"))
 
     def tiled_dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
-                          scale, softcap, drop_scale, threshold, key0, key1, offset, shift,
-                          left, right, vec):
+                          scale, rules, vec):
         """dk and dv of 64 keys of one (batch, key/value head) pair, summed over the
         query heads of its group."""
         _, n_heads, tq, e = q.shape
@@ -486,14 +486,14 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
 
         # Keys of this block that exist, and the queries that may see one of them.
         len_b = key_length(lengths, b)
-        pos_offset = position(0, offset, shift, len_b)  # row i is at i + pos_offset
+        pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
         hi = min(tk, len_b)
         last_key = min(k0 + BKV, hi) - 1
-        q_lo, q_hi = block_queries(k0, last_key, pos_offset, left, right, tq)
+        q_lo, q_hi = block_queries(k0, last_key, pos_offset, rules, tq)
         n_qtiles = 0
         if last_key >= k0:
             n_qtiles = max(0, (q_hi - q_lo + BQT - 1) // BQT)
-        dropping = threshold != U_ZERO
+        dropping = drops(rules)
 
         chunk = cuda.shared.array(CHUNK_LEN, acc_t)  # Kᵀ|Qᵀ, Vᵀ|dOᵀ, then dO or Q rows
         p_tile = cuda.shared.array(P_SHAPE, acc_t)  # Sᵀ, then P∘Z: query-major
@@ -601,7 +601,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                 rg_s, kg_s = rg + z, kg + z
                 mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
                                                       b + z, h)
-                cap, inv_cap, slope = head_modifiers(MODS, softcap, slopes, b + z, h + z, ONE)
+                cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, ONE)
                 pair_n = ((b + z) * n_heads + h) * tq
                 for n in range(S_LEN):
                     ii = 32 * (n // RS) + 4 * kg_s + n % 4
@@ -612,7 +612,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                     lse_i = row_lse[ii]
                     pz = ZERO
                     ds = ZERO
-                    if visible(j, p, left, right, hi) and lse_i != NEG_INF:
+                    if visible(j, p, rules, hi) and lse_i != NEG_INF:
                         raw = p_tile[ii, jj]
                         x = raw
                         grad = ONE  # d(x) / d(raw)
@@ -629,8 +629,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                         if w != ZERO:
                             zf = ONE
                             if dropping:
-                                if keep_word((pair_n + i) * tk + j, key0, key1) >= threshold:
-                                    zf = drop_scale
+                                if kept(keep_word((pair_n + i) * tk + j, dropout_key(rules)),
+                                        rules):
+                                    zf = kept_scale(rules)
                                 else:
                                     zf = ZERO
                             pz = w * zf
@@ -747,9 +748,8 @@ def specializations() -> list[tuple[Any, Any]]:
 
 
 def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array, /, *,
-             mask: Array | None, causal_offset: int | None, scale: float, xp: Any,
-             rules: Rules | None = None, grad_lse: Array | None = None,
-             ) -> tuple[Array, Array, Array]:
+             mask: Array | None, rules: Rules, scale: float, xp: Any,
+             grad_lse: Array | None = None) -> tuple[Array, Array, Array]:
     """Gradients ``(dq, dk, dv)`` of :func:`.facade.attention`, shaped like
     ``(q, k, v)``, in two kernel launches.
 
@@ -776,11 +776,11 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         vec = np.int64(inputs.vector_loads)
         compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods)[
             dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *arrays, dq_d,
-                                                   *inputs.scalars, vec)
+                                                   *inputs.parameters, vec)
         compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods)[
             kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *arrays, *dkdv_d,
-                                                     *inputs.scalars, vec)
+                                                     *inputs.parameters, vec)
 
     return launch_backward(
-        q, k, v, out, lse, grad_out, mask=mask, causal_offset=causal_offset, scale=scale,
-        xp=xp, rules=rules, grad_lse=grad_lse, launch=launch)
+        q, k, v, out, lse, grad_out, mask=mask, rules=rules, scale=scale, xp=xp,
+        grad_lse=grad_lse, launch=launch)

@@ -33,7 +33,7 @@ from polyattn.rules.lowering import lower
 # functions of polyattn.rules.element, inlined into the loops below
 
 position = lower(element.position, "cpu")
-block_keys = lower(element.block_keys, "cpu")
+keys_in_reach = lower(element.keys_in_reach, "cpu")
 modify = lower(element.modify, "cpu")
 modify_and_grad = lower(element.modify_and_grad, "cpu")
 
@@ -146,7 +146,7 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
         if seen_only and lse[b, h, i] == ninf:
             continue
         # the keys of [k0, k0 + n) row i sees (n stops at the batch row's key length)
-        j_lo, j_hi = block_keys(i, i, offset, left, right, k0 + n, k0 + n)
+        j_lo, j_hi = keys_in_reach(i + offset, i + offset, left, right, 0, k0 + n)
         j0 = min(n, max(0, j_lo - k0))
         j1 = max(j0, j_hi - k0)
         if j0 < j1:
