@@ -160,8 +160,8 @@ def test_cupy_without_gpu(capsys, monkeypatch):
 
 def test_info_says_cupy_cannot_run_without_gpu(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_without_gpu())
-    real = cli._version
-    monkeypatch.setattr(cli, "_version",
+    real = cli.info._version
+    monkeypatch.setattr(cli.info, "_version",
                         lambda dists: "13.6.0" if "cupy" in dists else real(dists))
     assert cli.main(["info"]) == 0
     [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["cupy"]]
@@ -473,13 +473,13 @@ def test_bench_memory_check_at_the_boundary(capsys, monkeypatch, dtype):
     itemsize = np.dtype(dtype).itemsize
     need = itemsize * (4 * b * h * t * e + b * h * t * t)   # q, k, v, out; the T×T scores
     argv = ["bench", "--shape", f"{b},{h},{t},{e}", "--dtype", dtype, "--repeat", "1"]
-    monkeypatch.setattr(cli, "available_memory", lambda: need - 1)
+    monkeypatch.setattr(cli.system, "available_memory", lambda: need - 1)
     line = one_line_error(capsys, argv, "polyattn bench")
     assert f"({need:,} bytes) in {dtype}" in line
     assert f"({need - 1:,} bytes) of memory is available" in line
-    monkeypatch.setattr(cli, "available_memory", lambda: need)
+    monkeypatch.setattr(cli.system, "available_memory", lambda: need)
     assert cli.main(argv) == 0
-    monkeypatch.setattr(cli, "available_memory", lambda: None)   # unknown: not checked
+    monkeypatch.setattr(cli.system, "available_memory", lambda: None)   # unknown: not checked
     assert cli.main(argv) == 0
 
 
@@ -828,17 +828,17 @@ def test_generate_refuses_a_cache_beyond_the_memory(capsys, monkeypatch):
     model = _tiny_model(context_length=2 ** 32 - 1)   # a context too large to protect anything
     _serve(monkeypatch, model)
     need, per_token = _cache_nbytes(model, 2 + 5), _cache_nbytes(model, 1)
-    monkeypatch.setattr(cli, "available_memory", lambda: need - 1)
+    monkeypatch.setattr(cli.system, "available_memory", lambda: need - 1)
     argv = ["generate", "Hi", "--max-new-tokens", "5"]
     line = one_line_error(capsys, argv, "polyattn generate")
     assert line == ("polyattn generate: error: --max-new-tokens 5 and the prompt's 2 tokens make "
                     f"7 tokens, whose cache would take {cli.format_bytes(need)} in float32, but "
                     f"{cli.format_bytes(need - 1)} of memory is available; give "
                     "--max-new-tokens 4 or less")
-    monkeypatch.setattr(cli, "available_memory", lambda: 2 * per_token)
+    monkeypatch.setattr(cli.system, "available_memory", lambda: 2 * per_token)
     line = one_line_error(capsys, argv, "polyattn generate")
     assert line.endswith("; not even one new token fits: free some memory or shorten the prompt")
-    monkeypatch.setattr(cli, "available_memory", lambda: need)       # just enough
+    monkeypatch.setattr(cli.system, "available_memory", lambda: need)       # just enough
     assert cli.main(argv) == 0
     assert "5 tokens in" in capsys.readouterr().err
 

@@ -1,0 +1,235 @@
+"""``generate``: SmolLM2-135M-Instruct continues a prompt, token by token."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from polyattn.cli import system
+from polyattn.cli.system import check_backend
+from polyattn.cli.text import CLIError, _first_line, _plural, check_utf8, format_bytes
+
+#: Array libraries ``generate`` runs on.
+GENERATE_BACKENDS = ("numpy", "torch", "jax", "cupy")
+#: The lowest ``--temperature`` above 0 that ``generate`` takes.
+MIN_TEMPERATURE = 1e-3
+
+
+def cache_bytes(config: Any, tokens: int, dtype: str) -> int:
+    """Bytes of the keys and values of ``tokens`` tokens of one sequence, every layer.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    >>> cache_bytes(smollm2, 100_005, "float32")      # 2 · 30 · 3 · 64 · 4 bytes a token
+    4608230400
+    """
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    return per_token * tokens * np.dtype(dtype).itemsize
+
+
+def _cache_bytes(model: Any, tokens: int, args: argparse.Namespace) -> int:
+    """The model's own ``cache_nbytes(1, tokens)`` where it has one, else :func:`cache_bytes`."""
+    nbytes = getattr(model, "cache_nbytes", None)
+    if callable(nbytes):
+        try:
+            return int(nbytes(1, tokens))
+        except (TypeError, ValueError):
+            pass
+    return cache_bytes(model.config, tokens, args.dtype)
+
+
+def check_context(model: Any, prompt_tokens: int, args: argparse.Namespace) -> None:
+    """Raise :class:`CLIError` if the prompt and ``--max-new-tokens`` overflow the context.
+
+    The limit is the model's ``config.context_length`` (a model without one
+    is not checked); the message says what the cache would take.
+    """
+    config = getattr(model, "config", None)
+    limit = getattr(config, "context_length", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        return
+    new = args.max_new_tokens
+    total = prompt_tokens + new
+    if total <= limit:
+        return
+    try:
+        memory = f"; their cache would take {format_bytes(_cache_bytes(model, total, args))}"
+    except (AttributeError, TypeError, ValueError):
+        memory = ""
+    if prompt_tokens >= limit:
+        raise CLIError(f"the prompt is {_plural(prompt_tokens, 'token')}, which leaves no room "
+                       f"in the model's context of {limit:,} tokens for --max-new-tokens {new}"
+                       f" ({total:,} tokens{memory}); shorten the prompt to fewer than "
+                       f"{limit:,} tokens")
+    raise CLIError(f"--max-new-tokens {new} and the prompt's "
+                   f"{_plural(prompt_tokens, 'token')} make {total:,} tokens, more than the "
+                   f"model's context of {limit:,} tokens{memory}; give --max-new-tokens "
+                   f"{limit - prompt_tokens} or less")
+
+
+def check_memory(model: Any, prompt_tokens: int, args: argparse.Namespace) -> None:
+    """Raise :class:`CLIError` if the cache of the prompt and ``--max-new-tokens`` would not
+    fit in the memory available (:func:`available_memory`; not checked where that cannot
+    be told, or for ``--backend cupy``, whose cache is on the GPU).
+
+    The cache grows by the same bytes each token, so the message says how many
+    new tokens do fit.
+    """
+    if args.backend == "cupy":
+        return
+    free = system.available_memory()
+    if free is None:
+        return
+    total = prompt_tokens + args.max_new_tokens
+    try:
+        need, per_token = _cache_bytes(model, total, args), _cache_bytes(model, 1, args)
+    except (AttributeError, TypeError, ValueError):
+        return                      # a model that cannot say: MemoryError is the fallback
+    if need <= free:
+        return
+    what = (f"--max-new-tokens {args.max_new_tokens} and the prompt's "
+            f"{_plural(prompt_tokens, 'token')} make {total:,} tokens, whose cache would take "
+            f"{format_bytes(need)} in {args.dtype}, but {format_bytes(free)} of memory is "
+            f"available")
+    fits = free // max(per_token, 1) - prompt_tokens
+    if fits < 1:
+        raise CLIError(f"{what}; not even one new token fits: free some memory or shorten the "
+                       f"prompt")
+    raise CLIError(f"{what}; give --max-new-tokens {fits} or less")
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """Every check on ``generate``'s arguments that can fail before the model is read.
+
+    Raises
+    ------
+    CLIError
+        With one line naming the argument and the fix.
+    """
+    check_utf8(args.prompt, "the prompt")
+    if not args.prompt.strip():
+        raise CLIError("the prompt is empty; give some text, e.g. "
+                       "polyattn generate \"The capital of France is\"")
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    if not 0.0 <= args.temperature < float("inf"):
+        raise CLIError(f"--temperature must be a finite number >= 0 (0: greedy); got "
+                       f"{args.temperature}")
+    if 0.0 < args.temperature < MIN_TEMPERATURE:
+        raise CLIError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; "
+                       f"got {args.temperature} (sampling that cold is greedy decoding in all "
+                       "but name, and its scaled logits can overflow: give 0)")
+    if args.seed is not None and args.seed < 0:
+        raise CLIError(f"--seed must be a non-negative integer; got {args.seed}")
+    check_backend(args.backend)
+    from polyattn.models import smollm2
+
+    try:
+        smollm2.check_requirements()
+    except (ImportError, FileNotFoundError) as exc:
+        raise CLIError(_first_line(exc)) from exc
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``generate``: SmolLM2-135M-Instruct continues a prompt, streamed token by token."""
+    import codecs
+
+    check_generate_args(args)
+    from polyattn.models import smollm2
+
+    start = time.perf_counter()
+    try:
+        model = smollm2.load(xp=args.backend, dtype=args.dtype)
+    except ImportError as exc:
+        raise CLIError(f"--backend {args.backend}: {_first_line(exc)}") from exc
+    except ValueError as exc:       # not a GGUF file, or not of a Llama model
+        raise CLIError(_first_line(exc)) from exc
+    except OSError as exc:          # unreadable: permissions, a device, ...
+        raise CLIError(f"cannot read the model file: {_first_line(exc)}") from exc
+    loaded = time.perf_counter()
+    tok = model.tokenizer
+    text = smollm2.chat_prompt(args.prompt) if args.chat else args.prompt
+    try:
+        ids = tok.encode(text)
+    except ValueError as exc:
+        raise CLIError(f"the prompt cannot be tokenized: {_first_line(exc)}") from exc
+    if not len(ids):
+        raise CLIError(f"the prompt {args.prompt!r} gives no tokens (the vocabulary has none of "
+                       "its characters); give other text")
+    check_context(model, len(ids), args)
+    check_memory(model, len(ids), args)
+    if args.seed is not None and args.temperature == 0.0:
+        print("note: --seed has no effect without --temperature above 0 (greedy decoding "
+              "draws nothing)", file=sys.stderr)
+    # The prompt is printed with the first token, so that an argument the model
+    # refuses (or memory it cannot get) is told before anything is on stdout.
+    echo = "" if args.chat else args.prompt
+    # A character's UTF-8 bytes may span tokens: the decoder holds back an
+    # incomplete one until its last byte comes, and one still incomplete when
+    # generation stops (cut by --max-new-tokens) is left out, not shown as U+FFFD.
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    special = set(tok.special)
+    count = 0
+    first = end = loaded
+    try:
+        for token in model.stream(ids, args.max_new_tokens, temperature=args.temperature,
+                                  seed=args.seed):
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+                print(echo, end="", flush=True)
+            if tok.tokens[token] not in special:
+                print(utf8.decode(tok.token_bytes(token)), end="", flush=True)
+    except KeyboardInterrupt:
+        if count:
+            print(flush=True)       # end the text's line; the exit status says it was cut
+        return 130
+    except MemoryError as exc:
+        if count:
+            print(flush=True)       # end the text's line
+        where = f"after {_plural(count, 'token')}" if count else "before the first token"
+        raise CLIError(f"out of memory {where} ({_first_line(exc)}); give a smaller "
+                       "--max-new-tokens or a shorter prompt, or free some memory") from None
+    except ValueError as exc:
+        if count:                   # not an argument the model refused: a failure midway
+            raise
+        raise CLIError(_first_line(exc)) from exc
+    end = time.perf_counter()
+    if not count:
+        print(echo, end="")
+    print()
+    print(timing_line(count, len(ids), (start, loaded, first, end), args), file=sys.stderr)
+    return 0
+
+
+def timing_line(count: int, prompt_tokens: int, times: tuple[float, float, float, float],
+                args: argparse.Namespace) -> str:
+    """``generate``'s last line (on stderr): the tokens, the time, the speed.
+
+    ``times`` are the clock's readings when the model began to be read, was
+    read, gave its first token and its last. The decoding speed is of the
+    tokens after the first (the first one's time is the prompt's), so it is
+    left out for a single token.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(backend="numpy", dtype="float32")
+    >>> timing_line(11, 3, (0.0, 1.0, 1.25, 2.25), args)  # doctest: +ELLIPSIS
+    '11 tokens in 1.25 s: prompt of 3 tokens 250 ms, then 10.0 tokens/s (numpy, float32; ...'
+    >>> timing_line(1, 3, (0.0, 1.0, 1.25, 1.25), args)
+    '1 token in 0.25 s: prompt of 3 tokens 250 ms (numpy, float32; model read in 1.0 s)'
+    """
+    start, loaded, first, end = times
+    text = f"{_plural(count, 'token')} in {end - loaded:.2f} s"
+    if count:
+        text += f": prompt of {_plural(prompt_tokens, 'token')} {(first - loaded) * 1e3:.0f} ms"
+    if count > 1 and end > first:
+        text += f", then {(count - 1) / (end - first):.1f} tokens/s"
+    return f"{text} ({args.backend}, {args.dtype}; model read in {loaded - start:.1f} s)"
