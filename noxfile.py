@@ -28,7 +28,13 @@ def has_cuda_gpu() -> bool:
 #: pytest-xdist spreads the slowest sessions (eager JAX compiling each operation, the CUDA
 #: simulator, PTX compilation) over the machine's cores; they share no state between tests.
 PARALLEL = ("-n", "auto", "--maxprocesses", "4")
-PARALLEL_BACKENDS = {"jax"}
+PARALLEL_BACKENDS = {"jax", "dask"}
+#: Where one eager operation costs milliseconds (JAX, Dask graphs, the CUDA simulator), the
+#: tests marked ``exhaustive`` (a variant whose code path the test's other cases already
+#: take, such as all-NaN beside mixed NaN/inf garbage) are left out; every other session
+#: runs them. ``nox -s "tests(jax)" -- -q tests -m exhaustive`` runs them there.
+THOROUGH = ("-m", "not exhaustive")
+SLOW_BACKENDS = {"jax", "dask"}
 
 
 def install(session: nox.Session, *packages: str) -> None:
@@ -53,7 +59,8 @@ SHARED_VENVS = {
     # one environment for each other array library, with nothing else of the above
     "array_api_strict": (["-e", ".[test]"],),
     "jax": (["-e", ".[test]", "jax", "pytest-xdist"],),
-    "dask": (["-e", ".[test]", "dask[array]", "distributed"],),  # distributed: LocalCluster
+    # distributed: LocalCluster
+    "dask": (["-e", ".[test]", "dask[array]", "distributed", "pytest-xdist"],),
     "cupy": (["-e", ".[test]", "cupy-cuda13x", "numba-cuda[cu13]"],),
 }
 #: The tests of the real models, their files and tokenizers: they run once, in the model
@@ -139,7 +146,8 @@ def tests(session: nox.Session, backend: str) -> None:
     once = () if backend == "numpy" else ignoring(*LIBRARY_INDEPENDENT_TESTS)
     args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider",
                                *ignoring(*MODEL_TESTS), *once,
-                               *(PARALLEL if backend in PARALLEL_BACKENDS else ())]
+                               *(PARALLEL if backend in PARALLEL_BACKENDS else ()),
+                               *(THOROUGH if backend in SLOW_BACKENDS else ())]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
     if not session.posargs and backend in LIBRARY_CASES:
         # on their own: pytest drops a test named inside a folder it is given and a file
@@ -166,7 +174,7 @@ def kernel_sim(session: nox.Session) -> None:
            *PARALLEL, *mechanics)
     # every behaviour's numba_cuda cases (rows, tiled, tensor-core) on the simulator
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *PARALLEL, "tests", "-k", "numba_cuda", *ignoring(*CUDA_MECHANICS, *PTX_TESTS,
+           *PARALLEL, *THOROUGH, "tests", "-k", "numba_cuda", *ignoring(*CUDA_MECHANICS, *PTX_TESTS,
                                                              *MODEL_TESTS))
 
 
