@@ -49,10 +49,8 @@ def numpy_bridge(backend: Backend, problem: Problem) -> tuple[Forward, Backward]
     """``backend``'s forward and backward passes over NumPy views of torch CPU tensors."""
     import array_api_compat.numpy as np_xp
 
-    rules = problem.rules
-    if rules is not None:
-        rules = dataclasses.replace(rules, key_lengths=_to_numpy(rules.key_lengths),
-                                    alibi=_to_numpy(rules.alibi))
+    rules = dataclasses.replace(problem.rules, key_lengths=_to_numpy(problem.rules.key_lengths),
+                                alibi=_to_numpy(problem.rules.alibi))
     viewed = dataclasses.replace(problem, xp=np_xp, mask=_to_numpy(problem.mask), rules=rules)
 
     def on(q: Array, k: Array, v: Array) -> Problem:

@@ -131,7 +131,7 @@ def _auto_rule(name: str, problem: Problem, budget: _Budget) -> str | None:
         return (f"{budget.words()}, so it is materialised" +
                 ("; the blocked paths run above it" if name == "numba_cpu" else ""))
     rules = problem.rules
-    if name != "native" or rules is None or rules.simple or budget.fits:
+    if name != "native" or rules.simple or budget.fits:
         return None
     used = [n for n, value in (("window", rules.window), ("key_lengths", rules.key_lengths),
                                ("alibi_slopes", rules.alibi)) if value is not None]

@@ -53,13 +53,12 @@ class Problem:
     k: Array                      # (B…, Hkv, Tk, E)
     v: Array | None               # (B…, Hkv, Tk, Ev)
     mask: Array | None            # len(B…) + 4 dims, each 1 or full
-    causal_offset: int | None
+    rules: Rules                  # causality, window, key lengths, softcap, ALiBi, dropout
     scale: float
     result_dtype: Any             # dtype of the output
     compute_dtype: Any            # float32 or float64
     squeeze: bool                 # inputs were (T, E): drop the (1,) head axis again
     layout: str = "BHTE"          # the caller's layout of query, key, value and out
-    rules: Rules | None = None    # causal, window, key lengths, softcap, ALiBi (docs/semantics.rst)
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -129,7 +128,7 @@ class Problem:
         query, key and value only."""
         if not self.requires_grad:
             return None
-        alibi = None if self.rules is None else self.rules.alibi
+        alibi = self.rules.alibi
         for name, x in (("attn_mask", self.mask), ("alibi_slopes", alibi)):
             if x is not None and getattr(x, "requires_grad", False):
                 return name
@@ -138,8 +137,6 @@ class Problem:
     def features(self) -> dict[str, str]:
         """The position and score keywords in use, for people (``explain()``)."""
         rules = self.rules
-        if rules is None:
-            return {}
         lengths = rules.key_lengths
         found = {"window": rules.window, "softcap": rules.softcap,
                  "alibi_slopes": None if rules.alibi is None else tuple(rules.alibi.shape),
@@ -154,13 +151,6 @@ class Problem:
         """The keyword arguments a family's own entry points take: the mask, the rules
         (always given: causality travels in them), the scale and the namespace."""
         return {"mask": self.mask, "rules": self.rules, "scale": self.scale, "xp": self.xp}
-
-    def keywords(self) -> dict[str, Any]:
-        """The keyword arguments every implementation's ``attention`` and ``backward`` take
-        (:mod:`polyattn.backends`): ``rules`` only where they are more than causal."""
-        extra = {} if self.rules is None or self.rules.simple else {"rules": self.rules}
-        return {"mask": self.mask, "causal_offset": self.causal_offset, "scale": self.scale,
-                "xp": self.xp, **extra}
 
     def finish(self, x: Array, trailing: int) -> Array:
         """Undo the (1,) head axis added for (T, E) inputs; ``trailing`` axes follow it."""
@@ -350,7 +340,6 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         k=to_layout(key, hkv),
         v=None if value is None else to_layout(value, hkv),
         mask=mask,
-        causal_offset=_causal_offset(tq, tk, causal_alignment) if is_causal else None,
         scale=check_scale(scale, int(query.shape[-1])),
         result_dtype=result_dtype,
         compute_dtype=compute_dtype,

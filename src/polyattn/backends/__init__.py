@@ -19,17 +19,14 @@ mask
     ``None`` or an array with ``q.ndim`` dimensions, each 1 or the full size
     of (B…, H, Tq, Tk); bool (True = attend) or the compute dtype (added to
     the scaled scores).
-causal_offset
-    ``None`` or an int: key ``j`` is visible to query ``i`` iff
-    ``j <= i + causal_offset`` (the same as ``rules.causal_offset``).
 scale
     Python float multiplying ``q · k``.
 rules
     A :class:`polyattn.rules.visibility.Rules`, always: causality, windows,
     key lengths, soft-capping, ALiBi and dropout (docs/semantics.rst). The
     modules below the families take it as ``rules=``, with the mask, the scale
-    and the namespace (``Problem.arguments()``), and no ``causal_offset``:
-    causality travels in the rules.
+    and the namespace (``Problem.arguments()``): causality travels in the rules
+    (``rules.causal_offset`` is the plain causal form of it).
 
 ``forward`` returns ``out`` (B…, H, Tq, Ev) and ``lse`` (B…, H, Tq) in the
 compute dtype. A fully masked row gives ``out = 0`` and ``lse = -inf``. Every
