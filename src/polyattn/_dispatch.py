@@ -133,8 +133,8 @@ def _auto_rule(name: str, problem: Problem, budget: _Budget) -> str | None:
     rules = problem.rules
     if name != "native" or rules.simple or budget.fits:
         return None
-    used = [n for n, value in (("window", rules.window), ("key_lengths", rules.key_lengths),
-                               ("alibi_slopes", rules.alibi)) if value is not None]
+    # what native runs of the rules beyond causality it folds into one mask
+    used = sorted(rules.in_use() - {"causal"})
     return (f"{', '.join(used)} would become a dense mask as large as the "
             f"{mib(budget.score_bytes)} score matrix (over the {mib(budget.limit)} budget), "
             "while the blocked path skips the key blocks no query can see")
