@@ -9,7 +9,7 @@ own:
    (SmolLM2 spells numbers digit by digit);
 3. the rest is split by GPT-2's pattern
    ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``
-   (a scanner here, so no ``regex`` package is needed).
+   (by a scanner, so no ``regex`` package is needed).
 
 Each piece's UTF-8 bytes are spelled with GPT-2's byte-to-unicode map (the
 printable bytes stand for themselves, the others for code points from 256
@@ -42,204 +42,29 @@ after a space; everything else is the same.
 from __future__ import annotations
 
 import importlib.util
-import operator
 import re
-import unicodedata
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
 from typing import Any
 
-#: Unicode's White_Space characters: what ``\s`` matches in the tokenizer's pattern.
-WHITESPACE = frozenset(
-    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007"
-    "\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
-)
-_CONTRACTIONS_2 = frozenset("stmd")
-_CONTRACTIONS_3 = frozenset(("re", "ve", "ll"))
+from polyattn.models._pretokenize import WHITESPACE, bytes_to_unicode, pretokenize, split_gpt2
+from polyattn.models._token_ids import check_token_id, check_token_ids
+
+__all__ = [
+    "CONTROL",
+    "ENGINES",
+    "WHITESPACE",
+    "BPETokenizer",
+    "bytes_to_unicode",
+    "check_token_id",
+    "check_token_ids",
+    "pretokenize",
+    "split_gpt2",
+]
+
 #: ``token_type`` of the control tokens in a GGUF vocabulary.
 CONTROL = 3
 #: What :meth:`BPETokenizer.encode` may run.
 ENGINES = ("auto", "tokenizers", "python")
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from the 256 byte values to printable characters.
-
-    Bytes that are printable Latin-1 characters (``!`` … ``~``, ``¡`` … ``¬``,
-    ``®`` … ``ÿ``) stand for themselves; the other 68 get the code points
-    256, 257, … in order.
-
-    Examples
-    --------
-    >>> from polyattn.models._bpe import bytes_to_unicode
-    >>> m = bytes_to_unicode()
-    >>> m[ord("a")], m[ord(" ")], m[ord("\\n")]
-    ('a', 'Ġ', 'Ċ')
-    """
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _describe(value: Any) -> str:
-    """A short account of a value for a message: its type, and its repr unless it is an array."""
-    shape = getattr(value, "shape", None)
-    if shape is not None and tuple(shape) != ():
-        return f"a {type(value).__name__} of shape {tuple(shape)}"
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def check_token_id(value: Any, vocab_size: int, *, name: str = "token_id") -> int:
-    """``value`` as a token id: an integer (Python, NumPy, or a one-element integer
-    array) in ``[0, vocab_size)``.
-
-    Raises
-    ------
-    TypeError
-        ``value`` is not an integer: a float (even ``2.0``), a bool, a str, …
-    ValueError
-        It lies outside the vocabulary.
-
-    Examples
-    --------
-    >>> from polyattn.models._bpe import check_token_id
-    >>> check_token_id(3, 10)
-    3
-    >>> check_token_id(1.5, 10)
-    Traceback (most recent call last):
-    ...
-    TypeError: `token_id` must be an int; got float 1.5
-    """
-    dtype = getattr(value, "dtype", None)
-    if isinstance(value, bool) or (dtype is not None and "bool" in str(dtype)):
-        raise TypeError(f"`{name}` must be an int, not a bool; got {_describe(value)}")
-    try:
-        i = operator.index(value)
-    except TypeError:
-        raise TypeError(f"`{name}` must be an int; got {_describe(value)}") from None
-    if not 0 <= i < vocab_size:
-        raise ValueError(f"`{name}` must lie in [0, {vocab_size}) (the vocabulary); got {i}")
-    return i
-
-
-def check_token_ids(values: Any, vocab_size: int, *, name: str = "token_ids") -> list[int]:
-    """``values`` (a sequence or 1-D array of integers) as a list of token ids.
-
-    Raises
-    ------
-    TypeError
-        ``values`` is text, not iterable, or holds something that is not an
-        integer (the message gives its index).
-    ValueError
-        An id lies outside ``[0, vocab_size)``.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from polyattn.models._bpe import check_token_ids
-    >>> check_token_ids(np.array([1, 2]), 10)
-    [1, 2]
-    >>> check_token_ids([1, 2.0], 10)
-    Traceback (most recent call last):
-    ...
-    TypeError: `token_ids` must hold ints; got float 2.0 at index 1
-    """
-    if isinstance(values, (str, bytes, bytearray)):
-        raise TypeError(f"`{name}` must be token ids (ints), not text; got "
-                        f"{_describe(values)}; encode() turns text into token ids")
-    try:
-        items = list(values)
-    except TypeError:
-        raise TypeError(f"`{name}` must be a sequence of ints; got {_describe(values)}"
-                        ) from None
-    out = []
-    for k, value in enumerate(items):
-        try:
-            out.append(check_token_id(value, vocab_size, name=name))
-        except TypeError:
-            raise TypeError(f"`{name}` must hold ints; got {_describe(value)} at index {k}"
-                            ) from None
-    return out
-
-
-def _kind(c: str) -> str:
-    """``"L"`` letter, ``"N"`` number, ``"S"`` whitespace, ``"O"`` anything else."""
-    if c in WHITESPACE:
-        return "S"
-    cat = unicodedata.category(c)[0]
-    return cat if cat in ("L", "N") else "O"
-
-
-def split_gpt2(text: str) -> list[str]:
-    """Split ``text`` by GPT-2's pre-tokenizer pattern (see the module docstring).
-
-    Examples
-    --------
-    >>> from polyattn.models._bpe import split_gpt2
-    >>> split_gpt2("I'll see  you\\n\\nthere!")   # a newline before a word stays apart
-    ['I', "'ll", ' see', ' ', ' you', '\\n', '\\n', 'there', '!']
-    """
-    pieces = []
-    n = len(text)
-    kinds = [_kind(c) for c in text]
-    i = 0
-    while i < n:
-        c = text[i]
-        if c == "'" and i + 1 < n:
-            if text[i + 1] in _CONTRACTIONS_2:
-                pieces.append(text[i:i + 2])
-                i += 2
-                continue
-            if text[i + 1:i + 3] in _CONTRACTIONS_3:
-                pieces.append(text[i:i + 3])
-                i += 3
-                continue
-        kind = kinds[i]
-        start = i
-        if c == " " and i + 1 < n and kinds[i + 1] != "S":
-            kind = kinds[i + 1]      # ` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`
-            i += 1
-        if kind != "S":
-            while i < n and kinds[i] == kind:
-                i += 1
-            pieces.append(text[start:i])
-            continue
-        while i < n and kinds[i] == "S":
-            i += 1
-        if i < n and i - start > 1:  # `\s+(?!\S)`: leave the last space to the next word
-            i -= 1
-        pieces.append(text[start:i])
-    return pieces
-
-
-def pretokenize(text: str) -> list[str]:
-    """Numbers digit by digit, then GPT-2's pattern on the text between them.
-
-    Examples
-    --------
-    >>> from polyattn.models._bpe import pretokenize
-    >>> pretokenize("In 2024, x42")
-    ['In', ' ', '2', '0', '2', '4', ',', ' x', '4', '2']
-    """
-    pieces: list[str] = []
-    start = 0
-    for i, c in enumerate(text):
-        if unicodedata.category(c)[0] == "N":
-            if start < i:
-                pieces.extend(split_gpt2(text[start:i]))
-            pieces.append(c)
-            start = i + 1
-    if start < len(text):
-        pieces.extend(split_gpt2(text[start:]))
-    return pieces
 
 
 class BPETokenizer:
