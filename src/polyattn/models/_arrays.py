@@ -7,6 +7,8 @@ from typing import Any
 
 import array_api_compat
 
+from polyattn._interop import library_name, resolve_xp
+
 Namespace = Any
 
 BACKENDS = ("numpy", "torch", "cupy", "jax", "array_api_strict")
@@ -47,3 +49,29 @@ def get_backend(name: str, *, dtype: str = "float32") -> tuple[Namespace, Any]:
         device = module.device("cuda")
     return xp, device
 
+
+#: dtypes a decoder can be loaded in (bfloat16 where the library has it).
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _resolve(xp: Any, dtype: Any, device: Any) -> tuple[Namespace, Any, Any]:
+    """The namespace, dtype and device a model is loaded into."""
+    if isinstance(xp, str):
+        name = xp.replace("-", "_").lower()
+        if name not in ("numpy", "torch", "cupy", "jax"):
+            raise ValueError(f"`xp` must be a namespace or one of 'numpy', 'torch', 'cupy', "
+                             f"'jax'; got {xp!r}")
+        xp, default_device = get_backend(name, dtype="float64" if dtype in (
+            "float64",) else "float32")
+        device = default_device if device is None else device
+    else:
+        xp = resolve_xp(xp)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES or not hasattr(xp, dtype):
+            have = [d for d in DTYPES if hasattr(xp, d)]
+            raise ValueError(f"`dtype` must be one of {', '.join(have)} for "
+                             f"{library_name(xp)}; got {dtype!r}")
+        dtype = getattr(xp, dtype)
+    elif not xp.isdtype(dtype, "real floating"):
+        raise TypeError(f"`dtype` must be a real floating dtype; got {dtype!r}")
+    return xp, dtype, device
