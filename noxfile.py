@@ -69,10 +69,11 @@ MODEL_TESTS = ("tests/test_smollm2.py", "tests/test_smollm2_units.py", "tests/te
                "tests/test_gguf_reader.py", "tests/test_minilm_files.py",
                "tests/test_errors_models.py")
 #: Tests that do not depend on the array library under test (the command line, the
-#: package's metadata, README's blocks): tests(numpy) runs them, whose environment has
-#: NumPy and torch; the other sessions run only LIBRARY_CASES of them.
+#: package's metadata, README's blocks, the CPU benchmarks' cases): tests(numpy) runs
+#: them, whose environment has NumPy and torch; the other sessions run only LIBRARY_CASES
+#: of them.
 LIBRARY_INDEPENDENT_TESTS = ("tests/test_cli.py", "tests/test_packaging.py",
-                             "tests/test_readme.py")
+                             "tests/test_readme.py", "tests/test_benchmarks.py")
 #: The cases of LIBRARY_INDEPENDENT_TESTS that need a library only that session has.
 LIBRARY_CASES = {"jax": ("tests/test_cli.py::test_demo_on_other_backends",),
                  "dask": ("tests/test_readme.py::test_readme_block_runs",)}

@@ -87,9 +87,11 @@ def numpy_products(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) ->
     products, so this time is a lower bound for it on this machine.
     """
     from polyattn.backends.numpy import forward as numpy_chunked
+    from polyattn.rules.visibility import Rules
 
     # the NumPy path's own block sizes and rectangles (query heads = key/value heads here)
-    p = numpy_chunked._Problem(q, k, v, None, 0 if causal else None, 1.0)
+    rules = Rules(q.shape[-2], k.shape[-2], causal=causal)
+    p = numpy_chunked._Problem(q, k, v, None, 1.0, rules)
     b, h, t = q.shape[:3]
     out = np.empty_like(q)
 

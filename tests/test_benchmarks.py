@@ -1,0 +1,39 @@
+"""The CPU benchmarks' cases run end to end on a tiny shape (no timing is asserted: the
+benchmarks measure, the tests check that what they call still exists and agrees)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import backward
+import cpu
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_benchmark_case_runs(causal):
+    """Every contender of benchmarks/cpu.py runs (the NumPy path's products alone
+    included) and polyattn agrees with torch and the float64 oracle."""
+    row = cpu.run_case(1, 2, 64, 8, causal, "float32", 1, np.random.default_rng(0))
+    assert {"polyattn", "torch", "products", "numpy_path", "naive"} <= set(row["median_s"])
+    assert all(math.isfinite(r) and r > 0 for r in row["ratio_to_torch"].values()), row
+    assert row["rel_diff_vs_torch"] < 1e-5, row
+    assert max(row["max_abs_err_vs_float64"].values()) < 1e-5, row
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_benchmark_case_runs(causal):
+    """Every contender of benchmarks/backward.py runs forward and backward, and
+    polyattn's gradients agree with torch's."""
+    row = backward.run_case(1, 2, 64, 8, causal, "float32", 1, np.random.default_rng(0),
+                            "pool")
+    assert {"polyattn", "torch", "numpy_path", "naive"} <= set(row["median_s"])
+    assert all(math.isfinite(r) and r > 0 for r in row["ratio_to_torch"].values()), row
+    assert max(row["rel_diff_vs_torch"].values()) < 1e-5, row
