@@ -1,9 +1,8 @@
-"""The CPU benchmarks' cases run end to end on a tiny shape (no timing is asserted: the
-benchmarks measure, the tests check that what they call still exists and agrees)."""
+"""The CPU benchmarks' cases run end to end on a tiny shape. No timing is asserted (the
+benchmarks measure): the tests check that what they call still exists and agrees."""
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ def test_forward_benchmark_case_runs(causal):
     included) and polyattn agrees with torch and the float64 oracle."""
     row = cpu.run_case(1, 2, 64, 8, causal, "float32", 1, np.random.default_rng(0))
     assert {"polyattn", "torch", "products", "numpy_path", "naive"} <= set(row["median_s"])
-    assert all(math.isfinite(r) and r > 0 for r in row["ratio_to_torch"].values()), row
+    assert set(row["ratio_to_torch"]) == {"polyattn", "products", "numpy_path", "naive"}
     assert row["rel_diff_vs_torch"] < 1e-5, row
     assert max(row["max_abs_err_vs_float64"].values()) < 1e-5, row
 
@@ -35,5 +34,5 @@ def test_backward_benchmark_case_runs(causal):
     row = backward.run_case(1, 2, 64, 8, causal, "float32", 1, np.random.default_rng(0),
                             "pool")
     assert {"polyattn", "torch", "numpy_path", "naive"} <= set(row["median_s"])
-    assert all(math.isfinite(r) and r > 0 for r in row["ratio_to_torch"].values()), row
+    assert {"polyattn", "polyattn forward", "polyattn backward"} <= set(row["ratio_to_torch"])
     assert max(row["rel_diff_vs_torch"].values()) < 1e-5, row
