@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -38,6 +40,22 @@ def test_a_new_rule_is_refused_until_a_family_lists_it(monkeypatch):
     for runner in runners:
         why = backends.objection(runner, problem)
         assert why is not None and why.startswith("it does not apply a_new_rule"), (runner, why)
+
+
+def test_attention_weights_refuse_a_rule_the_formula_does_not_apply(monkeypatch):
+    import array_api_compat.numpy as xp
+
+    from polyattn.backends import array_api
+    from polyattn.rules import visibility
+
+    monkeypatch.setattr(visibility.Rules, "in_use",
+                        lambda self: frozenset({"softcap", "a_new_rule"}))
+    q = np.zeros((1, 1, 4, 2))
+    problem = SimpleNamespace(q=q, k=q, rules=Rules(4, 4, softcap=2.0), mask=None,
+                              scale=1.0, xp=xp)
+    problem.arguments = lambda: {"mask": None, "rules": problem.rules, "scale": 1.0, "xp": xp}
+    with pytest.raises(ValueError, match="attention_weights cannot apply a_new_rule"):
+        array_api.weights(problem)
 
 
 def test_importing_polyattn_imports_no_array_library_or_compiler():

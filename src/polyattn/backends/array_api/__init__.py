@@ -58,7 +58,13 @@ CHUNKED = ArrayApiPath("chunked", "blocked")
 
 
 def weights(problem: Any) -> Any:
-    """The attention weights (B…, H, Tq, Tk) by the formula (:func:`polyattn.attention_weights`)."""
+    """The attention weights (B…, H, Tq, Tk) by the formula (:func:`polyattn.attention_weights`).
+
+    A rule the formula does not apply is refused, as the dispatcher refuses it elsewhere."""
     from polyattn.backends.array_api import reference
+
+    missing = sorted(problem.rules.in_use() - REFERENCE.RULES)
+    if missing:
+        raise ValueError(f"attention_weights cannot apply {' or '.join(missing)}")
 
     return reference.weights(problem.q, problem.k, **problem.arguments())
