@@ -162,6 +162,7 @@ NATIVE_REFUSALS = (
     "has no native attention function",     # libraries other than torch and JAX
     "softcap: ",                            # soft-capping is not additive: no mask expresses it
     "dropout_p: ",                          # their own generators, not the Philox counters
+    "has no attention sinks",               # sinks join through the lse, which they lack
 )
 
 

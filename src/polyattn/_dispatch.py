@@ -181,7 +181,8 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
     ``for_vjp``: the choice for :func:`polyattn.attention_vjp`, which runs the
     backends' own backward passes (native and the Dask plan have none).
     """
-    needs = frozenset({backends.LSE} if return_lse or for_vjp else ()) | (
+    lse = return_lse or for_vjp or problem.sinks is not None   # sinks join through the lse
+    needs = frozenset({backends.LSE} if lse else ()) | (
         {backends.BACKWARD} if for_vjp else {backends.AUTOGRAD})
     double = problem.compute_dtype == problem.xp.float64
     budget = _Budget(problem.score_elements * (8 if double else 4), score_budget(problem.xp),

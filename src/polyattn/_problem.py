@@ -59,6 +59,7 @@ class Problem:
     compute_dtype: Any            # float32 or float64
     squeeze: bool                 # inputs were (T, E): drop the (1,) head axis again
     layout: str = "BHTE"          # the caller's layout of query, key, value and out
+    sinks: Array | None = None    # (B…|1, H|1), compute dtype: joined by the engine, not backends
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -142,6 +143,8 @@ class Problem:
                  "alibi_slopes": None if rules.alibi is None else tuple(rules.alibi.shape),
                  "dropout_p": f"{rules.dropout_p} (seed {rules.dropout_seed})"
                  if rules.dropout else None,
+                 "sinks": None if self.sinks is None else str(tuple(self.sinks.shape)) +
+                 " (joined to each row through the log-sum-exp)",
                  "key_lengths": None if lengths is None else str(tuple(lengths.shape)) + (
                      " (query positions count back from each row's length)"
                      if rules.lengths_shift else "")}
@@ -197,17 +200,17 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
             enable_gqa: bool, layout: str = "BHTE", window: Any = None,
             softcap: Any = None, alibi_slopes: Array | None = None,
             key_lengths: Any = None, dropout_p: Any = 0.0, dropout_seed: Any = None,
-            ) -> Problem:
+            sinks: Array | None = None) -> Problem:
     """Validate an attention call and bring it to the implementations' layout.
 
     With ``layout="BTHE"`` query, key and value arrive as (B…, T, H, E) and
     are viewed as (B…, H, T, E) (``permute_dims``, no copy); shapes in error
     messages are then those of the views, which the messages say.
     """
-    attn_mask, alibi_slopes, key_lengths = _lift_to_dask(
-        (query, key, value), (attn_mask, alibi_slopes, key_lengths))
+    attn_mask, alibi_slopes, key_lengths, sinks = _lift_to_dask(
+        (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks))
     arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
-              "alibi_slopes": alibi_slopes,
+              "alibi_slopes": alibi_slopes, "sinks": sinks,
               "key_lengths": key_lengths if _array_like(key_lengths) else None}
     for name, x in arrays.items():
         check_known_shape(name, x)
@@ -215,7 +218,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     check_same_device(arrays)
     extras = {"window": check_window(window), "softcap": check_softcap(softcap),
               "alibi_slopes": alibi_slopes, "key_lengths": key_lengths,
-              "dropout": check_dropout(dropout_p, dropout_seed)}
+              "dropout": check_dropout(dropout_p, dropout_seed), "sinks": sinks}
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
@@ -253,7 +256,7 @@ def _lift_to_dask(inputs: tuple[Array | None, ...], constants: tuple[Any, ...],
 
 
 #: Arguments whose shapes do not depend on the layout (their errors quote them as given).
-_ONE_LAYOUT = ("`attn_mask`", "`key_lengths`", "`alibi_slopes`")
+_ONE_LAYOUT = ("`attn_mask`", "`key_lengths`", "`alibi_slopes`", "`sinks`")
 
 
 def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
@@ -331,7 +334,8 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         tq=tq, tk=tk, causal=is_causal, offset=_causal_offset(tq, tk, causal_alignment),
         key_lengths=lengths, lengths_shift=bottom_right and lengths is not None,
         window=extras["window"], softcap=extras["softcap"],
-        alibi=_alibi(extras["alibi_slopes"], tuple(batch), h, compute_dtype, xp),
+        alibi=_per_head("alibi_slopes", extras["alibi_slopes"], tuple(batch), h, compute_dtype,
+                        xp, "one slope per query head"),
         dropout_p=extras["dropout"][0], dropout_seed=extras["dropout"][1],
         lengths_at_hand=lengths_at_hand)
     return Problem(
@@ -346,6 +350,8 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         squeeze=squeeze,
         layout=layout,
         rules=rules,
+        sinks=_per_head("sinks", extras["sinks"], tuple(batch), h, compute_dtype, xp,
+                        "one sink logit per query head"),
     )
 
 
@@ -358,21 +364,22 @@ def _array_like(x: object) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _alibi(slopes: Array | None, batch: tuple[int, ...], h: int, dtype: Any,
-           xp: Namespace) -> Array | None:
-    """ALiBi slopes as (B…|1, H|1) in the compute dtype, checked against (B…, H)."""
-    if slopes is None:
+def _per_head(name: str, values: Array | None, batch: tuple[int, ...], h: int, dtype: Any,
+              xp: Namespace, what: str) -> Array | None:
+    """A per-head table (ALiBi slopes, sinks) as (B…|1, H|1) in the compute dtype, checked
+    against (B…, H)."""
+    if values is None:
         return None
-    check_floating("alibi_slopes", slopes, xp)
+    check_floating(name, values, xp)
     target = (*batch, h)
-    ok = 1 <= slopes.ndim <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(slopes.shape), reversed(target), strict=False))
+    ok = 1 <= values.ndim <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(values.shape), reversed(target), strict=False))
     if not ok:
         raise ValueError(
-            f"`alibi_slopes` must be (H,) or (B…, H), broadcastable to (B…, H) = {target} "
-            f"(one slope per query head); got shape {shape_str(slopes)}")
-    slopes = xp.reshape(slopes, (1,) * (len(target) - slopes.ndim) + tuple(slopes.shape))
-    return slopes if slopes.dtype == dtype else xp.astype(slopes, dtype)
+            f"`{name}` must be (H,) or (B…, H), broadcastable to (B…, H) = {target} "
+            f"({what}); got shape {shape_str(values)}")
+    values = xp.reshape(values, (1,) * (len(target) - values.ndim) + tuple(values.shape))
+    return values if values.dtype == dtype else xp.astype(values, dtype)
 
 
 def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,

@@ -15,6 +15,7 @@ from polyattn._interop import Array, device_of
 from polyattn._problem import Problem, prepare
 from polyattn._validation import IMPLEMENTATIONS, check_bool, check_choice
 from polyattn.backends import array_api
+from polyattn.rules import sinks as _sinks
 from polyattn.rules.online import NEG_INF, quiet_floating_point
 
 
@@ -47,12 +48,17 @@ def with_value_feature(problem: Problem) -> Problem:
 
 def run(problem: Problem, name: str, *, fallback: bool = False, grad: bool = True,
         ) -> tuple[Problem, Array, Array | None]:
-    """Run implementation ``name``: the problem it ran (:func:`with_value_feature`), and its
-    ``out`` (B…, H, Tq, Ev of that problem) and ``lse``, in the compute dtype."""
+    """Run implementation ``name``: the problem it ran (:func:`with_value_feature`, without
+    sinks), and its ``out`` (B…, H, Tq, Ev of that problem) and ``lse``, in the compute
+    dtype, with the sinks joined (:func:`polyattn.rules.sinks.join`)."""
+    ran = dataclasses.replace(problem, sinks=None)        # the backends never see sinks
     if problem.score_elements == 0:
-        return (problem, *_empty_problem(problem))
-    ran = with_value_feature(problem)
-    out, lse = _dispatch.run(ran, name, fallback=fallback, grad=grad)
+        out, lse = _empty_problem(problem)
+    else:
+        ran = with_value_feature(ran)
+        out, lse = _dispatch.run(ran, name, fallback=fallback, grad=grad)
+    if problem.sinks is not None:
+        out, lse = _sinks.join(out, lse, problem.sinks, problem.xp)
     return ran, out, lse
 
 
@@ -70,7 +76,7 @@ def scaled_dot_product_attention(
     layout: str = "BHTE", window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None, alibi_slopes: Array | None = None,
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | None = None, sinks: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
 
@@ -153,6 +159,14 @@ def scaled_dot_product_attention(
         and device, and :func:`attention_vjp` drops them again in the
         backward pass without storing a mask. A 0-d integer array is taken
         too; under ``jax.jit`` a traced seed needs no new compilation.
+    sinks : floating array (H,) or (B…, H), optional
+        Attention sinks (gpt-oss): one logit per query head for a virtual key
+        whose value is 0. Each row's softmax runs over its visible scores and
+        the sink, so the weights of the keys sum to less than 1 and a row
+        with no visible key gives 0 with ``lse = sinks[h]``; ``lse`` includes
+        the sink. Computed in the compute dtype, as ``alibi_slopes``; torch
+        and JAX differentiate through them, and :func:`attention_vjp` returns
+        their gradient. ``"native"`` cannot take them.
 
     Returns
     -------
@@ -171,7 +185,7 @@ def scaled_dot_product_attention(
     ``key_lengths[b]`` if given, else ``Tk``; causal masking, windows and
     ALiBi all use it. Scores are computed in this order: ``scale · q·k`` →
     soft-capping → ALiBi → float ``attn_mask`` → invisible keys removed →
-    softmax → dropout → ``· value``. Key blocks that no query of a block can
+    sinks join → softmax → dropout → ``· value``. Key blocks that no query of a block can
     see are skipped, so the work of causal and windowed calls follows the
     visible area.
 
@@ -204,6 +218,14 @@ def scaled_dot_product_attention(
     ...     softcap=30.0, key_lengths=np.array([10, 6]))
     >>> out.shape
     (2, 4, 8, 32)
+
+    A sink per head takes part of each row's weight (gpt-oss):
+
+    >>> sinks = np.array([0.0, 1.0, 2.0, 3.0])            # (H,)
+    >>> out, lse = scaled_dot_product_attention(q, k, v, sinks=sinks, return_lse=True)
+    >>> _, lse_keys = scaled_dot_product_attention(q, k, v, return_lse=True)
+    >>> bool(np.allclose(lse, np.logaddexp(lse_keys, sinks[:, None])))
+    True
     """
     check_choice("implementation", implementation, IMPLEMENTATIONS)
     check_bool("return_lse", return_lse)
@@ -213,7 +235,7 @@ def scaled_dot_product_attention(
                           enable_gqa=enable_gqa, layout=layout, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
-                          dropout_seed=dropout_seed)
+                          dropout_seed=dropout_seed, sinks=sinks)
         choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
         _, out, lse = run(problem, choice.implementation, fallback=implementation == "auto")
         return _finish(problem, value_features(problem, out), lse, return_lse)
@@ -237,7 +259,7 @@ def attention_weights(
     layout: str = "BHTE", window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None, alibi_slopes: Array | None = None,
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | None = None, sinks: Array | None = None,
 ) -> Array:
     """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
 
@@ -247,7 +269,8 @@ def attention_weights(
     key are (B…, T, H, E) and the weights are still (B…, H, Tq, Tk). With
     ``dropout_p > 0`` they are the weights after dropout (dropped ones 0, kept
     ones scaled by ``1 / (1 - dropout_p)``), the same ones that
-    :func:`scaled_dot_product_attention` multiplies by the values. This
+    :func:`scaled_dot_product_attention` multiplies by the values. With
+    ``sinks`` the sink's weight is left out: rows sum to less than 1. This
     materialises the (B…, H, Tq, Tk) matrix, with the reference
     implementation on every library (differentiable where the library is).
 
@@ -275,7 +298,7 @@ def attention_weights(
                           enable_gqa=enable_gqa, layout=layout, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
-                          dropout_seed=dropout_seed)
+                          dropout_seed=dropout_seed, sinks=sinks)
         return _weights(problem)
 
 
@@ -326,7 +349,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     """
     allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
                "return_lse", "implementation", "layout", "window", "softcap", "alibi_slopes",
-               "key_lengths", "dropout_p", "dropout_seed"}
+               "key_lengths", "dropout_p", "dropout_seed", "sinks"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -341,5 +364,5 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
                       softcap=options.get("softcap"), alibi_slopes=options.get("alibi_slopes"),
                       key_lengths=options.get("key_lengths"),
                       dropout_p=options.get("dropout_p", 0.0),
-                      dropout_seed=options.get("dropout_seed"))
+                      dropout_seed=options.get("dropout_seed"), sinks=options.get("sinks"))
     return _dispatch.choose(problem, implementation, return_lse=return_lse)

@@ -37,9 +37,10 @@ from polyattn._validation import (
     shape_str,
 )
 from polyattn.attention import run, value_features
+from polyattn.rules import sinks as _sinks
 from polyattn.rules.online import NEG_INF, quiet_floating_point
 
-Pullback = Callable[..., tuple[Array, Array, Array]]
+Pullback = Callable[..., tuple[Array, ...]]
 
 
 def attention_vjp(
@@ -49,15 +50,16 @@ def attention_vjp(
     layout: str = "BHTE", window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None, alibi_slopes: Array | None = None,
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | None = None, sinks: Array | None = None,
 ) -> tuple[Array | tuple[Array, Array], Pullback]:
     """Scaled dot-product attention and a function that pulls gradients back through it.
 
     Takes the arguments of :func:`scaled_dot_product_attention` and returns
     its result together with ``pullback``: given the gradient of a loss with
     respect to ``out``, ``pullback(grad_out)`` returns the gradients with
-    respect to ``query``, ``key`` and ``value``. This is what NumPy and CuPy,
-    which have no automatic differentiation, need for training; on torch and
+    respect to ``query``, ``key`` and ``value`` (and ``sinks``, when given).
+    This is what NumPy and CuPy, which have no automatic differentiation,
+    need for training; on torch and
     JAX it gives the same numbers as their autodiff (which also works
     through :func:`scaled_dot_product_attention` directly).
 
@@ -79,8 +81,10 @@ def attention_vjp(
         Exactly what :func:`scaled_dot_product_attention` returns.
     pullback : callable
         ``pullback(grad_out, grad_lse=None) -> (grad_query, grad_key,
-        grad_value)``. ``grad_out`` has the shape of ``out``; ``grad_lse``
-        (the shape of ``lse``, only meaningful with ``return_lse=True``) adds
+        grad_value)``, and ``grad_sinks`` fourth when ``sinks`` is given (one
+        gradient per differentiable argument, in order, as ``jax.vjp``).
+        ``grad_out`` has the shape of ``out``; ``grad_lse`` (the shape of
+        ``lse``, only meaningful with ``return_lse=True``) adds
         the gradient of a loss that also uses the log-sum-exp. The gradients
         have the shapes, dtypes, namespace, device and layout of ``query``,
         ``key`` and ``value``; where an input was broadcast (batch
@@ -95,6 +99,10 @@ def attention_vjp(
     * ``attn_mask`` (also a float one) and ``alibi_slopes`` are constants:
       no gradient is returned for them.
     * Soft-capping's derivative ``1 - tanh²(s / softcap)`` is applied.
+    * Sinks: ``grad_sinks[h] = -Σ_i p_sink,i · (rowsum(dO_i ∘ O_i) - dlse_i)``
+      over the rows of head ``h`` (and the batch rows a (H,) table is shared
+      by), ``p_sink,i = exp(sinks[h] - lse_i)``; the query, key and value
+      gradients are FlashAttention-2's with the sink in ``lse``.
     * Dropout: the backward pass drops the same weights as the forward pass,
       recomputed from ``dropout_seed``; no mask is stored.
     * Memory: besides the inputs and gradients, O(T·block) on the blocked
@@ -129,6 +137,13 @@ def attention_vjp(
 
     >>> out, pullback = attention_vjp(q, k, v, dropout_p=0.1, dropout_seed=7)
     >>> dq, dk, dv = pullback(np.ones_like(out))
+
+    With sinks, their gradient comes fourth:
+
+    >>> out, pullback = attention_vjp(q, k, v, sinks=np.zeros(4))
+    >>> dq, dk, dv, dsinks = pullback(np.ones_like(out))
+    >>> dsinks.shape
+    (4,)
     """
     check_choice("implementation", implementation, IMPLEMENTATIONS)
     check_bool("return_lse", return_lse)
@@ -144,7 +159,7 @@ def attention_vjp(
                           enable_gqa=enable_gqa, layout=layout, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
-                          dropout_seed=dropout_seed)
+                          dropout_seed=dropout_seed, sinks=sinks)
         choice = _dispatch.choose(problem, implementation, return_lse=True, for_vjp=True)
         ran, out, lse = run(problem, choice.implementation, grad=False)
         result_out = value_features(problem, out)
@@ -152,19 +167,20 @@ def attention_vjp(
             result_out = problem.xp.astype(result_out, problem.result_dtype)
         result_out = problem.finish_out(result_out)
         result_lse = problem.finish(lse, 1)
-    pullback = _pullback(query, key, value, problem, choice.implementation, ran, out, lse,
-                         result_out, result_lse)
+    pullback = _pullback(query, key, value, sinks, problem, choice.implementation, ran, out,
+                         lse, result_out, result_lse)
     if return_lse:
         return (result_out, result_lse), pullback
     return result_out, pullback
 
 
-def _pullback(query: Array, key: Array, value: Array, problem: Problem, name: str,
-              ran: Problem, out: Array, lse: Array, result_out: Array, result_lse: Array,
-              ) -> Pullback:
+def _pullback(query: Array, key: Array, value: Array, sinks: Array | None, problem: Problem,
+              name: str, ran: Problem, out: Array, lse: Array, result_out: Array,
+              result_lse: Array) -> Pullback:
     """``pullback`` of :func:`attention_vjp`: ``ran`` is the problem implementation ``name``
-    ran (values with no features widened by one), ``out`` and ``lse`` what it returned;
-    ``result_out`` and ``result_lse`` what the caller received."""
+    ran (values with no features widened by one, no sinks), ``out`` and ``lse`` what it
+    returned with the sinks joined; ``result_out`` and ``result_lse`` what the caller
+    received."""
     xp, layout = problem.xp, problem.layout
     empty = problem.score_elements == 0
     assert problem.v is not None and ran.v is not None
@@ -173,8 +189,7 @@ def _pullback(query: Array, key: Array, value: Array, problem: Problem, name: st
     shapes = {n: _bhte_shape(x, layout) for n, x in inputs.items()}
     dtypes = {n: x.dtype for n, x in inputs.items()}
 
-    def pullback(grad_out: Array, grad_lse: Array | None = None
-                 ) -> tuple[Array, Array, Array]:
+    def pullback(grad_out: Array, grad_lse: Array | None = None) -> tuple[Array, ...]:
         with quiet_floating_point(result_out):
             go = _incoming("grad_out", grad_out, result_out, problem, xp)
             go = _to_problem_layout(go, problem)                  # (B…, H, Tq, Ev)
@@ -202,7 +217,12 @@ def _pullback(query: Array, key: Array, value: Array, problem: Problem, name: st
                 if layout == "BTHE":
                     g = contiguous(swap_heads_and_time(g, xp))
                 grads.append(g)
-            return grads[0], grads[1], grads[2]
+            if sinks is not None:
+                assert problem.sinks is not None
+                gs = _sinks.gradient(out, lse, problem.sinks, go, gl, xp)
+                gs = xp.reshape(gs, tuple(sinks.shape))
+                grads.append(gs if gs.dtype == sinks.dtype else xp.astype(gs, sinks.dtype))
+            return tuple(grads)
 
     return pullback
 

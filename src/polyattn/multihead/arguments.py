@@ -8,7 +8,7 @@ from typing import Any
 from polyattn._interop import Array, Namespace, concrete_values, device_of
 from polyattn._validation import check_nonnegative_int, shape_str
 from polyattn.cache import KVCache
-from polyattn.multihead.weights import BIASES, WEIGHTS
+from polyattn.multihead.weights import BIASES, EXTRAS, WEIGHTS
 
 #: The options of :func:`~polyattn.apply_rotary_embedding` that ``rotary`` may set.
 ROTARY_OPTIONS = ("base", "interleaved", "rotary_dim")
@@ -36,9 +36,10 @@ def _check_params(params: Mapping[str, Array], d_model: int, kdim: int, vdim: in
     missing = [name for name in WEIGHTS if name not in params]
     if missing:
         raise ValueError(f"`params` lacks {', '.join(missing)} (needs {', '.join(WEIGHTS)})")
-    unknown = sorted(set(params) - set(WEIGHTS) - set(BIASES))
+    unknown = sorted(set(params) - set(WEIGHTS) - set(BIASES) - set(EXTRAS))
     if unknown:
-        raise ValueError(f"`params` has unknown keys {unknown} (known: {WEIGHTS + BIASES})")
+        raise ValueError(f"`params` has unknown keys {unknown} "
+                         f"(known: {WEIGHTS + BIASES + EXTRAS})")
     e = d_model // h
     w_v = params["w_v"]
     vcols = w_v.shape[-1] if w_v.ndim == 2 else 0
@@ -49,7 +50,7 @@ def _check_params(params: Mapping[str, Array], d_model: int, kdim: int, vdim: in
     expected = {
         "w_q": (d_model, h * e), "w_k": (kdim, hkv * e), "w_v": (vdim, hkv * ev),
         "w_o": (h * ev, d_model), "b_q": (h * e,), "b_k": (hkv * e,), "b_v": (hkv * ev,),
-        "b_o": (d_model,),
+        "b_o": (d_model,), "sinks": (h,),
     }
     for name, shape in expected.items():
         p = params.get(name)

@@ -32,7 +32,7 @@ from polyattn.multihead.heads import (
     _repeat_heads,
     _swap,
 )
-from polyattn.multihead.weights import BIASES, WEIGHTS
+from polyattn.multihead.weights import BIASES, EXTRAS, WEIGHTS
 from polyattn.rotary import apply_rotary_embedding
 from polyattn.rules.online import quiet_floating_point
 
@@ -57,7 +57,11 @@ def multi_head_attention(
     value : array (B…, Tk, vdim)
     params : mapping
         ``w_q``, ``w_k``, ``w_v``, ``w_o`` and optional ``b_q``, ``b_k``,
-        ``b_v``, ``b_o``, laid out as in the module docstring (``x @ w``).
+        ``b_v``, ``b_o``, laid out as in the module docstring (``x @ w``);
+        optional ``sinks`` (H,): attention sinks, one learned logit per query
+        head (gpt-oss; ``sinks`` of
+        :func:`~polyattn.scaled_dot_product_attention`), differentiable
+        like the other parameters where the library differentiates.
     num_heads : int
         Query heads H; ``d_model`` must be divisible by it.
     num_kv_heads : int, optional
@@ -183,7 +187,7 @@ def multi_head_attention(
         h, hkv = _check_heads(d_model, num_heads, num_kv_heads,
                               f"d_model = {{d}} (the features of `query` {shape_str(query)})")
         _check_params(params, d_model, int(key.shape[-1]), int(value.shape[-1]), h, hkv)
-        for name in (*WEIGHTS, *BIASES):
+        for name in (*WEIGHTS, *BIASES, *EXTRAS):
             if params.get(name) is not None:
                 check_floating(f"params['{name}']", params[name], xp)
 
@@ -214,7 +218,8 @@ def multi_head_attention(
         attend: dict[str, Any] = dict(
             attn_mask=attn_mask, is_causal=is_causal, causal_alignment=causal_alignment,
             enable_gqa=hkv != h, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-            key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed)
+            key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            sinks=params.get("sinks"))
         layout = "BTHE"
         if cache is not None:
             ragged = None

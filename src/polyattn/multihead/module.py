@@ -28,6 +28,10 @@ class MultiHeadAttention:
         Key and value features (default ``embed_dim``).
     bias : bool
         Whether the four projections have biases.
+    sinks : bool
+        Whether the module has attention sinks (gpt-oss): ``params["sinks"]``,
+        one logit per query head, initialised to 0 (each row then gives the
+        sink the weight of one key scoring 0).
     batch_first : bool
         True (default): inputs are (B…, T, features). False: they are
         (T, B, features), as a ``torch.nn.MultiheadAttention`` built with
@@ -58,12 +62,20 @@ class MultiHeadAttention:
     >>> x = np.ones((3, 8))                      # (T, d_model)
     >>> mha(x, is_causal=True).shape
     (3, 8)
+
+    With attention sinks, a learned logit per head:
+
+    >>> with_sinks = MultiHeadAttention(8, 2, seed=0, sinks=True)
+    >>> with_sinks.params["sinks"]
+    array([0., 0.], dtype=float32)
+    >>> with_sinks(np.ones((2, 3, 8)), is_causal=True).shape
+    (2, 3, 8)
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True,
                  batch_first: bool = True, xp: Namespace = None, dtype: Any = None,
-                 device: Any = None, seed: int | None = None) -> None:
+                 device: Any = None, seed: int | None = None, sinks: bool = False) -> None:
         import numpy as np
 
         embed_dim = check_nonnegative_int("embed_dim", embed_dim, minimum=1)
@@ -72,6 +84,7 @@ class MultiHeadAttention:
         self.kdim = embed_dim if kdim is None else check_nonnegative_int("kdim", kdim, minimum=1)
         self.vdim = embed_dim if vdim is None else check_nonnegative_int("vdim", vdim, minimum=1)
         check_bool("bias", bias)
+        check_bool("sinks", sinks)
         self.batch_first = check_bool("batch_first", batch_first)
         xp = resolve_xp(xp)
         dtype = xp.float32 if dtype is None else check_float_dtype("dtype", dtype, xp)
@@ -82,7 +95,8 @@ class MultiHeadAttention:
         rng = np.random.default_rng(seed)
         e = embed_dim // self.num_heads
         kv = self.num_kv_heads * e
-        host = _initial_weights(rng, embed_dim, self.kdim, self.vdim, kv, bias)
+        host = _initial_weights(rng, embed_dim, self.kdim, self.vdim, kv, bias,
+                                self.num_heads if sinks else 0)
         self.params = _to_namespace(host, xp, dtype, device)
 
     def __call__(self, query: Array, key: Array | None = None, value: Array | None = None,
@@ -150,7 +164,8 @@ class MultiHeadAttention:
     def __repr__(self) -> str:
         return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
-                f"bias={'b_q' in self.params}, batch_first={self.batch_first})")
+                f"bias={'b_q' in self.params}, batch_first={self.batch_first}, "
+                f"sinks={'sinks' in self.params})")
 
     @classmethod
     def from_torch(cls, module: Any, *, xp: Namespace = None, dtype: Any = None,

@@ -12,6 +12,8 @@ from polyattn._interop import Array, Namespace, default_float_dtype, resolve_xp
 
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
+#: Optional parameters that are neither: the attention sinks, one logit per query head.
+EXTRAS = ("sinks",)
 
 
 def _xavier_uniform(rng: Any, fan_in: int, fan_out: int) -> Any:
@@ -20,11 +22,12 @@ def _xavier_uniform(rng: Any, fan_in: int, fan_out: int) -> Any:
 
 
 def _initial_weights(rng: Any, embed_dim: int, kdim: int, vdim: int, kv: int,
-                     bias: bool) -> dict[str, Any]:
+                     bias: bool, sinks: int = 0) -> dict[str, Any]:
     """NumPy parameters initialised as ``torch.nn.MultiheadAttention``'s.
 
     w_q, w_k, w_v Xavier/Glorot uniform, w_o uniform in ±1/sqrt(fan_in), biases
-    zero (with ``bias``); ``kv`` is the key/value projections' columns, Hkv·E.
+    zero (with ``bias``); ``kv`` is the key/value projections' columns, Hkv·E;
+    ``sinks``: that many sink logits (one per query head), zero.
     """
     import numpy as np
 
@@ -37,6 +40,8 @@ def _initial_weights(rng: Any, embed_dim: int, kdim: int, vdim: int, kv: int,
     if bias:
         host.update(b_q=np.zeros(embed_dim), b_k=np.zeros(kv), b_v=np.zeros(kv),
                     b_o=np.zeros(embed_dim))
+    if sinks:
+        host["sinks"] = np.zeros(sinks)
     return host
 
 

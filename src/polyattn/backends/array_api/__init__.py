@@ -58,7 +58,8 @@ CHUNKED = ArrayApiPath("chunked", "blocked")
 
 
 def weights(problem: Any) -> Any:
-    """The attention weights (B…, H, Tq, Tk) by the formula (:func:`polyattn.attention_weights`).
+    """The attention weights (B…, H, Tq, Tk) by the formula (:func:`polyattn.attention_weights`),
+    the sinks' share of each row left out (:func:`polyattn.rules.sinks.share`).
 
     A rule the formula does not apply is refused, as the dispatcher refuses it elsewhere."""
     from polyattn.backends.array_api import reference
@@ -67,4 +68,9 @@ def weights(problem: Any) -> Any:
     if missing:
         raise ValueError(f"attention_weights cannot apply {' or '.join(missing)}")
 
-    return reference.weights(problem.q, problem.k, **problem.arguments())
+    if problem.sinks is None:
+        return reference.weights(problem.q, problem.k, **problem.arguments())
+    from polyattn.rules import sinks
+
+    alpha, lse = reference.weights_and_lse(problem.q, problem.k, **problem.arguments())
+    return alpha * sinks.share(lse, problem.sinks, problem.xp)[..., None]

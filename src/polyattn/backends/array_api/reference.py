@@ -86,9 +86,17 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
 def weights(q: Array, k: Array, /, *, mask: Array | None, rules: Rules, scale: float,
             xp: Any) -> Array:
     """The attention weights α (B…, H, Tq, Tk); rows sum to 1, fully masked rows to 0."""
+    return weights_and_lse(q, k, mask=mask, rules=rules, scale=scale, xp=xp)[0]
+
+
+def weights_and_lse(q: Array, k: Array, /, *, mask: Array | None, rules: Rules,
+                    scale: float, xp: Any) -> tuple[Array, Array]:
+    """:func:`weights` and the log-sum-exp (B…, H, Tq) of each row's scores."""
     s = _masked_scores(q, drop_padding(k, rules, xp), mask, rules, scale, xp)
-    alpha, _ = _normalised(s, xp)
-    return ungroup_heads(_dropped(alpha, rules, xp), xp) + non_finite_rows(q, xp)
+    alpha, lse = _normalised(s, xp)
+    bad = non_finite_rows(q, xp)
+    return (ungroup_heads(_dropped(alpha, rules, xp), xp) + bad,
+            ungroup_heads(xp.expand_dims(lse, axis=-1), xp)[..., 0] + bad[..., 0])
 
 
 def _dropped(weights: Array, rules: Rules, xp: Any) -> Array:

@@ -37,10 +37,17 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     if "backward" in needs:
         return ("attention_vjp runs polyattn's own backward passes, and the native "
                 "functions return no log-sum-exp for one")
+    from polyattn._interop import library_name
     from polyattn.backends.native import fused
 
-    return fused.unavailable(problem.xp, problem.q, problem.k, problem.v,
-                             return_lse="lse" in needs, rules=problem.rules, refused=REFUSED)
+    why = fused.unavailable(problem.xp, problem.q, problem.k, problem.v,
+                            return_lse="lse" in needs and problem.sinks is None,
+                            rules=problem.rules, refused=REFUSED)
+    if why is None and problem.sinks is not None:
+        name = FUNCTIONS[library_name(problem.xp)]
+        return (f"sinks: {name} has no attention sinks, and polyattn joins them through the "
+                "log-sum-exp, which it does not return")
+    return why
 
 
 def forward(problem: Any) -> tuple[Any, Any]:
