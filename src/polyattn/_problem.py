@@ -143,8 +143,16 @@ class Problem:
                  "alibi_slopes": None if rules.alibi is None else tuple(rules.alibi.shape),
                  "dropout_p": f"{rules.dropout_p} (seed {rules.dropout_seed})"
                  if rules.dropout else None,
-                 "sinks": None if self.sinks is None else str(tuple(self.sinks.shape)) +
-                 " (joined to each row through the log-sum-exp)",
+                 "sinks": None if self.sinks is None else
+                 f"(B…, H) = {(*self.batch, self.num_heads)}, joined to each row through "
+                 "the log-sum-exp",
+                 "segment_ids": None if rules.segments is None else
+                 f"queries {tuple(rules.segments[0].shape)}, keys "
+                 f"{tuple(rules.segments[1].shape)}" + (
+                     " (sorted and at hand: key blocks outside each query block's segments "
+                     "are skipped)" if rules.segment_keys is not None else
+                     " (applied as a mask; no blocks skipped: the ids are not at hand or not "
+                     "sorted)"),
                  "key_lengths": None if lengths is None else str(tuple(lengths.shape)) + (
                      " (query positions count back from each row's length)"
                      if rules.lengths_shift else "")}
@@ -200,17 +208,20 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
             enable_gqa: bool, layout: str = "BHTE", window: Any = None,
             softcap: Any = None, alibi_slopes: Array | None = None,
             key_lengths: Any = None, dropout_p: Any = 0.0, dropout_seed: Any = None,
-            sinks: Array | None = None) -> Problem:
+            sinks: Array | None = None, segment_ids: Any = None) -> Problem:
     """Validate an attention call and bring it to the implementations' layout.
 
     With ``layout="BTHE"`` query, key and value arrive as (B…, T, H, E) and
     are viewed as (B…, H, T, E) (``permute_dims``, no copy); shapes in error
     messages are then those of the views, which the messages say.
     """
-    attn_mask, alibi_slopes, key_lengths, sinks = _lift_to_dask(
-        (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks))
+    pair = isinstance(segment_ids, (tuple, list))
+    segment_ids = _segment_pair(segment_ids)
+    attn_mask, alibi_slopes, key_lengths, sinks, q_ids, k_ids = _lift_to_dask(
+        (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks, *segment_ids))
     arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
               "alibi_slopes": alibi_slopes, "sinks": sinks,
+              "segment_ids": q_ids, "segment_ids (keys)": k_ids,
               "key_lengths": key_lengths if _array_like(key_lengths) else None}
     for name, x in arrays.items():
         check_known_shape(name, x)
@@ -218,7 +229,8 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     check_same_device(arrays)
     extras = {"window": check_window(window), "softcap": check_softcap(softcap),
               "alibi_slopes": alibi_slopes, "key_lengths": key_lengths,
-              "dropout": check_dropout(dropout_p, dropout_seed), "sinks": sinks}
+              "dropout": check_dropout(dropout_p, dropout_seed), "sinks": sinks,
+              "segment_ids": (q_ids, k_ids, pair)}
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
@@ -256,7 +268,7 @@ def _lift_to_dask(inputs: tuple[Array | None, ...], constants: tuple[Any, ...],
 
 
 #: Arguments whose shapes do not depend on the layout (their errors quote them as given).
-_ONE_LAYOUT = ("`attn_mask`", "`key_lengths`", "`alibi_slopes`", "`sinks`")
+_ONE_LAYOUT = ("`attn_mask`", "`key_lengths`", "`alibi_slopes`", "`sinks`", "`segment_ids`")
 
 
 def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
@@ -330,6 +342,8 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
     bottom_right = causal_alignment == "bottom_right"
     lengths, lengths_at_hand = _key_lengths(extras["key_lengths"], tuple(batch), tk, xp,
                                             device_of(query))
+    q_ids, k_ids, pair = extras["segment_ids"]
+    segments, segment_keys = _segments(q_ids, k_ids, pair, tuple(batch), tq, tk, xp)
     rules = Rules(
         tq=tq, tk=tk, causal=is_causal, offset=_causal_offset(tq, tk, causal_alignment),
         key_lengths=lengths, lengths_shift=bottom_right and lengths is not None,
@@ -337,7 +351,7 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         alibi=_per_head("alibi_slopes", extras["alibi_slopes"], tuple(batch), h, compute_dtype,
                         xp, "one slope per query head"),
         dropout_p=extras["dropout"][0], dropout_seed=extras["dropout"][1],
-        lengths_at_hand=lengths_at_hand)
+        lengths_at_hand=lengths_at_hand, segments=segments, segment_keys=segment_keys)
     return Problem(
         xp=xp,
         q=to_layout(query, h),
@@ -407,3 +421,62 @@ def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
                          f"got values from {int(values.min())} to {int(values.max())}")
     shape = (1,) * (len(batch) - lengths.ndim) + tuple(lengths.shape)
     return xp.reshape(lengths, shape), None if values is None else values.reshape(shape)
+
+
+def _segment_pair(segment_ids: Any) -> tuple[Any, Any]:
+    """``segment_ids`` as (query ids, key ids): one array serves both, a pair gives each."""
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2 or any(not _array_like(x) for x in segment_ids):
+            raise TypeError("`segment_ids` must be an integer array (B…, T), or a pair of them "
+                            "((B…, Tq), (B…, Tk)) for queries and keys; got a "
+                            f"{type(segment_ids).__name__} of {len(segment_ids)} "
+                            f"({', '.join(type(x).__name__ for x in segment_ids)})")
+        return segment_ids[0], segment_ids[1]
+    if not _array_like(segment_ids):
+        raise TypeError("`segment_ids` must be an integer array (B…, T), or a pair of them "
+                        f"((B…, Tq), (B…, Tk)); got {type(segment_ids).__name__}")
+    return segment_ids, segment_ids
+
+
+def _segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq: int, tk: int,
+              xp: Namespace) -> tuple[tuple[Array, Array] | None, tuple[Any, Any] | None]:
+    """Segment ids as (B…|1, Tq) and (B…|1, Tk) integer arrays, checked (``pair``: given as
+    a pair); and, where their values are at hand and sorted in every row, the key range of
+    each query's segment (:attr:`Rules.segment_keys`)."""
+    if q_ids is None:
+        return None, None
+    import numpy as np
+
+    for which, ids, t, axis in (("queries", q_ids, tq, "Tq"), ("keys", k_ids, tk, "Tk")):
+        if not xp.isdtype(ids.dtype, "integral"):
+            raise TypeError(f"`segment_ids` must have an integer dtype (one id per position); "
+                            f"got {ids.dtype} of shape {shape_str(ids)}")
+        lead = tuple(ids.shape[:-1])
+        ok = ids.ndim >= 1 and ids.shape[-1] == t and len(lead) <= len(batch) and all(
+            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False))
+        if not ok:
+            what = (f"the {which}' ids must be (B…, {axis}) = ({', '.join(map(str, batch))}"
+                    f"{', ' if batch else ''}{t}) or broadcast to it" if pair else
+                    f"one array serves queries and keys, so it must be (B…, T) with "
+                    f"T = Tq = Tk; here Tq = {tq} and Tk = {tk}"
+                    + (" (pass a pair (query ids, key ids))" if tq != tk else
+                       f", B… = {batch}"))
+            raise ValueError(f"`segment_ids` has shape {shape_str(ids)}; {what}")
+    q_ids, k_ids = (xp.reshape(x, (1,) * (len(batch) - x.ndim + 1) + tuple(x.shape))
+                    for x in (q_ids, k_ids))
+    if q_ids.dtype != k_ids.dtype:
+        common = xp.result_type(q_ids.dtype, k_ids.dtype)
+        q_ids, k_ids = xp.astype(q_ids, common), xp.astype(k_ids, common)
+    qv, kv = concrete_values(q_ids), concrete_values(k_ids)
+    if qv is None or kv is None:
+        return (q_ids, k_ids), None
+    qv = np.broadcast_to(qv, (*np.broadcast_shapes(qv.shape[:-1], kv.shape[:-1]), tq))
+    kv = np.broadcast_to(kv, (*qv.shape[:-1], tk))
+    qv, kv = qv.reshape(-1, tq), kv.reshape(-1, tk)
+    if qv.shape[0] == 0 or (np.diff(qv, axis=-1) < 0).any() or (np.diff(kv, axis=-1) < 0).any():
+        return (q_ids, k_ids), None                         # unsorted: masks only, no skipping
+    lo = np.stack([np.searchsorted(kr, qr, side="left") for qr, kr in zip(qv, kv, strict=True)])
+    hi = np.stack([np.searchsorted(kr, qr, side="right") for qr, kr in zip(qv, kv, strict=True)])
+    return (q_ids, k_ids), (lo, hi)

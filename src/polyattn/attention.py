@@ -77,6 +77,7 @@ def scaled_dot_product_attention(
     softcap: float | None = None, alibi_slopes: Array | None = None,
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, sinks: Array | None = None,
+    segment_ids: Array | tuple[Array, Array] | None = None,
 ) -> Array | tuple[Array, Array]:
     """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
 
@@ -161,12 +162,26 @@ def scaled_dot_product_attention(
         too; under ``jax.jit`` a traced seed needs no new compilation.
     sinks : floating array (H,) or (B…, H), optional
         Attention sinks (gpt-oss): one logit per query head for a virtual key
-        whose value is 0. Each row's softmax runs over its visible scores and
+        whose value is 0 (any shape that broadcasts to (B…, H) is taken: a
+        (1,) array is one sink for every head). Each row's softmax runs over its visible scores and
         the sink, so the weights of the keys sum to less than 1 and a row
         with no visible key gives 0 with ``lse = sinks[h]``; ``lse`` includes
-        the sink. Computed in the compute dtype, as ``alibi_slopes``; torch
+        the sink. A sink of ``-inf`` is no sink; NaN and ``+inf`` give NaN
+        rows. Computed in the compute dtype, as ``alibi_slopes``; torch
         and JAX differentiate through them, and :func:`attention_vjp` returns
         their gradient. ``"native"`` cannot take them.
+    segment_ids : integer array (B…, T), or a pair ((B…, Tq), (B…, Tk)), optional
+        Packed sequences: key ``j`` is visible to query ``i`` only if their
+        segment ids are equal (combined with every other rule). One array
+        serves queries and keys (self-attention, ``Tq = Tk``); a pair gives
+        each its own. Where the ids are at hand (not traced, not lazy) and
+        sorted in every row, key blocks outside a query block's segments are
+        skipped, so packed documents cost the sum of their squared lengths;
+        otherwise they act as a mask. Positions (causal, window, ALiBi) stay
+        those of the packed row. Runs on ``"reference"``, ``"chunked"`` (the
+        Array-API path, also on NumPy arrays) and ``"native"`` (as a dense
+        mask); :func:`explain` says why the other implementations are passed
+        over.
 
     Returns
     -------
@@ -175,7 +190,8 @@ def scaled_dot_product_attention(
         ``result_type(query, key, value)``. Fully masked rows are 0.
         (B…, Tq, H, Ev) with ``layout="BTHE"``.
     lse : array (B…, H, Tq)
-        Only with ``return_lse=True``; ``-inf`` for fully masked rows. Kept in
+        Only with ``return_lse=True``; ``-inf`` for fully masked rows
+        (``sinks[h]`` with sinks, which they then include). Kept in
         the compute dtype (float32 for float16 inputs).
 
     Notes
@@ -235,7 +251,8 @@ def scaled_dot_product_attention(
                           enable_gqa=enable_gqa, layout=layout, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
-                          dropout_seed=dropout_seed, sinks=sinks)
+                          dropout_seed=dropout_seed, sinks=sinks,
+                          segment_ids=segment_ids)
         choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
         _, out, lse = run(problem, choice.implementation, fallback=implementation == "auto")
         return _finish(problem, value_features(problem, out), lse, return_lse)
@@ -260,6 +277,7 @@ def attention_weights(
     softcap: float | None = None, alibi_slopes: Array | None = None,
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, sinks: Array | None = None,
+    segment_ids: Array | tuple[Array, Array] | None = None,
 ) -> Array:
     """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
 
@@ -298,7 +316,8 @@ def attention_weights(
                           enable_gqa=enable_gqa, layout=layout, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
-                          dropout_seed=dropout_seed, sinks=sinks)
+                          dropout_seed=dropout_seed, sinks=sinks,
+                          segment_ids=segment_ids)
         return _weights(problem)
 
 
@@ -349,7 +368,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     """
     allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
                "return_lse", "implementation", "layout", "window", "softcap", "alibi_slopes",
-               "key_lengths", "dropout_p", "dropout_seed", "sinks"}
+               "key_lengths", "dropout_p", "dropout_seed", "sinks", "segment_ids"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -364,5 +383,6 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
                       softcap=options.get("softcap"), alibi_slopes=options.get("alibi_slopes"),
                       key_lengths=options.get("key_lengths"),
                       dropout_p=options.get("dropout_p", 0.0),
-                      dropout_seed=options.get("dropout_seed"), sinks=options.get("sinks"))
+                      dropout_seed=options.get("dropout_seed"), sinks=options.get("sinks"),
+                      segment_ids=options.get("segment_ids"))
     return _dispatch.choose(problem, implementation, return_lse=return_lse)

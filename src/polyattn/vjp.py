@@ -51,6 +51,7 @@ def attention_vjp(
     softcap: float | None = None, alibi_slopes: Array | None = None,
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, sinks: Array | None = None,
+    segment_ids: Array | tuple[Array, Array] | None = None,
 ) -> tuple[Array | tuple[Array, Array], Pullback]:
     """Scaled dot-product attention and a function that pulls gradients back through it.
 
@@ -159,7 +160,8 @@ def attention_vjp(
                           enable_gqa=enable_gqa, layout=layout, window=window,
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
-                          dropout_seed=dropout_seed, sinks=sinks)
+                          dropout_seed=dropout_seed, sinks=sinks,
+                          segment_ids=segment_ids)
         choice = _dispatch.choose(problem, implementation, return_lse=True, for_vjp=True)
         ran, out, lse = run(problem, choice.implementation, grad=False)
         result_out = value_features(problem, out)

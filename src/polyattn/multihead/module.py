@@ -28,10 +28,6 @@ class MultiHeadAttention:
         Key and value features (default ``embed_dim``).
     bias : bool
         Whether the four projections have biases.
-    sinks : bool
-        Whether the module has attention sinks (gpt-oss): ``params["sinks"]``,
-        one logit per query head, initialised to 0 (each row then gives the
-        sink the weight of one key scoring 0).
     batch_first : bool
         True (default): inputs are (B…, T, features). False: they are
         (T, B, features), as a ``torch.nn.MultiheadAttention`` built with
@@ -46,6 +42,10 @@ class MultiHeadAttention:
         Seed of the initialisation. Weights w_q, w_k, w_v are Xavier/Glorot
         uniform, w_o is uniform in ±1/sqrt(fan_in) and biases are zero, as in
         ``torch.nn.MultiheadAttention``.
+    sinks : bool
+        Whether the module has attention sinks (gpt-oss): ``params["sinks"]``,
+        one logit per query head, initialised to 0 (each row then gives the
+        sink the weight of one key scoring 0).
 
     Attributes
     ----------
@@ -107,7 +107,8 @@ class MultiHeadAttention:
         ``key_padding_mask``, ``is_causal``, ``causal_alignment``,
         ``need_weights``, ``average_attn_weights``, ``implementation``,
         ``window``, ``softcap``, ``alibi_slopes``, ``key_lengths``,
-        ``rotary``, ``positions``, ``cache``, ``dropout_p``, ``dropout_seed``),
+        ``rotary``, ``positions``, ``cache``, ``dropout_p``, ``dropout_seed``,
+        ``segment_ids``),
         and so is the result.
         With ``batch_first=False``, 3-D inputs are (T, B, features) and so is
         the output.

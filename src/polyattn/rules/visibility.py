@@ -5,7 +5,9 @@ code. Query row ``i`` has position ``p_i = i + offset``, or
 ``p_i = i + key_lengths[b] - Tq`` when the alignment is bottom-right and
 ``key_lengths`` is given. Key ``j`` is visible to query ``i`` iff
 ``j < key_lengths[b]``; and ``j <= p_i`` with causal; and
-``p_i - left <= j <= p_i + right`` with a window. Scores, in this order:
+``p_i - left <= j <= p_i + right`` with a window; and, with segment ids
+(packed sequences), iff query ``i`` and key ``j`` are in the same segment. Scores,
+in this order:
 ``s = scale·q·k`` → ``softcap·tanh(s/softcap)`` → ``- slope_h·|p_i - j|`` →
 float mask added → invisible keys set to ``-inf``.
 
@@ -31,7 +33,7 @@ NEG_INF = -math.inf
 #: Every score rule :class:`Rules` can hold, by name: a backend lists those it lowers in
 #: its ``RULES``, and is never chosen for a call using one it does not (a new rule is
 #: refused everywhere until a family lowers it, rather than silently left out).
-RULE_NAMES = ("causal", "window", "key_lengths", "softcap", "alibi", "dropout")
+RULE_NAMES = ("causal", "window", "key_lengths", "softcap", "alibi", "dropout", "segment_ids")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,9 @@ class Rules:
     ``window``: ``(left, right)``, each an int or ``None`` (unbounded).
     ``alibi``: slopes with ``len(B…) + 1`` dimensions, broadcastable to
     (B…, H), in the compute dtype. ``dropout_p``, ``dropout_seed``: weights are
-    dropped after the softmax by the counters of :mod:`.dropout`.
+    dropped after the softmax by the counters of :mod:`.dropout`. ``segments``:
+    ``(query ids, key ids)``, integer, ``len(B…) + 1`` dimensions, (B…|1, Tq) and
+    (B…|1, Tk): key ``j`` is visible to query ``i`` only where the ids are equal.
     """
 
     tq: int
@@ -63,6 +67,11 @@ class Rules:
     #: ``key_lengths`` as a NumPy array where its values were at hand when the call was
     #: checked (for plans built before anything runs, such as the Dask one), else ``None``.
     lengths_at_hand: Any = None
+    segments: tuple[Array, Array] | None = None
+    #: Where the segment ids were at hand and sorted in every row: NumPy ``(lo, hi)``, each
+    #: (rows, Tq), the keys ``[lo, hi)`` of the segment of each query of each batch row
+    #: (B… flattened), which narrow :meth:`key_range`; else ``None``.
+    segment_keys: tuple[Any, Any] | None = None
 
     @classmethod
     def from_causal_offset(cls, causal_offset: int | None, tq: int, tk: int) -> Rules:
@@ -91,7 +100,7 @@ class Rules:
         used = {"causal": self.causal, "window": self.window is not None,
                 "key_lengths": self.key_lengths is not None,
                 "softcap": self.softcap is not None, "alibi": self.alibi is not None,
-                "dropout": self.dropout}
+                "dropout": self.dropout, "segment_ids": self.segments is not None}
         assert tuple(used) == RULE_NAMES, "a rule of Rules is missing from RULE_NAMES"
         return frozenset(name for name, on in used.items() if on)
 
@@ -108,7 +117,8 @@ class Rules:
     @property
     def restricts(self) -> bool:
         """Whether some keys may be invisible for reasons other than ``attn_mask``."""
-        return self.causal or self.window is not None or self.key_lengths is not None
+        return (self.causal or self.window is not None or self.key_lengths is not None
+                or self.segments is not None)
 
     def offset_range(self) -> tuple[int, int]:
         """Smallest and largest position offset ``p_i - i`` over the batch (from shapes)."""
@@ -132,9 +142,11 @@ class Rules:
         """Keys ``[lo, hi)`` that some query in ``[q0, q1)`` may see, in some batch row.
 
         Decided from shapes alone (key lengths only narrow it further), so
-        loops over key blocks stay value-independent. ``offsets``: the smallest and
-        largest ``p_i - i`` where they are known more closely than
-        :meth:`offset_range` (from key lengths at hand).
+        loops over key blocks stay value-independent, except for segment ids at
+        hand (:attr:`segment_keys`), whose segments narrow it: packed documents cost
+        the sum of their squared lengths. ``offsets``: the smallest and largest
+        ``p_i - i`` where they are known more closely than :meth:`offset_range`
+        (from key lengths at hand).
         """
         lo_off, hi_off = offsets or self.offset_range()
         hi = self.tk
@@ -145,11 +157,15 @@ class Rules:
         left = self.left_reach()
         if left is not None:
             lo = max(0, min(self.tk, q0 + lo_off - left))
+        if self.segment_keys is not None and q1 > q0:
+            first, last = self.segment_keys       # sorted ids: the block's first and last
+            lo = max(lo, int(first[:, q0].min()))  # queries hold its smallest and largest
+            hi = min(hi, int(last[:, q1 - 1].max()))
         return lo, max(lo, hi)
 
     def block_unrestricted(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """Whether every key of ``[k0, k1)`` is visible to every query of ``[q0, q1)``."""
-        if self.key_lengths is not None:
+        if self.key_lengths is not None or self.segments is not None:
             return False
         lo_off, hi_off = self.offset_range()
         right = self.right_reach()
@@ -194,7 +210,18 @@ def visible(rules: Rules, q0: int, q1: int, k0: int, k1: int, xp: Any,
         ok = both(ok, j >= p - left)
     if rules.key_lengths is not None:
         ok = both(ok, j < _batch_column(rules.key_lengths, 4, xp))
+    if rules.segments is not None:
+        ok = both(ok, same_segment(rules, q0, q1, k0, k1, xp))
     return ok
+
+
+def same_segment(rules: Rules, q0: int, q1: int, k0: int, k1: int, xp: Any) -> Array:
+    """Bool (B…|1, 1, 1, bq, bk): query ``i`` and key ``j`` share a segment id."""
+    assert rules.segments is not None
+    q_ids, k_ids = rules.segments                                  # (B…|1, Tq), (B…|1, Tk)
+    qi = xp.reshape(q_ids[..., q0:q1], (*q_ids.shape[:-1], 1, 1, q1 - q0, 1))
+    kj = xp.reshape(k_ids[..., k0:k1], (*k_ids.shape[:-1], 1, 1, 1, k1 - k0))
+    return qi == kj
 
 
 def drop_padding(x: Array, rules: Rules | None, xp: Any) -> Array:

@@ -22,7 +22,8 @@ class ArrayApiPath:
     DIFFERENTIATED: str = "library"
     HOST: bool = False
     #: The score rules it handles (named one by one: see polyattn.backends.Backend).
-    RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
+    RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
+                       "segment_ids"})
 
     def _code(self) -> Any:
         return importlib.import_module(f"{__name__}.{self.module}")

@@ -16,7 +16,8 @@ DIFFERENTIATED = "library"
 HOST = False
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
-RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
+RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
+                   "segment_ids"})
 #: The rules of :data:`RULES` that no native function expresses exactly: a call using one is
 #: refused with its reason (``{name}``: the library's function), so the dispatcher takes
 #: the next implementation. Causality, windows, key lengths and ALiBi become one dense mask.
