@@ -6,9 +6,9 @@ same call with the equivalent boolean ``attn_mask`` (and a float64 oracle),
 forward, log-sum-exp and gradients; the key ranges that the blocked paths visit
 (packed documents cost the sum of their squared lengths where the ids are at
 hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. The
-families that do not lower segment ids yet (``numba_cpu``, ``numba_cuda``,
-``distributed``, the NumPy fast path) refuse them by name, which is checked, and
-``"auto"`` passes them over.
+families that do not lower segment ids yet (``numba_cuda``, ``distributed``)
+refuse them by name, which is checked, and ``"auto"`` passes them over; the NumPy
+fast path and ``numba_cpu`` lower sorted ids as key ranges and refuse unsorted ones.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from polyattn._problem import prepare
 
 sdpa = polyattn.scaled_dot_product_attention
 #: Implementations that refuse segment ids by name (they do not lower them yet).
-REFUSING = ("numba_cpu", "numba_cuda", "distributed")
+REFUSING = ("numba_cuda", "distributed")
+#: Implementations that lower sorted ids only (as key ranges), refusing unsorted ones by name.
+SORTED_ONLY = ("numba_cpu",)
 
 
 @pytest.fixture(params=CASES)
@@ -102,15 +104,20 @@ def test_against_the_equivalent_mask(xp, device, dtype_name, implementation, cal
         assert_lse_close(lse, ref_lse, dtype_name)
 
 
-def test_a_pair_for_queries_and_keys(xp, device, dtype_name, implementation):
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+def test_a_pair_for_queries_and_keys(xp, device, dtype_name, implementation, order):
     """Cross-attention over packed keys: Tq != Tk, one id array each; ids need not be
-    sorted (then they act as a mask)."""
+    sorted (then they act as a mask, where the implementation takes them)."""
     rng = np.random.default_rng(32)
     q, k, v = (rng.standard_normal(s) for s in ((2, 2, 5, 4), (2, 2, 9, 4), (2, 2, 9, 4)))
-    q_ids = np.array([[0, 0, 1, 1, 1], [3, 1, 3, 1, 3]])                 # row 1 unsorted
+    q_ids = np.array([[0, 0, 1, 1, 1], [1, 1, 3, 3, 3] if order == "sorted" else [3, 1, 3, 1, 3]])
     k_ids = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2], [1, 1, 3, 3, 3, 3, 3, 3, 3]])
     args = [to_xp(a, xp, dtype=dtype_name, device=device) for a in (q, k, v)]
     ids = (to_xp(q_ids, xp, device=device), to_xp(k_ids, xp, device=device))
+    if order == "unsorted" and implementation in SORTED_ONLY:
+        with pytest.raises(ValueError, match="these are not sorted"):
+            sdpa(*args, segment_ids=ids, implementation=implementation)
+        implementation = "auto"                 # which passes it over
     out = sdpa(*args, segment_ids=ids, implementation=implementation)
     ref, _, _ = ref_attention(*(rounded(a, dtype_name) for a in (q, k, v)),
                               mask=same_segment(q_ids, k_ids))

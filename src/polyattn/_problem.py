@@ -472,11 +472,11 @@ def _segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq: in
     qv, kv = concrete_values(q_ids), concrete_values(k_ids)
     if qv is None or kv is None:
         return (q_ids, k_ids), None
-    qv = np.broadcast_to(qv, (*np.broadcast_shapes(qv.shape[:-1], kv.shape[:-1]), tq))
-    kv = np.broadcast_to(kv, (*qv.shape[:-1], tk))
-    qv, kv = qv.reshape(-1, tq), kv.reshape(-1, tk)
+    lead = np.broadcast_shapes(qv.shape[:-1], kv.shape[:-1])
+    qv, kv = (np.broadcast_to(qv, (*lead, tq)).reshape(-1, tq),
+              np.broadcast_to(kv, (*lead, tk)).reshape(-1, tk))
     if qv.shape[0] == 0 or (np.diff(qv, axis=-1) < 0).any() or (np.diff(kv, axis=-1) < 0).any():
         return (q_ids, k_ids), None                         # unsorted: masks only, no skipping
-    lo = np.stack([np.searchsorted(kr, qr, side="left") for qr, kr in zip(qv, kv, strict=True)])
-    hi = np.stack([np.searchsorted(kr, qr, side="right") for qr, kr in zip(qv, kv, strict=True)])
+    lo, hi = (np.stack([np.searchsorted(kr, qr, side=side) for qr, kr in zip(qv, kv, strict=True)
+                        ]).reshape(*lead, tq) for side in ("left", "right"))
     return (q_ids, k_ids), (lo, hi)

@@ -178,10 +178,11 @@ def scaled_dot_product_attention(
         sorted in every row, key blocks outside a query block's segments are
         skipped, so packed documents cost the sum of their squared lengths;
         otherwise they act as a mask. Positions (causal, window, ALiBi) stay
-        those of the packed row. Runs on ``"reference"``, ``"chunked"`` (the
-        Array-API path, also on NumPy arrays) and ``"native"`` (as a dense
-        mask); :func:`explain` says why the other implementations are passed
-        over.
+        those of the packed row. Runs on ``"reference"``, ``"chunked"``,
+        ``"numba_cpu"`` (sorted ids: the NumPy fast path and the kernel lower
+        them as each query's key range) and ``"native"`` (as a dense mask);
+        the CUDA kernels and the Dask plan do not take them yet, and
+        :func:`explain` says so.
 
     Returns
     -------

@@ -69,8 +69,8 @@ class Rules:
     lengths_at_hand: Any = None
     segments: tuple[Array, Array] | None = None
     #: Where the segment ids were at hand and sorted in every row: NumPy ``(lo, hi)``, each
-    #: (rows, Tq), the keys ``[lo, hi)`` of the segment of each query of each batch row
-    #: (B… flattened), which narrow :meth:`key_range`; else ``None``.
+    #: (B…|1, Tq), the keys ``[lo, hi)`` of the segment of each query of each batch row,
+    #: which narrow :meth:`key_range`; else ``None``.
     segment_keys: tuple[Any, Any] | None = None
 
     @classmethod
@@ -159,8 +159,8 @@ class Rules:
             lo = max(0, min(self.tk, q0 + lo_off - left))
         if self.segment_keys is not None and q1 > q0:
             first, last = self.segment_keys       # sorted ids: the block's first and last
-            lo = max(lo, int(first[:, q0].min()))  # queries hold its smallest and largest
-            hi = min(hi, int(last[:, q1 - 1].max()))
+            lo = max(lo, int(first[..., q0].min()))  # queries hold its smallest and largest
+            hi = min(hi, int(last[..., q1 - 1].max()))
         return lo, max(lo, hi)
 
     def block_unrestricted(self, q0: int, q1: int, k0: int, k1: int) -> bool:

@@ -17,7 +17,8 @@ DIFFERENTIATED = "autograd"
 HOST = True
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
-RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
+RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
+                   "segment_ids"})
 
 
 def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
@@ -25,6 +26,10 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     ``needs`` it compiles the kernel (or loads it from Numba's cache) now."""
     if library_name(problem.xp) != "numpy":
         return f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays"
+    rules = problem.rules
+    if rules.segments is not None and rules.segment_keys is None:
+        return ("it lowers segment ids sorted in every row (packed sequences) as key "
+                "ranges, and these are not sorted")
     from polyattn.backends.numba_cpu import compiler
 
     usable, why = compiler.availability()

@@ -125,11 +125,13 @@ def wide_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c:
 @njit(nogil=True, cache=True, inline="always")
 def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offset: int,
                k0: int, n: int, iparams: Any, lse: Any, b: int, seen_only: bool,
-               heads: Any, qrow: Any, first: Any, last: Any) -> tuple[int, int]:
+               heads: Any, qrow: Any, first: Any, last: Any,
+               segments: Any) -> tuple[int, int]:
     """For each column ``c`` of the panel of query rows ``[c0, c0 + W)`` of an item (row
     ``r`` is query ``q0 + r mod bq`` of its ``r div bq``-th head): its head, its query, and
     the keys ``[first, last)`` of the block ``[k0, k0 + n)`` its row may see (causal,
-    window; none for padding columns, nor, with ``seen_only``, for rows whose ``lse`` is
+    window, its segment's keys ``segments[b, i]`` with sorted segment ids; none for
+    padding columns, nor, with ``seen_only``, for rows whose ``lse`` is
     ``-inf``). Returns ``(lo, hi)``, the keys some column sees (``lo >= hi``: none)."""
     left, right = iparams[1], iparams[2]
     ninf = lse.dtype.type(-np.inf)
@@ -147,6 +149,8 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
             continue
         # the keys of [k0, k0 + n) row i sees (n stops at the batch row's key length)
         j_lo, j_hi = keys_in_reach(i + offset, i + offset, left, right, 0, k0 + n)
+        if iparams[13]:
+            j_lo, j_hi = max(j_lo, segments[b, i, 0]), min(j_hi, segments[b, i, 1])
         j0 = min(n, max(0, j_lo - k0))
         j1 = max(j0, j_hi - k0)
         if j0 < j1:
@@ -256,8 +260,8 @@ def pack_columns(x: Any, xb: int, hk: int, g_heads: int, q0: int, bq: int, rows:
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                mmap: Any, lengths: Any, offsets: Any, slopes: Any, item: Any, fparams: Any,
-                iparams: Any, out: Any, lse: Any) -> None:
+                mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, item: Any,
+                fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
     """One work item: the G heads of key/value head ``hk`` of batch row ``b``, query rows
     ``[q0, q1)``, keys ``[k_lo, k_hi)``, in panels of W query rows; per block of keys and
     panel, ``Sᵀ = scale·K·Qᵀ`` for the keys the panel sees, their transform, the online
@@ -294,7 +298,7 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
         for p in range(panels):
             c0 = p * width
             lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
-                                b, False, heads, qrow, first, last)
+                                b, False, heads, qrow, first, last, segments)
             if lo >= hi:
                 continue                         # no row of the panel sees these keys
             s_lo = st.ctypes.data + lo * width * size
@@ -329,10 +333,11 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
 # compiled for the signatures of :func:`signature` by ``numba_cpu.kernels``
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def forward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-            mmap: Any, lengths: Any, offsets: Any, slopes: Any, items: Any,
+            mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, items: Any,
             fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
     for t in prange(items.shape[0]):
-        attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, items[t],
+        attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, segments,
+                    items[t],
                     fparams, iparams, out, lse)
 
 
@@ -348,7 +353,8 @@ def signature(dt: Any) -> Any:
 
     i1 = arr(t.int64, 1)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
-                  arr(dt, 2), arr(t.int64, 2), arr(dt, 1), i1, arr(dt, 4, False),
+                  arr(dt, 2), arr(t.int64, 3), arr(t.int64, 2), arr(dt, 1), i1,
+                  arr(dt, 4, False),
                   arr(dt, 3, False))
 
 
@@ -393,8 +399,8 @@ def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, las
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                    mmap: Any, lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any,
-                    dd: Any, item: Any, fparams: Any, iparams: Any, dq: Any) -> None:
+                    mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, go: Any,
+                    lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any, dq: Any) -> None:
     """dQ of one work item (as in the forward pass): per block of keys and panel of query
     rows, ``Sᵀ`` and ``P`` recomputed from the saved ``lse``, ``dPᵀ = V·dOᵀ``, ``dS``, and
     ``dQᵀ += scale·Kᵀ·dSᵀ``."""
@@ -437,7 +443,7 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
         for p in range(panels):
             c0 = p * width
             lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
-                                b, True, heads, qrow, first, last)
+                                b, True, heads, qrow, first, last, segments)
             if lo >= hi:
                 continue
             s_lo = st.ctypes.data + lo * width * size
@@ -464,8 +470,9 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                  mmap: Any, lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any,
-                  dd: Any, item: Any, fparams: Any, iparams: Any, dk: Any, dv: Any) -> None:
+                  mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, go: Any,
+                  lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any, dk: Any,
+                  dv: Any) -> None:
     """dK and dV of keys ``[k0, k1)`` of head ``hk``, batch row ``b``, over every query row
     of the G heads of its group, in panels of KEY_PANELS × W rows: ``Sᵀ``, ``P`` and
     ``dPᵀ`` per W rows as in :func:`grad_query_item`, then ``dV += Pdᵀ·dO`` and
@@ -503,7 +510,7 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
     first, last = np.empty(wide, np.int64), np.empty(wide, np.int64)
     for c0 in range(0, rows, wide):
         lo, hi = panel_keys(c0, rows, tq, 0, hk, g_heads, offset, k0, n, iparams, lse, b,
-                            True, heads, qrow, first, last)
+                            True, heads, qrow, first, last, segments)
         if lo >= hi:
             continue
         for c in range(wide):
@@ -558,16 +565,16 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
 
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def backward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any, mmap: Any,
-             lengths: Any, offsets: Any, slopes: Any, go: Any, lse: Any, dd: Any,
-             q_items: Any, k_items: Any, fparams: Any, iparams: Any, dq: Any, dk: Any,
+             lengths: Any, offsets: Any, slopes: Any, segments: Any, go: Any, lse: Any,
+             dd: Any, q_items: Any, k_items: Any, fparams: Any, iparams: Any, dq: Any, dk: Any,
              dv: Any) -> None:
     """dQ over the query items, then dK and dV over the key items (each its own rows)."""
     for t in prange(q_items.shape[0]):
-        grad_query_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, go,
-                        lse, dd, q_items[t], fparams, iparams, dq)
+        grad_query_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
+                        segments, go, lse, dd, q_items[t], fparams, iparams, dq)
     for t in prange(k_items.shape[0]):
-        grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, go,
-                      lse, dd, k_items[t], fparams, iparams, dk, dv)
+        grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
+                      segments, go, lse, dd, k_items[t], fparams, iparams, dk, dv)
 
 
 def backward_signature(dt: Any) -> Any:
@@ -580,5 +587,6 @@ def backward_signature(dt: Any) -> Any:
 
     i1, i2 = arr(t.int64, 1), arr(t.int64, 2)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
-                  arr(dt, 2), arr(dt, 4), arr(dt, 3), arr(dt, 3), i2, i2, arr(dt, 1), i1,
+                  arr(dt, 2), arr(t.int64, 3), arr(dt, 4), arr(dt, 3), arr(dt, 3), i2, i2,
+                  arr(dt, 1), i1,
                   arr(dt, 4, False), arr(dt, 4, False), arr(dt, 4, False))

@@ -9,7 +9,8 @@ else in the family passes these arrays on without looking inside them.
 The entries of ``iparams`` (int64): 0 causal, 1/2 how far left/right of its position
 a query row sees (:data:`~polyattn.rules.lowering.UNBOUNDED`: every key), 3 the mask
 (0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
-8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per work item.
+8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per work item,
+13 segment ids (sorted: each query row sees only its segment's keys ``segments[b, i]``).
 The entries of ``fparams`` (the compute dtype): the scale, the soft-cap (1 without),
 0, 1, -inf, the factor of kept weights under dropout (1 without).
 """
@@ -32,7 +33,7 @@ from polyattn.rules.visibility import Rules
 class Lowered:
     """The rules of one call as the kernels take them."""
 
-    #: (13,) int64: flags, reaches, block size, dropout's counters' key, heads, rows
+    #: (14,) int64: flags, reaches, block size, dropout's counters' key, heads, rows, segments
     iparams: np.ndarray
     #: (6,) compute dtype: scale, soft-cap, constants, dropout's factor
     fparams: np.ndarray
@@ -42,6 +43,9 @@ class Lowered:
     offsets: np.ndarray
     #: (prod(B…), H) ALiBi slopes in the compute dtype, or (1, 1) zeros without ALiBi
     slopes: np.ndarray
+    #: (prod(B…), Tq, 2) int64: the keys ``[lo, hi)`` of each query's segment (sorted segment
+    #: ids, :attr:`~polyattn.rules.visibility.Rules.segment_keys`), or (1, 1, 2) zeros
+    segments: np.ndarray
 
 
 def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype: Any,
@@ -74,11 +78,18 @@ def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype:
         slopes = np.zeros((1, 1), dtype=dtype)
     fparams = np.array([scale, rules.softcap or 1.0, 0.0, 1.0, -np.inf,
                         rules.dropout_scale if rules.dropout else 1.0], dtype=dtype)
+    if rules.segment_keys is not None:
+        bounds = np.stack(rules.segment_keys, axis=-1).astype(np.int64)   # (B…|1, Tq, 2)
+        segments = np.ascontiguousarray(
+            np.broadcast_to(bounds, (*batch, rules.tq, 2)).reshape(n_batch, rules.tq, 2))
+    else:
+        segments = np.zeros((1, 1, 2), dtype=np.int64)
     key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
     iparams = np.array([
         int(rules.causal), left, right, mask_kind, int(rules.alibi is not None),
         int(rules.softcap is not None), block_k, int(rules.dropout),
         threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, heads, rows,
+        int(rules.segment_keys is not None),
     ], dtype=np.int64)
     return Lowered(iparams=iparams, fparams=fparams, lengths=lengths, offsets=offsets,
-                   slopes=slopes)
+                   slopes=slopes, segments=segments)

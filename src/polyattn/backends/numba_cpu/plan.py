@@ -76,6 +76,7 @@ class Call:
         low = lower(rules, batch=batch, heads=self.h, rows=self.rows, dtype=dtype,
                     scale=scale, mask_kind=mask_kind, block_k=BLOCK_K)
         self.lengths, self.offsets, self.slopes = low.lengths, low.offsets, low.slopes
+        self.segments = low.segments
         self.fparams, self.iparams = low.fparams, low.iparams
 
     def query_items(self) -> np.ndarray:
@@ -87,6 +88,9 @@ class Call:
                 q1 = min(q0 + self.rows, self.tq)
                 lo, hi = self.rules.key_range(q0, q1, (off, off))
                 hi = min(hi, int(self.lengths[b]))
+                if self.rules.segment_keys is not None:        # this row's segments
+                    lo = max(lo, int(self.segments[b, q0, 0]))
+                    hi = min(hi, int(self.segments[b, q1 - 1, 1]))
                 for hk in range(self.hkv):
                     items.append((b, hk, q0, q1, lo, max(lo, hi)))
         return _largest_first(items)
@@ -101,9 +105,9 @@ class Call:
 
     def common(self) -> tuple[Any, ...]:
         """The arguments every kernel takes first: the arrays, maps, lengths, offsets,
-        slopes."""
+        slopes, segments."""
         return (self.q4, self.k4, self.v4, self.qmap, self.kmap, self.vmap, self.mask4,
-                self.mmap, self.lengths, self.offsets, self.slopes)
+                self.mmap, self.lengths, self.offsets, self.slopes, self.segments)
 
 
 def _largest_first(items: Sequence[tuple[int, ...]]) -> np.ndarray:

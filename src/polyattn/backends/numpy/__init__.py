@@ -23,11 +23,16 @@ class FastPath:
     DIFFERENTIATED = "autograd"
     HOST = True
     #: The score rules it handles (named one by one: see polyattn.backends.Backend).
-    RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
+    RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
+                       "segment_ids"})
     MODULE = f"{__name__}.forward"
 
     def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
         """Why the NumPy fast path cannot run this call (``None``: it can)."""
+        rules = problem.rules
+        if rules.segments is not None and rules.segment_keys is None:
+            return ("it lowers segment ids sorted in every row (packed sequences) as key "
+                    "ranges, and these are not sorted")
         lib = library_name(problem.xp)
         if lib == "numpy":
             return None

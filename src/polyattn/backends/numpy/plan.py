@@ -8,7 +8,9 @@ positions and visible keys ``[lo, hi)`` per row (docs/semantics.rst),
 :func:`_band_tiles` the (rows, keys) rectangles of scores that follow the
 visible band, and :func:`_hide_band` the entries of a tile outside it: the
 causal mask, the window and key lengths are lowered here (as that band) and
-nowhere else in the family. The rules that change the scores themselves
+nowhere else in the family, and so are sorted segment ids (each row's keys narrowed
+to its segment's, :attr:`~polyattn.rules.visibility.Rules.segment_keys`; a tile's
+entries outside them hidden one by one). The rules that change the scores themselves
 (soft-capping, ALiBi's bias, dropout) are lowered in :mod:`.scores`.
 :mod:`.forward` and :mod:`.backward` both run on this plan.
 """
@@ -86,7 +88,9 @@ class _Problem:
         self.offset, self.shift, left, right = reach(self.rules, covering=True)
         self.left = None if left == UNBOUNDED else left
         self.right = None if right == UNBOUNDED else right
-        self.banded = self.left is not None or self.right is not None
+        # sorted segment ids: (lo, hi) keys of each query's segment, (B…|1, Tq) each
+        self.segments = self.rules.segment_keys
+        self.banded = self.left is not None or self.right is not None or self.segments is not None
         self.lengths = (None if self.rules.key_lengths is None
                         else np.asarray(self.rules.key_lengths))     # (B…|1 …), integers
         self.slopes = (None if self.rules.alibi is None
@@ -121,7 +125,8 @@ class _Problem:
         """Positions ``p_i`` and visible keys ``[lo_i, hi_i)`` of queries q0:q1 in batch row b.
 
         Three int64 arrays (q1 - q0,). Key ``j`` is visible to query ``i`` (by key
-        length, causal mask and window; ``attn_mask`` aside) iff ``lo_i <= j < hi_i``.
+        length, causal mask, window and segment; ``attn_mask`` aside) iff
+        ``lo_i <= j < hi_i``.
         Both bounds are non-decreasing in ``i``, so the rows that see some key
         (``hi > lo``) are one run, and so are those that see any given key.
         """
@@ -135,6 +140,9 @@ class _Problem:
             lo = np.zeros(q1 - q0, dtype=np.int64)
         else:
             lo = np.clip(pos - self.left, 0, n)
+        if self.segments is not None:          # sorted ids: bounds that grow with i too
+            first, last = (_row(s, b)[q0:q1] for s in self.segments)
+            lo, hi = np.maximum(lo, first), np.minimum(hi, last)
         return pos, lo, hi
 
     def neg_slopes(self, b: tuple[int, ...], hk: int) -> np.ndarray | None:
@@ -243,6 +251,12 @@ def _hide_band(p: _Problem, it: _Item, s: np.ndarray, r0: int, r1: int, k0: int,
     slices of :meth:`_Problem.edges`. Key lengths need nothing: no tile reaches past them.
     """
     if not p.banded:
+        return
+    if p.segments is not None:     # segment edges jump: hide entry by entry where needed
+        lo, hi = it.lo[r0:r1, None] - k0, it.hi[r0:r1, None] - k0
+        if lo.max() > 0 or hi.min() < k1 - k0:
+            cols = np.arange(k1 - k0)[None, :]
+            np.copyto(s, value, where=(cols < lo) | (cols >= hi))
         return
     w = k1 - k0
     # rows whose visible keys end inside the block: a leading run of the tile's rows, row
