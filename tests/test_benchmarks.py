@@ -36,3 +36,20 @@ def test_backward_benchmark_case_runs(causal):
     assert {"polyattn", "torch", "numpy_path", "naive"} <= set(row["median_s"])
     assert {"polyattn", "polyattn forward", "polyattn backward"} <= set(row["ratio_to_torch"])
     assert max(row["rel_diff_vs_torch"].values()) < 1e-5, row
+
+
+@pytest.mark.parametrize("kind", ["equal", "random"])
+def test_packed_benchmark_case_runs(kind, monkeypatch):
+    """benchmarks/packed.py's contenders run, and the packed output agrees with torch's
+    masked attention (numba_cpu where Numba is installed)."""
+    import importlib.util
+
+    import packed
+
+    if importlib.util.find_spec("numba") is None:
+        monkeypatch.setattr(packed, "IMPLEMENTATIONS", ("chunked",))
+    row = packed.run_case(256, kind, 1, np.random.default_rng(0))
+    assert sum(row["documents"]) == 256 and len(row["documents"]) == packed.DOCUMENTS
+    assert {"torch mask", "torch dense"} <= set(row["ms"])
+    for impl in packed.IMPLEMENTATIONS:
+        assert row["guard_max_abs_error"][impl] < 1e-5, row

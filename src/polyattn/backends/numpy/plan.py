@@ -10,7 +10,8 @@ visible band, and :func:`_hide_band` the entries of a tile outside it: the
 causal mask, the window and key lengths are lowered here (as that band) and
 nowhere else in the family, and so are sorted segment ids (each row's keys narrowed
 to its segment's, :attr:`~polyattn.rules.visibility.Rules.segment_keys`; a tile's
-entries outside them hidden one by one). The rules that change the scores themselves
+keys outside them hidden per run of rows in one segment). The rules that change the
+scores themselves
 (soft-capping, ALiBi's bias, dropout) are lowered in :mod:`.scores`.
 :mod:`.forward` and :mod:`.backward` both run on this plan.
 """
@@ -90,7 +91,7 @@ class _Problem:
         self.right = None if right == UNBOUNDED else right
         # sorted segment ids: (lo, hi) keys of each query's segment, (B…|1, Tq) each
         self.segments = self.rules.segment_keys
-        self.banded = self.left is not None or self.right is not None or self.segments is not None
+        self.banded = self.left is not None or self.right is not None
         self.lengths = (None if self.rules.key_lengths is None
                         else np.asarray(self.rules.key_lengths))     # (B…|1 …), integers
         self.slopes = (None if self.rules.alibi is None
@@ -116,7 +117,7 @@ class _Problem:
         block of scores keeps the cache-sized area; under a causal mask or a window,
         narrower blocks waste less outside the visible band.
         """
-        if self.banded:
+        if self.banded or self.segments is not None:
             return self.block_k
         return max(self.block_k, self.block_elems // (self.g * rows))
 
@@ -130,6 +131,15 @@ class _Problem:
         Both bounds are non-decreasing in ``i``, so the rows that see some key
         (``hi > lo``) are one run, and so are those that see any given key.
         """
+        pos, lo, hi = self.band_ranges(b, q0, q1)
+        if self.segments is not None:          # sorted ids: bounds that grow with i too
+            first, last = (_row(s, b)[q0:q1] for s in self.segments)
+            lo, hi = np.maximum(lo, first), np.minimum(hi, last)
+        return pos, lo, hi
+
+    def band_ranges(self, b: tuple[int, ...], q0: int, q1: int,
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`key_ranges` without the segments: key lengths, causal mask and window."""
         n = self.tk if self.lengths is None else int(_row(self.lengths, b))   # Tk_b
         pos = position(np.arange(q0, q1, dtype=np.int64), self.offset, self.shift, n)  # p_i
         if self.right is None:
@@ -140,9 +150,6 @@ class _Problem:
             lo = np.zeros(q1 - q0, dtype=np.int64)
         else:
             lo = np.clip(pos - self.left, 0, n)
-        if self.segments is not None:          # sorted ids: bounds that grow with i too
-            first, last = (_row(s, b)[q0:q1] for s in self.segments)
-            lo, hi = np.maximum(lo, first), np.minimum(hi, last)
         return pos, lo, hi
 
     def neg_slopes(self, b: tuple[int, ...], hk: int) -> np.ndarray | None:
@@ -233,12 +240,17 @@ class _Item:
     (:meth:`_Problem.key_ranges`) and the negated ALiBi slopes of its G heads.
     """
 
-    __slots__ = ("b", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1")
+    __slots__ = ("b", "band", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1", "segments")
 
     def __init__(self, p: _Problem, b: tuple[int, ...], hk: int, q0: int) -> None:
         self.b, self.hk, self.q0 = b, hk, q0
         self.q1 = min(q0 + p.bq, p.tq)
         self.pos, self.lo, self.hi = p.key_ranges(b, q0, self.q1)
+        #: the (lo, hi) of the band alone, and of each row's segment, where there are segments
+        self.band, self.segments = (self.lo, self.hi), None
+        if p.segments is not None:
+            self.band = p.band_ranges(b, q0, self.q1)[1:]
+            self.segments = tuple(_row(s, b)[q0:self.q1] for s in p.segments)
         self.neg_slopes = p.neg_slopes(b, hk)
 
 
@@ -249,33 +261,52 @@ def _hide_band(p: _Problem, it: _Item, s: np.ndarray, r0: int, r1: int, k0: int,
     Rows r0:r1 of ``it`` and keys k0:k1, a rectangle of :func:`_band_tiles`: only the
     triangles at the band's edges (the causal mask's or a window's) are written, as
     slices of :meth:`_Problem.edges`. Key lengths need nothing: no tile reaches past them.
+    Segments hide, for each run of the tile's rows in one segment, the keys before and
+    after that segment's.
     """
+    if it.segments is not None:
+        _hide_segments(it, s, r0, r1, k0, k1, value)
     if not p.banded:
         return
-    if p.segments is not None:     # segment edges jump: hide entry by entry where needed
-        lo, hi = it.lo[r0:r1, None] - k0, it.hi[r0:r1, None] - k0
-        if lo.max() > 0 or hi.min() < k1 - k0:
-            cols = np.arange(k1 - k0)[None, :]
-            np.copyto(s, value, where=(cols < lo) | (cols >= hi))
-        return
+    band_lo, band_hi = it.band
     w = k1 - k0
     # rows whose visible keys end inside the block: a leading run of the tile's rows, row
     # r0 + t seeing columns c < hi[r0] - k0 + t (the edge moves one key per row)
-    rh = min(r1, int(np.searchsorted(it.hi, k1, side="left")))
+    rh = min(r1, int(np.searchsorted(band_hi, k1, side="left")))
     if rh > r0:
-        c = int(it.hi[r0]) - k0
+        c = int(band_hi[r0]) - k0
         right, _ = p.edges(rh - r0, w - c)
         np.copyto(s[:, :rh - r0, c:], value, where=right)
     # rows whose visible keys start inside the block: a trailing run, row rl + t seeing
     # columns c >= lo[rl] - k0 + t; the first lo[rl] - k0 columns are hidden from all of them
-    rl = max(r0, int(np.searchsorted(it.lo, k0, side="right")))
+    rl = max(r0, int(np.searchsorted(band_lo, k0, side="right")))
     if r1 > rl:
-        d = int(it.lo[rl]) - k0
+        d = int(band_lo[rl]) - k0
         n = r1 - rl
         s[:, rl - r0:, :d] = value
         _, left = p.edges(n, n - 1)
         np.copyto(s[:, rl - r0:, d:d + n - 1], value, where=left)
 
+
+
+def _hide_segments(it: _Item, s: np.ndarray, r0: int, r1: int, k0: int, k1: int,
+                   value: float) -> None:
+    """Set the keys of ``s`` (G, r1 - r0, k1 - k0) outside each row's segment to ``value``.
+
+    Sorted ids: a segment's rows are a run with one key range, so each run of the tile's
+    rows in one segment hides the columns before and after its keys, two slices.
+    """
+    first, last = (x[r0:r1] for x in it.segments)
+    if int(first[-1]) <= k0 and int(last[0]) >= k1:
+        return                                   # every row's segment holds every key
+    change = np.flatnonzero((first[1:] != first[:-1]) | (last[1:] != last[:-1])) + 1
+    w = k1 - k0
+    for a, b in zip((0, *change.tolist()), (*change.tolist(), r1 - r0), strict=True):
+        lo, hi = int(first[a]) - k0, int(last[a]) - k0
+        if lo > 0:
+            s[:, a:b, :min(lo, w)] = value
+        if hi < w:
+            s[:, a:b, max(hi, 0):] = value
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
