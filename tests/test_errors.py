@@ -58,6 +58,13 @@ def qkv(xp, device, dtype="float64"):
 sdpa = polyattn.scaled_dot_product_attention
 
 
+def _branchy(score, b, h, q_idx, kv_idx):
+    """A score_mod with Python control flow on the score (what ops.where is for)."""
+    if score > 0:
+        return score
+    return 0.0 * score
+
+
 def _sdpa(**kw) -> Call:
     return lambda xp, dev: sdpa(*qkv(xp, dev), **kw)
 
@@ -156,6 +163,15 @@ PORTABLE = [
     Case("segment_ids for Tq != Tk", "scaled_dot_product_attention",
          lambda xp, dev: sdpa(*qkv(xp, dev), segment_ids=z(xp, dev, 2, 4, dtype="int32")),
          ValueError, ("`segment_ids`", "Tq = 4 and Tk = 6", "pass a pair")),
+    Case("Python control flow in a score_mod", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(xp, dev), score_mod=_branchy),
+         TypeError, ("score_mod _branchy cannot run on tiles of scores", "ops.where")),
+    Case("a power of the score by the score", "ops",
+         lambda xp, dev: sdpa(*qkv(xp, dev), score_mod=lambda s, b, h, i, j: s ** s),
+         TypeError, ("score_mod", "write it with ops.exp and ops.log")),
+    Case("mod_args without a rule", "scaled_dot_product_attention",
+         lambda xp, dev: sdpa(*qkv(xp, dev), mod_args=(z(xp, dev, 3),)),
+         ValueError, ("`mod_args` are the arrays of score_mod and mask_mod",)),
     Case("float key_lengths", "scaled_dot_product_attention",
          lambda xp, dev: sdpa(*qkv(xp, dev), key_lengths=z(xp, dev, 2)),
          TypeError, ("`key_lengths`", "integer dtype", "float64", "(2,)")),

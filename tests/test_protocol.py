@@ -11,6 +11,7 @@ import polyattn
 from polyattn import backends
 from polyattn.backends import array_api
 from polyattn.backends import numpy as numpy_family
+from polyattn.rules.user import UserRules
 from polyattn.rules.visibility import RULE_NAMES, Rules
 
 
@@ -22,9 +23,10 @@ def _inputs():
 def test_every_family_names_the_rules_it_handles():
     # named one by one, so that a rule added to RULE_NAMES is refused until a family lists it
     today = {"causal", "window", "key_lengths", "softcap", "alibi", "dropout"}
-    assert set(RULE_NAMES) == today | {"segment_ids"}
-    lowered = {"reference": {"segment_ids"}, "chunked": {"segment_ids"},
-               "native": {"segment_ids"}, "numba_cpu": {"segment_ids"}}   # not the others yet
+    assert set(RULE_NAMES) == today | {"segment_ids", "score_mod", "mask_mod"}
+    user = {"segment_ids", "score_mod", "mask_mod"}
+    lowered = {"reference": user, "chunked": user,         # not the others yet
+               "native": {"segment_ids"}, "numba_cpu": {"segment_ids"}}
     for name in backends.FAMILIES:
         assert backends.family(name).RULES == today | lowered.get(name, set()), name
     assert backends.numpy_path().RULES == today | {"segment_ids"}
@@ -77,7 +79,8 @@ def test_rules_in_use_name_each_rule():
     assert Rules(3, 3).simple
     every = Rules(3, 3, causal=True, window=(1, None), key_lengths=np.array([3]),
                   softcap=5.0, alibi=np.ones((1, 1)), dropout_p=0.1,
-                  segments=(np.zeros((1, 3)), np.zeros((1, 3))))
+                  segments=(np.zeros((1, 3)), np.zeros((1, 3))),
+                  user=UserRules(score_mod=lambda s, *a: s, mask_mod=lambda *a: True))
     assert every.in_use() == frozenset(RULE_NAMES)
     assert not every.simple
 

@@ -6,6 +6,7 @@ CPU, CuPy arrays on an NVIDIA GPU; torch, JAX, Dask and array-api-strict
 arrays work too. See ``python -m polyattn info``.
 """
 
+from polyattn import ops
 from polyattn.attention import attention_weights, explain, scaled_dot_product_attention
 from polyattn.cache import KVCache
 from polyattn.masks import causal_mask
@@ -31,6 +32,7 @@ __all__ = [
     "logsumexp",
     "merge_attention",
     "multi_head_attention",
+    "ops",
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding",
     "softmax",

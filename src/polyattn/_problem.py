@@ -39,6 +39,7 @@ from polyattn._validation import (
 )
 from polyattn.masks import causal_offset as _causal_offset
 from polyattn.masks import normalise_mask
+from polyattn.rules.user import UserRules, probe
 from polyattn.rules.visibility import Rules
 
 LAYOUT = "(B…, H, T, E)"
@@ -146,6 +147,10 @@ class Problem:
                  "sinks": None if self.sinks is None else
                  f"(B…, H) = {(*self.batch, self.num_heads)}, joined to each row through "
                  "the log-sum-exp",
+                 "score_mod": None if rules.user is None or rules.user.score_mod is None
+                 else _function_name(rules.user.score_mod),
+                 "mask_mod": None if rules.user is None or rules.user.mask_mod is None
+                 else _function_name(rules.user.mask_mod),
                  "segment_ids": None if rules.segments is None else
                  f"queries {tuple(rules.segments[0].shape)}, keys "
                  f"{tuple(rules.segments[1].shape)}" + (
@@ -208,7 +213,8 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
             enable_gqa: bool, layout: str = "BHTE", window: Any = None,
             softcap: Any = None, alibi_slopes: Array | None = None,
             key_lengths: Any = None, dropout_p: Any = 0.0, dropout_seed: Any = None,
-            sinks: Array | None = None, segment_ids: Any = None) -> Problem:
+            sinks: Array | None = None, segment_ids: Any = None, score_mod: Any = None,
+            mask_mod: Any = None, mod_args: Any = ()) -> Problem:
     """Validate an attention call and bring it to the implementations' layout.
 
     With ``layout="BTHE"`` query, key and value arrive as (B…, T, H, E) and
@@ -217,11 +223,14 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     """
     pair = isinstance(segment_ids, (tuple, list))
     segment_ids = _segment_pair(segment_ids)
-    attn_mask, alibi_slopes, key_lengths, sinks, q_ids, k_ids = _lift_to_dask(
-        (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks, *segment_ids))
+    mod_args = _check_mod_args(score_mod, mask_mod, mod_args)
+    attn_mask, alibi_slopes, key_lengths, sinks, q_ids, k_ids, *mod_args = _lift_to_dask(
+        (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks, *segment_ids,
+                              *mod_args))
     arrays = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
               "alibi_slopes": alibi_slopes, "sinks": sinks,
               "segment_ids": q_ids, "segment_ids (keys)": k_ids,
+              **{f"mod_args[{i}]": a for i, a in enumerate(mod_args)},
               "key_lengths": key_lengths if _array_like(key_lengths) else None}
     for name, x in arrays.items():
         check_known_shape(name, x)
@@ -230,7 +239,9 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     extras = {"window": check_window(window), "softcap": check_softcap(softcap),
               "alibi_slopes": alibi_slopes, "key_lengths": key_lengths,
               "dropout": check_dropout(dropout_p, dropout_seed), "sinks": sinks,
-              "segment_ids": (q_ids, k_ids, pair)}
+              "segment_ids": (q_ids, k_ids, pair),
+              "user": UserRules(score_mod, mask_mod, tuple(mod_args))
+              if score_mod is not None or mask_mod is not None else None}
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
@@ -351,7 +362,10 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         alibi=_per_head("alibi_slopes", extras["alibi_slopes"], tuple(batch), h, compute_dtype,
                         xp, "one slope per query head"),
         dropout_p=extras["dropout"][0], dropout_seed=extras["dropout"][1],
-        lengths_at_hand=lengths_at_hand, segments=segments, segment_keys=segment_keys)
+        lengths_at_hand=lengths_at_hand, segments=segments, segment_keys=segment_keys,
+        user=extras["user"])
+    if extras["user"] is not None:
+        probe(extras["user"], xp, compute_dtype, device_of(query))
     return Problem(
         xp=xp,
         q=to_layout(query, h),
@@ -480,3 +494,31 @@ def _segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq: in
     lo, hi = (np.stack([np.searchsorted(kr, qr, side=side) for qr, kr in zip(qv, kv, strict=True)
                         ]).reshape(*lead, tq) for side in ("left", "right"))
     return (q_ids, k_ids), (lo, hi)
+
+
+def _check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
+    """``score_mod`` and ``mask_mod`` callables (or ``None``), ``mod_args`` a sequence of
+    arrays; returns the arrays as a list."""
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"`{name}` must be a function ({name}(score, b, h, q_idx, kv_idx, "
+                            f"*mod_args) or mask_mod(b, h, q_idx, kv_idx, *mod_args)); got "
+                            f"{type(fn).__name__}")
+    if mod_args is None:
+        mod_args = ()
+    if _array_like(mod_args) or not isinstance(mod_args, (tuple, list)):
+        raise TypeError("`mod_args` must be a tuple of arrays (what score_mod and mask_mod "
+                        f"receive after the indices); got {type(mod_args).__name__}"
+                        + (" (wrap one array as (array,))" if _array_like(mod_args) else ""))
+    for i, a in enumerate(mod_args):
+        if not _array_like(a):
+            raise TypeError(f"`mod_args[{i}]` must be an array of the inputs' library; got "
+                            f"{type(a).__name__}")
+    if mod_args and score_mod is None and mask_mod is None:
+        raise ValueError("`mod_args` are the arrays of score_mod and mask_mod; pass one of "
+                         "them, or leave mod_args out")
+    return list(mod_args)
+
+
+def _function_name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", None) or repr(fn))

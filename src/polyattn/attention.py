@@ -8,6 +8,7 @@ query/key features, ``Ev`` value features.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from polyattn import _dispatch
@@ -78,6 +79,8 @@ def scaled_dot_product_attention(
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, sinks: Array | None = None,
     segment_ids: Array | tuple[Array, Array] | None = None,
+    score_mod: Callable[..., Any] | None = None, mask_mod: Callable[..., Any] | None = None,
+    mod_args: tuple[Array, ...] = (),
 ) -> Array | tuple[Array, Array]:
     """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
 
@@ -183,6 +186,28 @@ def scaled_dot_product_attention(
         them as each query's key range) and ``"native"`` (as a dense mask);
         the CUDA kernels and the Dask plan do not take them yet, and
         :func:`explain` says so.
+    score_mod : function, optional
+        A rule of yours on the scores: ``score_mod(score, b, h, q_idx,
+        kv_idx, *mod_args) -> score``, applied after soft-capping and ALiBi
+        and before the float ``attn_mask`` (FlexAttention's meaning). ``b`` is
+        the flat index over the batch dimensions, ``h`` the query head,
+        ``q_idx``/``kv_idx`` the query row and key indices. Written with
+        Python operators, numbers, indexing of ``mod_args`` by the indices and
+        the functions of :mod:`polyattn.ops` (``ops.where``, not ``if``); it is
+        called on tiles of scores with broadcast index arrays, in the inputs'
+        library. Differentiable: torch and JAX differentiate through it, and
+        :func:`attention_vjp` applies its derivative. Runs on ``"reference"``
+        and ``"chunked"`` (the Array-API paths, every library); the fused
+        kernels and ``"native"`` do not take it yet, and :func:`explain` says
+        so.
+    mask_mod : function, optional
+        A rule of yours on visibility: ``mask_mod(b, h, q_idx, kv_idx,
+        *mod_args) -> bool`` (True = visible), combined with every other rule;
+        written and run as ``score_mod``.
+    mod_args : tuple of arrays
+        The arrays both functions receive after the indices (a bias table,
+        slopes, lengths), indexed by index arrays: ``bias[h]``,
+        ``table[h, q_idx - kv_idx + 64]``.
 
     Returns
     -------
@@ -253,7 +278,8 @@ def scaled_dot_product_attention(
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
                           dropout_seed=dropout_seed, sinks=sinks,
-                          segment_ids=segment_ids)
+                          segment_ids=segment_ids, score_mod=score_mod,
+                          mask_mod=mask_mod, mod_args=mod_args)
         choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
         _, out, lse = run(problem, choice.implementation, fallback=implementation == "auto")
         return _finish(problem, value_features(problem, out), lse, return_lse)
@@ -279,6 +305,8 @@ def attention_weights(
     key_lengths: Array | int | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, sinks: Array | None = None,
     segment_ids: Array | tuple[Array, Array] | None = None,
+    score_mod: Callable[..., Any] | None = None, mask_mod: Callable[..., Any] | None = None,
+    mod_args: tuple[Array, ...] = (),
 ) -> Array:
     """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
 
@@ -318,7 +346,8 @@ def attention_weights(
                           softcap=softcap, alibi_slopes=alibi_slopes,
                           key_lengths=key_lengths, dropout_p=dropout_p,
                           dropout_seed=dropout_seed, sinks=sinks,
-                          segment_ids=segment_ids)
+                          segment_ids=segment_ids, score_mod=score_mod,
+                          mask_mod=mask_mod, mod_args=mod_args)
         return _weights(problem)
 
 
@@ -369,7 +398,8 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     """
     allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
                "return_lse", "implementation", "layout", "window", "softcap", "alibi_slopes",
-               "key_lengths", "dropout_p", "dropout_seed", "sinks", "segment_ids"}
+               "key_lengths", "dropout_p", "dropout_seed", "sinks", "segment_ids", "score_mod",
+               "mask_mod", "mod_args"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -385,5 +415,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
                       key_lengths=options.get("key_lengths"),
                       dropout_p=options.get("dropout_p", 0.0),
                       dropout_seed=options.get("dropout_seed"), sinks=options.get("sinks"),
-                      segment_ids=options.get("segment_ids"))
+                      segment_ids=options.get("segment_ids"),
+                      score_mod=options.get("score_mod"), mask_mod=options.get("mask_mod"),
+                      mod_args=options.get("mod_args", ()))
     return _dispatch.choose(problem, implementation, return_lse=return_lse)

@@ -48,6 +48,7 @@ def multi_head_attention(
     rotary: Mapping[str, Any] | None = None, positions: Array | None = None,
     cache: KVCache | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
     segment_ids: Array | tuple[Array, Array] | None = None,
+    score_mod: Any = None, mask_mod: Any = None, mod_args: tuple[Array, ...] = (),
 ) -> Array | tuple[Array, ...]:
     """Multi-head attention with explicit parameters (functional form).
 
@@ -77,7 +78,7 @@ def multi_head_attention(
         the key (padding), or float added to the scores. Combined with
         ``attn_mask`` when both are given.
     is_causal, implementation, window, softcap, alibi_slopes, dropout_p, dropout_seed, \
-segment_ids
+segment_ids, score_mod, mask_mod, mod_args
         As in :func:`~polyattn.scaled_dot_product_attention`, applied to the
         projected heads (``alibi_slopes`` has one slope per query head; the
         dropout mask is drawn over the (B…, H, Tq, Tk) weights of the heads).
@@ -221,7 +222,8 @@ segment_ids
             attn_mask=attn_mask, is_causal=is_causal, causal_alignment=causal_alignment,
             enable_gqa=hkv != h, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            sinks=params.get("sinks"), segment_ids=segment_ids)
+            sinks=params.get("sinks"), segment_ids=segment_ids, score_mod=score_mod,
+            mask_mod=mask_mod, mod_args=mod_args)
         layout = "BTHE"
         if cache is not None:
             ragged = None

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyattn._interop import device_of
+from polyattn.rules import user
+from polyattn.rules.user import UserRules
 
 Array = Any
 NEG_INF = -math.inf
@@ -33,7 +35,8 @@ NEG_INF = -math.inf
 #: Every score rule :class:`Rules` can hold, by name: a backend lists those it lowers in
 #: its ``RULES``, and is never chosen for a call using one it does not (a new rule is
 #: refused everywhere until a family lowers it, rather than silently left out).
-RULE_NAMES = ("causal", "window", "key_lengths", "softcap", "alibi", "dropout", "segment_ids")
+RULE_NAMES = ("causal", "window", "key_lengths", "softcap", "alibi", "dropout", "segment_ids",
+              "score_mod", "mask_mod")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class Rules:
     #: (B…|1, Tq), the keys ``[lo, hi)`` of the segment of each query of each batch row,
     #: which narrow :meth:`key_range`; else ``None``.
     segment_keys: tuple[Any, Any] | None = None
+    #: The user's ``score_mod``, ``mask_mod`` and ``mod_args`` (:mod:`.user`), or ``None``.
+    user: UserRules | None = None
 
     @classmethod
     def from_causal_offset(cls, causal_offset: int | None, tq: int, tk: int) -> Rules:
@@ -100,7 +105,9 @@ class Rules:
         used = {"causal": self.causal, "window": self.window is not None,
                 "key_lengths": self.key_lengths is not None,
                 "softcap": self.softcap is not None, "alibi": self.alibi is not None,
-                "dropout": self.dropout, "segment_ids": self.segments is not None}
+                "dropout": self.dropout, "segment_ids": self.segments is not None,
+                "score_mod": self.user is not None and self.user.score_mod is not None,
+                "mask_mod": self.user is not None and self.user.mask_mod is not None}
         assert tuple(used) == RULE_NAMES, "a rule of Rules is missing from RULE_NAMES"
         return frozenset(name for name, on in used.items() if on)
 
@@ -118,7 +125,12 @@ class Rules:
     def restricts(self) -> bool:
         """Whether some keys may be invisible for reasons other than ``attn_mask``."""
         return (self.causal or self.window is not None or self.key_lengths is not None
-                or self.segments is not None)
+                or self.segments is not None or self.masks_by_function)
+
+    @property
+    def masks_by_function(self) -> bool:
+        """Whether a user's ``mask_mod`` hides keys."""
+        return self.user is not None and self.user.mask_mod is not None
 
     def offset_range(self) -> tuple[int, int]:
         """Smallest and largest position offset ``p_i - i`` over the batch (from shapes)."""
@@ -165,7 +177,7 @@ class Rules:
 
     def block_unrestricted(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """Whether every key of ``[k0, k1)`` is visible to every query of ``[q0, q1)``."""
-        if self.key_lengths is not None or self.segments is not None:
+        if self.key_lengths is not None or self.segments is not None or self.masks_by_function:
             return False
         lo_off, hi_off = self.offset_range()
         right = self.right_reach()
@@ -190,8 +202,10 @@ def positions(rules: Rules, q0: int, q1: int, xp: Any, device: Any) -> Array:
 
 
 def visible(rules: Rules, q0: int, q1: int, k0: int, k1: int, xp: Any,
-            device: Any) -> Array | None:
-    """Bool (bq, bk) or (B…, 1, 1, bq, bk): key ``j`` visible to query ``i``; ``None``: all."""
+            device: Any, tile: tuple[int, ...] | None = None) -> Array | None:
+    """Bool (bq, bk) or (B…, 1|Hkv, 1|G, bq, bk): key ``j`` visible to query ``i``; ``None``:
+    all. ``tile``: the shape (B…, Hkv, G, bq, bk) of the scores, which a ``mask_mod``
+    needs (its batch and head indices)."""
     if not rules.restricts or rules.block_unrestricted(q0, q1, k0, k1):
         return None
     j = xp.arange(k0, k1, device=device)[None, :]                 # (1, bk)
@@ -212,6 +226,11 @@ def visible(rules: Rules, q0: int, q1: int, k0: int, k1: int, xp: Any,
         ok = both(ok, j < _batch_column(rules.key_lengths, 4, xp))
     if rules.segments is not None:
         ok = both(ok, same_segment(rules, q0, q1, k0, k1, xp))
+    if rules.masks_by_function:
+        assert rules.user is not None and tile is not None, "mask_mod needs the tile's shape"
+        *batch, hkv, g, _, _ = tile
+        ok = both(ok, user.visible(rules.user, tuple(batch), hkv, g, q0, q1, k0, k1, xp,
+                                   device))
     return ok
 
 
@@ -269,22 +288,35 @@ def score_transform(s: Array, rules: Rules, mask: Array | None, q0: int, q1: int
         s = xp.tanh(s / c) * c
     if rules.alibi is not None:
         s = s + alibi_bias(rules, q0, q1, k0, k1, s.shape[-4], xp, s.dtype, device)
+    if rules.user is not None and rules.user.score_mod is not None:
+        s = user.modified(rules.user, s, q0, q1, k0, k1, xp, device)
     if mask is not None:
         s = xp.where(mask, s, NEG_INF) if mask.dtype == xp.bool else s + mask
-    ok = visible(rules, q0, q1, k0, k1, xp, device)
+    ok = visible(rules, q0, q1, k0, k1, xp, device, tuple(s.shape))
     if ok is not None:
         s = xp.where(ok, s, NEG_INF)
     return s
 
 
-def score_transform_grad(raw: Array, rules: Rules, xp: Any) -> Array | None:
-    """d(score that enters the softmax) / d(scaled score) at the scaled scores ``raw``:
-    soft-capping's ``1 - tanh²(raw / softcap)``; ``None`` where it is 1 (ALiBi and masks
-    add constants)."""
-    if rules.softcap is None:
-        return None
-    t = xp.tanh(raw / rules.softcap)
-    return 1.0 - t * t
+def score_transform_grad(raw: Array, rules: Rules, xp: Any, q0: int = 0, q1: int = 0,
+                         k0: int = 0, k1: int = 0) -> Array | None:
+    """d(score that enters the softmax) / d(scaled score) at the scaled scores ``raw`` of
+    the tile (queries ``[q0, q1)``, keys ``[k0, k1)``): soft-capping's
+    ``1 - tanh²(raw / softcap)`` times ``score_mod``'s derivative (:mod:`.user`);
+    ``None`` where it is 1 (ALiBi and masks add constants)."""
+    grad = None
+    s = raw
+    if rules.softcap is not None:
+        t = xp.tanh(raw / rules.softcap)
+        grad = 1.0 - t * t
+        s = t * rules.softcap
+    if rules.user is not None and rules.user.score_mod is not None:
+        device = device_of(raw)
+        if rules.alibi is not None:
+            s = s + alibi_bias(rules, q0, q1, k0, k1, s.shape[-4], xp, s.dtype, device)
+        mod = user.modified_grad(rules.user, s, q0, q1, k0, k1, xp, device)
+        grad = mod if grad is None else grad * mod
+    return grad
 
 
 def fold_into_mask(rules: Rules, mask: Array | None, hkv: int, xp: Any, dtype: Any,

@@ -23,7 +23,7 @@ class ArrayApiPath:
     HOST: bool = False
     #: The score rules it handles (named one by one: see polyattn.backends.Backend).
     RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
-                       "segment_ids"})
+                       "segment_ids", "score_mod", "mask_mod"})
 
     def _code(self) -> Any:
         return importlib.import_module(f"{__name__}.{self.module}")

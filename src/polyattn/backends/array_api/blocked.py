@@ -200,7 +200,7 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
             if z is not None:
                 dp = dp * z
             ds = p * (dp - db)
-            grad = score_transform_grad(raw, rules, xp)          # soft-capping's chain rule
+            grad = score_transform_grad(raw, rules, xp, q0, q1, k0, k1)   # chain rule
             if grad is not None:
                 ds = ds * grad
             dv_blk = xp.sum(xp.matmul(xp.matrix_transpose(pz), dob), axis=-3)

@@ -138,7 +138,7 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         dp = dp * z
     dv = xp.sum(xp.matmul(xp.matrix_transpose(pz), dog), axis=-3)   # (B…, Hkv, Tk, Ev)
     ds = p * (dp - d)
-    grad = score_transform_grad(raw, rules, xp)          # soft-capping's chain rule
+    grad = score_transform_grad(raw, rules, xp, 0, tq, 0, tk)    # soft-cap's, score_mod's
     if grad is not None:
         ds = ds * grad
     kg = xp.expand_dims(k, axis=-3)                                 # (B…, Hkv, 1, Tk, E)

@@ -296,6 +296,7 @@ def _hide_segments(it: _Item, s: np.ndarray, r0: int, r1: int, k0: int, k1: int,
     Sorted ids: a segment's rows are a run with one key range, so each run of the tile's
     rows in one segment hides the columns before and after its keys, two slices.
     """
+    assert it.segments is not None
     first, last = (x[r0:r1] for x in it.segments)
     if int(first[-1]) <= k0 and int(last[0]) >= k1:
         return                                   # every row's segment holds every key

@@ -1,0 +1,173 @@
+"""Rules users write: ``score_mod`` and ``mask_mod`` on tiles of scores.
+
+``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> score`` changes the scaled score
+after soft-capping and ALiBi, before the float ``attn_mask``; ``mask_mod(b, h, q_idx,
+kv_idx, *mod_args) -> bool`` hides the keys where it is False, with every other rule
+(docs/semantics.rst, "Rules you write"). ``b`` is the flat index over the batch
+dimensions B…, ``h`` the query head, ``q_idx`` and ``kv_idx`` the row and key
+indices. The Array-API paths call them on a tile (B…, Hkv, G, bq, bk) of scores with
+index arrays that broadcast to it; ``mod_args`` reach them as :class:`Table` objects,
+indexed by those arrays in the inputs' library (``bias[h]``, ``table[h, q_idx -
+kv_idx + 64]``). The derivative of ``score_mod`` with respect to the score, which the
+backward passes need, comes from evaluating it on :class:`polyattn.ops.Dual` values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from polyattn.ops import _CONTROL_FLOW, Dual
+
+Array = Any
+
+
+class Table:
+    """A ``mod_args`` array as a rule sees it: indexed by index arrays (or ints) along its
+    leading axes, portably (one ``take`` of the flattened array), the result broadcast
+    over the indices' shapes followed by the axes left."""
+
+    __slots__ = ("array", "xp")
+
+    def __init__(self, array: Array, xp: Any) -> None:
+        self.array, self.xp = array, xp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.array.dtype
+
+    def __getitem__(self, index: Any) -> Array:
+        xp, a = self.xp, self.array
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > a.ndim:
+            raise IndexError(f"a mod_args array of shape {self.shape} indexed by "
+                             f"{len(index)} indices")
+        device = getattr(a, "device", None)
+        parts = [i if hasattr(i, "shape") else xp.asarray(i, device=device) for i in index]
+        parts = [xp.astype(i, xp.int64) if i.dtype != xp.int64 else i for i in parts]
+        parts = list(xp.broadcast_arrays(*parts)) if len(parts) > 1 else parts
+        lead = a.shape[:len(index)]
+        rest = tuple(a.shape[len(index):])
+        flat = parts[0]
+        for size, i in zip(lead[1:], parts[1:], strict=True):
+            flat = flat * size + i
+        shape = tuple(flat.shape)
+        table = xp.reshape(a, (-1, *rest)) if len(index) > 1 or a.ndim > 1 else a
+        got = xp.take(table, xp.reshape(flat, (-1,)), axis=0)
+        return xp.reshape(got, (*shape, *rest))
+
+    def __repr__(self) -> str:
+        return f"Table(shape={self.shape}, dtype={self.dtype})"
+
+
+@dataclass(frozen=True)
+class UserRules:
+    """A call's ``score_mod``, ``mask_mod`` and ``mod_args``."""
+
+    score_mod: Callable[..., Any] | None = None
+    mask_mod: Callable[..., Any] | None = None
+    mod_args: tuple[Array, ...] = ()
+
+
+def indices(batch: tuple[int, ...], hkv: int, g: int, q0: int, q1: int, k0: int, k1: int,
+            xp: Any, device: Any) -> tuple[Array, Array, Array, Array]:
+    """``(b, h, q_idx, kv_idx)`` as int64 arrays broadcasting to (B…, Hkv, G, bq, bk)."""
+    nb = len(batch)
+    n = 1
+    for s in batch:
+        n *= s
+    b = xp.reshape(xp.arange(n, dtype=xp.int64, device=device), (*batch, 1, 1, 1, 1))
+    h = xp.reshape(xp.arange(hkv * g, dtype=xp.int64, device=device),
+                   (*([1] * nb), hkv, g, 1, 1))
+    q = xp.reshape(xp.arange(q0, q1, dtype=xp.int64, device=device), (q1 - q0, 1))
+    kv = xp.reshape(xp.arange(k0, k1, dtype=xp.int64, device=device), (1, k1 - k0))
+    return b, h, q, kv
+
+
+def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
+    """``fn(*args)``, its errors saying which rule raised them."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        text = str(exc)
+        if any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
+                                            "concretization", "bool(")):
+            text = f"{text} ({_CONTROL_FLOW})"
+        raise TypeError(f"{what} {_name(fn)} cannot run on tiles of scores: "
+                        f"{type(exc).__name__}: {text}") from exc
+
+
+def probe(user: UserRules, xp: Any, dtype: Any, device: Any) -> None:
+    """Call the rules once on a 2 × 2 tile of one batch row and head, on values that carry a
+    derivative: errors (Python control flow, an unknown call, a bad index) surface here,
+    at the call, naming the function."""
+    idx = indices((1,), 1, 1, 0, 2, 0, 2, xp, device)
+    tables = _tables(user, xp)
+    if user.score_mod is not None:
+        s = xp.zeros((1, 1, 1, 2, 2), dtype=dtype, device=device)
+        _call(user.score_mod, "score_mod", Dual(s, s + 1), *idx, *tables)
+        _call(user.score_mod, "score_mod", s, *idx, *tables)
+    if user.mask_mod is not None:
+        visible(user, (1,), 1, 1, 0, 2, 0, 2, xp, device)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _tables(user: UserRules, xp: Any) -> list[Table]:
+    return [Table(a, xp) for a in user.mod_args]
+
+
+def modified(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int, xp: Any,
+             device: Any) -> Array:
+    """``score_mod`` of a tile ``s`` (B…, Hkv, G, bq, bk), in its dtype and shape."""
+    assert user.score_mod is not None
+    *batch, hkv, g, _, _ = s.shape
+    idx = indices(tuple(batch), hkv, g, q0, q1, k0, k1, xp, device)
+    out = _call(user.score_mod, "score_mod", s, *idx, *_tables(user, xp))
+    return _like(out, s, xp)
+
+
+def modified_grad(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int, xp: Any,
+                  device: Any) -> Array:
+    """d score_mod / d score at the tile ``s``, in its dtype and shape."""
+    assert user.score_mod is not None
+    *batch, hkv, g, _, _ = s.shape
+    idx = indices(tuple(batch), hkv, g, q0, q1, k0, k1, xp, device)
+    one = xp.ones(tuple(s.shape), dtype=s.dtype, device=device)
+    out = _call(user.score_mod, "score_mod", Dual(s, one), *idx, *_tables(user, xp))
+    if not isinstance(out, Dual):              # a score_mod that ignores the score
+        return xp.zeros(tuple(s.shape), dtype=s.dtype, device=device)
+    return _like(out.d, s, xp)
+
+
+def visible(user: UserRules, batch: tuple[int, ...], hkv: int, g: int, q0: int, q1: int,
+            k0: int, k1: int, xp: Any, device: Any) -> Array:
+    """``mask_mod`` of a tile: bool, broadcasting to (B…, Hkv, G, bq, bk)."""
+    assert user.mask_mod is not None
+    idx = indices(batch, hkv, g, q0, q1, k0, k1, xp, device)
+    ok = _call(user.mask_mod, "mask_mod", *idx, *_tables(user, xp))
+    if isinstance(ok, Dual):
+        raise TypeError(f"mask_mod {_name(user.mask_mod)} returned scores, not a condition")
+    if not hasattr(ok, "dtype") or ok.dtype != xp.bool:
+        raise TypeError(f"mask_mod {_name(user.mask_mod)} must return a boolean array "
+                        f"(True = visible); got {getattr(ok, 'dtype', type(ok).__name__)}")
+    return ok
+
+
+def _like(x: Any, s: Array, xp: Any) -> Array:
+    """``x`` (a number or an array broadcasting to ``s``) as an array of ``s``'s dtype and
+    shape."""
+    if not hasattr(x, "shape"):
+        x = xp.asarray(x, dtype=s.dtype, device=getattr(s, "device", None))
+    if x.dtype != s.dtype:
+        x = xp.astype(x, s.dtype)
+    if tuple(x.shape) != tuple(s.shape):
+        x = xp.broadcast_to(x, tuple(s.shape))
+    return x

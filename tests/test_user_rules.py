@@ -1,0 +1,307 @@
+"""Rules users write: ``score_mod``, ``mask_mod`` and ``mod_args`` (DESIGN §3.2).
+
+Every built-in rule re-expressed as a ``score_mod`` or ``mask_mod`` gives the
+built-in's result, forward, log-sum-exp and gradients, on every backend, on the
+implementations that take user rules (``reference`` and ``chunked``); a T5-style
+relative bias table in ``mod_args`` against the same bias as a float ``attn_mask``;
+torch autograd and ``jax.grad`` through the functions and their floating
+``mod_args``; Dask laziness; the errors (Python control flow, a bad ``mod_args``)
+at the call, naming the function. The implementations that do not take user rules
+yet refuse them by name, which is checked, and ``"auto"`` passes them over.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _support import CASES, NUMPY_SESSION_ONLY, rounded, use_implementation
+from helpers import (
+    Backend,
+    assert_close,
+    assert_lse_close,
+    rel_error,
+    selected_backends,
+    to_numpy,
+    to_xp,
+)
+
+import polyattn
+from polyattn import ops
+
+sdpa = polyattn.scaled_dot_product_attention
+TAKING = ("reference", "chunked", "auto")
+
+
+@pytest.fixture(params=CASES)
+def implementation(request, backend, xp, device, monkeypatch):
+    name = use_implementation(request.param, backend, monkeypatch)
+    if name not in (*TAKING, "native"):        # native checks its refusal as it falls back
+        q = to_xp(np.zeros((1, 1, 2, 2)), xp, device=device)
+        with pytest.raises(ValueError, match="does not apply mask_mod"):
+            sdpa(q, q, q, mask_mod=causal, implementation=name)
+        assert polyattn.explain(q, q, q, mask_mod=causal).implementation in TAKING
+        pytest.skip(f"{name} refuses user rules (checked)")
+    return name
+
+
+def causal(b, h, q_idx, kv_idx, *mod_args):
+    """Causal; it takes the call's mod_args too (both functions receive them)."""
+    return q_idx >= kv_idx
+
+
+def window(b, h, q_idx, kv_idx):
+    return ops.logical_and(kv_idx >= q_idx - 2, kv_idx <= q_idx + 1)
+
+
+def key_lengths(b, h, q_idx, kv_idx, lengths):
+    return kv_idx < lengths[b]
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 3.0 * ops.tanh(score / 3.0)
+
+
+def alibi(score, b, h, q_idx, kv_idx, slopes):
+    slope = slopes[h]
+    return score - slope * ops.cast(ops.abs(q_idx - kv_idx), slope)
+
+
+#: (user keywords, built-in keywords) with NumPy arrays.
+CALLS = {
+    "causal": ({"mask_mod": causal}, {"is_causal": True}),
+    "window": ({"mask_mod": window}, {"window": (2, 1)}),
+    "key_lengths": ({"mask_mod": key_lengths, "mod_args": (np.array([9, 4]),)},
+                    {"key_lengths": np.array([9, 4])}),
+    "softcap": ({"score_mod": softcap}, {"softcap": 3.0}),
+    "alibi": ({"score_mod": alibi, "mod_args": ("slopes",)}, {"alibi_slopes": "slopes"}),
+    "softcap+causal+alibi": ({"score_mod": lambda s, b, h, i, j, sl: alibi(
+        softcap(s, b, h, i, j), b, h, i, j, sl),
+        "mask_mod": lambda b, h, i, j, sl: causal(b, h, i, j), "mod_args": ("slopes",)},
+        {"softcap": 3.0, "is_causal": True, "alibi_slopes": "slopes"}),
+}
+
+
+def _on(options, xp, device, dtype_name, slopes):
+    out = {}
+    for name, value in options.items():
+        if name == "mod_args":
+            out[name] = tuple(to_xp(slopes, xp, dtype=dtype_name, device=device)
+                              if isinstance(a, str) else to_xp(a, xp, device=device)
+                              for a in value)
+        elif isinstance(value, str):
+            out[name] = to_xp(slopes, xp, dtype=dtype_name, device=device)
+        elif isinstance(value, np.ndarray):
+            out[name] = to_xp(value, xp, device=device)
+        else:
+            out[name] = value
+    return out
+
+
+def _inputs(rng):
+    return (rng.standard_normal((2, 4, 7, 8)), rng.standard_normal((2, 2, 9, 8)),
+            rng.standard_normal((2, 2, 9, 5)))
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_built_in_rules_as_user_rules(xp, device, dtype_name, implementation, call):
+    rng = np.random.default_rng(41)
+    slopes = rng.random(4)
+    args = [to_xp(a, xp, dtype=dtype_name, device=device) for a in _inputs(rng)]
+    user, built_in = (_on(o, xp, device, dtype_name, slopes) for o in CALLS[call])
+    out, lse = sdpa(*args, enable_gqa=True, return_lse=True, implementation=implementation,
+                    **user)
+    ref, ref_lse = sdpa(*args, enable_gqa=True, return_lse=True, implementation="reference",
+                        **built_in)
+    assert_close(out, to_numpy(ref).astype(np.float64), dtype_name)
+    assert_lse_close(lse, to_numpy(ref_lse).astype(np.float64), dtype_name)
+    w = polyattn.attention_weights(args[0], args[1], enable_gqa=True, **user)
+    w_ref = polyattn.attention_weights(args[0], args[1], enable_gqa=True, **built_in)
+    assert_close(w, to_numpy(w_ref).astype(np.float64), dtype_name, what="weights")
+
+
+def t5_bias(score, b, h, q_idx, kv_idx, table):
+    """A learned relative bias per head and distance (clipped to ±4), as in T5."""
+    return score + table[h, ops.minimum(ops.maximum(q_idx - kv_idx, -4), 4) + 4]
+
+
+def test_relative_bias_table_against_the_float_mask(xp, device, dtype_name, implementation):
+    rng = np.random.default_rng(42)
+    q, k, v = _inputs(rng)
+    table = rng.standard_normal((4, 9))
+    distance = np.clip(np.arange(7)[:, None] - np.arange(9)[None, :], -4, 4) + 4
+    bias = table[:, distance][None]                                   # (1, H, Tq, Tk)
+    args = [to_xp(a, xp, dtype=dtype_name, device=device) for a in (q, k, v)]
+    out = sdpa(*args, enable_gqa=True, score_mod=t5_bias, implementation=implementation,
+               mod_args=(to_xp(table, xp, dtype=dtype_name, device=device),))
+    ref = sdpa(*(rounded(a, dtype_name) for a in (q, k, v)), enable_gqa=True,
+               attn_mask=rounded(bias, dtype_name), implementation="reference")
+    assert_close(out, ref, dtype_name)
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("name", ["reference", "chunked"])
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_vjp_equals_the_built_in_vjp(name, call, monkeypatch):
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
+    rng = np.random.default_rng(43)
+    slopes = rng.random(4)
+    q, k, v = _inputs(rng)
+    import array_api_compat.numpy as np_xp
+
+    user, built_in = (_on(o, np_xp, None, "float64", slopes) for o in CALLS[call])
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True,
+                                         implementation=implementation, **user)
+    _, reference = polyattn.attention_vjp(q, k, v, enable_gqa=True, implementation="reference",
+                                          **built_in)
+    go = rng.standard_normal((2, 4, 7, 5))
+    for a, b in zip(pullback(go), reference(go), strict=True):
+        assert rel_error(a, b) <= 1e-12
+
+
+@NUMPY_SESSION_ONLY
+def test_vjp_by_central_differences():
+    rng = np.random.default_rng(44)
+    q, k, v = _inputs(rng)
+    table = rng.standard_normal((4, 9))
+    go = rng.standard_normal((2, 4, 7, 5))
+
+    def loss(q):
+        return float((sdpa(q, k, v, enable_gqa=True, score_mod=t5_bias, mod_args=(table,),
+                           mask_mod=causal) * go).sum())
+
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, score_mod=t5_bias,
+                                         mod_args=(table,), mask_mod=causal)
+    dq = pullback(go)[0]
+    eps = 1e-6
+    for index in [(0, 0, 0, 0), (1, 3, 6, 7), (0, 2, 3, 1)]:
+        e = np.zeros_like(q)
+        e[index] = eps
+        assert abs((loss(q + e) - loss(q - e)) / (2 * eps) - dq[index]) < 1e-7
+
+
+@pytest.mark.skipif(Backend.TORCH not in selected_backends(), reason="torch session")
+@pytest.mark.parametrize("name", ["reference", "chunked", "auto"])
+def test_torch_autograd_through_the_functions_and_mod_args(name, monkeypatch):
+    """Learned ALiBi slopes and a learned T5 table get their gradients, equal to those of
+    the explicit formula."""
+    import torch
+
+    implementation = use_implementation(name, Backend.TORCH, monkeypatch)
+    rng = np.random.default_rng(45)
+    q, k, v = _inputs(rng)
+    slopes, table = rng.random(4), rng.standard_normal((4, 9))
+
+    def leaves():
+        return [torch.tensor(a, requires_grad=True) for a in (q, k, v, slopes, table)]
+
+    ours, theirs = leaves(), leaves()
+
+    def both(s, b, h, i, j, sl, tb):
+        return t5_bias(alibi(s, b, h, i, j, sl), b, h, i, j, tb)
+
+    out = sdpa(*ours[:3], enable_gqa=True, score_mod=both, mask_mod=causal,
+               mod_args=tuple(ours[3:]), implementation=implementation)
+    qt, kt, vt, st, tt = theirs
+    kk, vv = kt.repeat_interleave(2, dim=1), vt.repeat_interleave(2, dim=1)
+    i, j = torch.arange(7)[:, None], torch.arange(9)[None, :]
+    s = qt @ kk.transpose(-1, -2) / np.sqrt(8)
+    s = s - st[:, None, None] * (i - j).abs() + tt[:, (i - j).clamp(-4, 4) + 4]
+    s = s.masked_fill(i < j, -torch.inf)
+    ref = torch.softmax(s, -1) @ vv
+    go = torch.tensor(rng.standard_normal((2, 4, 7, 5)))
+    (out * go).sum().backward()
+    (ref * go).sum().backward()
+    assert rel_error(out.detach().numpy(), ref.detach().numpy()) <= 1e-12
+    for a, b in zip(ours, theirs, strict=True):
+        assert rel_error(a.grad.numpy(), b.grad.numpy()) <= 1e-10
+
+
+@pytest.mark.skipif(Backend.JAX not in selected_backends(), reason="JAX session")
+@pytest.mark.parametrize("name", ["reference", "chunked"])
+def test_jax_grad_under_jit(name, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    implementation = use_implementation(name, Backend.JAX, monkeypatch)
+    jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(46)
+    q, k, v = _inputs(rng)
+    table = rng.standard_normal((4, 9))
+    go = rng.standard_normal((2, 4, 7, 5))
+    kj, vj = jnp.asarray(k), jnp.asarray(v)
+
+    @jax.jit
+    def loss(q, table):
+        return jnp.sum(sdpa(q, kj, vj, enable_gqa=True, score_mod=t5_bias, mask_mod=causal,
+                            mod_args=(table,), implementation=implementation) * go)
+
+    dq, dtable = jax.grad(loss, argnums=(0, 1))(jnp.asarray(q), jnp.asarray(table))
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, score_mod=t5_bias,
+                                         mask_mod=causal, mod_args=(table,))
+    assert rel_error(np.asarray(dq), pullback(go)[0]) <= 1e-10
+    assert np.abs(np.asarray(dtable)).sum() > 0
+
+
+def test_dask_stays_lazy():
+    if Backend.DASK not in selected_backends():
+        pytest.skip("Dask session")
+    import dask
+    import dask.array as da
+
+    rng = np.random.default_rng(47)
+    q, k, v = _inputs(rng)
+    table = rng.standard_normal((4, 9))
+    calls = []
+
+    def count(*args, **kwargs):
+        calls.append(1)
+        return dask.get(*args, **kwargs)
+
+    x = [da.from_array(a, chunks=(1, 2, 4, a.shape[-1])) for a in (q, k, v)]
+    with dask.config.set(scheduler=count):
+        out = sdpa(*x, enable_gqa=True, score_mod=t5_bias, mask_mod=causal, mod_args=(table,))
+        assert isinstance(out, da.Array) and not calls
+    ref = sdpa(q, k, v, enable_gqa=True, score_mod=t5_bias, mask_mod=causal,
+               mod_args=(table,))
+    np.testing.assert_allclose(out.compute(), ref, rtol=1e-12, atol=1e-13)
+
+
+@NUMPY_SESSION_ONLY
+def test_errors_name_the_function_at_the_call():
+    q = np.zeros((1, 2, 4, 8))
+
+    def branchy(score, b, h, q_idx, kv_idx):
+        if score > 0:
+            return score
+        return 0.0 * score
+
+    def unknown(score, b, h, q_idx, kv_idx):
+        return np.frobnicate(score)
+
+    with pytest.raises(TypeError, match=r"score_mod .*branchy.*ops\.where"):
+        sdpa(q, q, q, score_mod=branchy)
+    with pytest.raises(TypeError, match=r"score_mod .*unknown.*frobnicate"):
+        sdpa(q, q, q, score_mod=unknown)
+    with pytest.raises(TypeError, match=r"mask_mod .* must return a boolean array"):
+        sdpa(q, q, q, mask_mod=lambda b, h, i, j: i - j)
+    with pytest.raises(TypeError, match="`score_mod` must be a function"):
+        sdpa(q, q, q, score_mod=3.0)
+    with pytest.raises(TypeError, match=r"`mod_args` must be a tuple.*\(array,\)"):
+        sdpa(q, q, q, score_mod=softcap, mod_args=np.zeros(3))
+    with pytest.raises(ValueError, match="pass one of"):
+        sdpa(q, q, q, mod_args=(np.zeros(3),))
+    with pytest.raises(ValueError, match="does not apply score_mod"):
+        sdpa(q, q, q, score_mod=softcap, implementation="numba_cpu"
+             if "numba_cpu" in CASES else "distributed")
+
+
+def test_ops_on_numbers_and_derivatives():
+    from polyattn.ops import Dual
+
+    assert ops.where(True, 1.0, 2.0) == 1.0 and ops.maximum(1.0, 3.0) == 3.0
+    x = Dual(np.array([-1.0, 0.5, 2.0]), np.ones(3))
+    y = ops.where(x > 0, ops.exp(x) * 2.0, ops.tanh(x)) + ops.abs(x) / 4
+    expected = np.where(x.x > 0, 2 * np.exp(x.x), 1 - np.tanh(x.x) ** 2) + np.sign(x.x) / 4
+    np.testing.assert_allclose(y.d, expected)
+    with pytest.raises(TypeError, match=r"ops\.where"):
+        bool(x)
