@@ -107,7 +107,9 @@ def write_api_pages() -> None:
     for name in _public_names():
         obj = getattr(polyattn, name)
         title = name
-        if inspect.isclass(obj):
+        if inspect.ismodule(obj):
+            body = f".. automodule:: polyattn.{name}\n   :members:\n"
+        elif inspect.isclass(obj):
             body = (f".. currentmodule:: polyattn\n\n.. autoclass:: {name}\n"
                     "   :members:\n   :special-members: __call__\n")
         else:

@@ -226,8 +226,9 @@ def scaled_dot_product_attention(
     ``p_i = i + Tk_b - Tq`` (``"bottom_right"``), where ``Tk_b`` is
     ``key_lengths[b]`` if given, else ``Tk``; causal masking, windows and
     ALiBi all use it. Scores are computed in this order: ``scale · q·k`` →
-    soft-capping → ALiBi → float ``attn_mask`` → invisible keys removed →
-    sinks join → softmax → dropout → ``· value``. Key blocks that no query of a block can
+    soft-capping → ALiBi → ``score_mod`` → float ``attn_mask`` → invisible
+    keys removed (``mask_mod`` and ``segment_ids`` included) → sinks join →
+    softmax → dropout → ``· value``. Key blocks that no query of a block can
     see are skipped, so the work of causal and windowed calls follows the
     visible area.
 

@@ -98,6 +98,10 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
         if any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
                                             "concretization", "bool(")):
             text = f"{text} ({_CONTROL_FLOW})"
+        elif "positional argument" in text:
+            text = (f"{text} (score_mod gets (score, b, h, q_idx, kv_idx, *mod_args) and "
+                    "mask_mod (b, h, q_idx, kv_idx, *mod_args): both receive every array of "
+                    "mod_args)")
         raise TypeError(f"{what} {_name(fn)} cannot run on tiles of scores: "
                         f"{type(exc).__name__}: {text}") from exc
 
