@@ -169,6 +169,13 @@ PORTABLE = [
     Case("a power of the score by the score", "ops",
          lambda xp, dev: sdpa(*qkv(xp, dev), score_mod=lambda s, b, h, i, j: s ** s),
          TypeError, ("score_mod", "write it with ops.exp and ops.log")),
+    Case("a block mask of other lengths", "block_mask",
+         lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=polyattn.block_mask(
+             lambda b, h, i, j: i >= j, None, None, 8, 8, xp=xp, device=dev)),
+         ValueError, ("`block_mask` was built for Tq = 8, Tk = 8", "Tq = 4, Tk = 6")),
+    Case("not a BlockMask", "BlockMask",
+         lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=z(xp, dev, 2)),
+         TypeError, ("`block_mask` must be a BlockMask from polyattn.block_mask(...)",)),
     Case("mod_args without a rule", "scaled_dot_product_attention",
          lambda xp, dev: sdpa(*qkv(xp, dev), mod_args=(z(xp, dev, 3),)),
          ValueError, ("`mod_args` are the arrays of score_mod and mask_mod",)),

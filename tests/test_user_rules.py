@@ -305,3 +305,69 @@ def test_ops_on_numbers_and_derivatives():
     np.testing.assert_allclose(y.d, expected)
     with pytest.raises(TypeError, match=r"ops\.where"):
         bool(x)
+
+
+# --------------------------------------------------------------------------- #
+# Block masks
+# --------------------------------------------------------------------------- #
+
+def test_block_mask_kinds_and_repr():
+    bm = polyattn.block_mask(causal, None, None, 512, 640, block=(128, 128))
+    assert bm.kinds.shape == (1, 4, 5)
+    assert bm.counts == {"empty": 10, "partial": 4, "full": 6}
+    assert "10 empty" in repr(bm)
+    docs = np.repeat(np.arange(4), 64)[None]                         # (1, 256), 4 documents
+    bd = polyattn.block_mask(lambda b, h, i, j, ids: ids[b, i] == ids[b, j], (1,), None,
+                             256, 256, mod_args=(docs,), block=(64, 64))
+    assert bd.counts == {"empty": 12, "partial": 0, "full": 4}
+
+
+@NUMPY_SESSION_ONLY
+def test_blocked_path_skips_empty_tiles_and_the_mask_inside_full_ones(monkeypatch):
+    from polyattn.backends.array_api import blocked
+
+    monkeypatch.setattr(blocked, "BLOCK_Q", 64)
+    monkeypatch.setattr(blocked, "BLOCK_K", 64)
+    rng = np.random.default_rng(48)
+    q, k, v = (rng.standard_normal((1, 2, 256, 8)) for _ in range(3))
+    docs = np.repeat(np.arange(4), 64)[None]
+    evaluated = []
+
+    def document(b, h, q_idx, kv_idx, ids):
+        evaluated.append(np.broadcast_shapes(np.shape(q_idx), np.shape(kv_idx)))
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    bm = polyattn.block_mask(document, (1,), None, 256, 256, mod_args=(docs,), block=(64, 64))
+    tiles = []
+    real = blocked.score_transform
+    monkeypatch.setattr(blocked, "score_transform",
+                        lambda s, *a, **kw: tiles.append(s.shape) or real(s, *a, **kw))
+    evaluated.clear()
+    out = sdpa(q, k, v, block_mask=bm, implementation="chunked")
+    assert len(tiles) == 4                        # the 4 diagonal tiles of 16
+    assert evaluated == [(2, 2)]                  # the call's probe only: all 4 are full
+    ref = sdpa(q, k, v, segment_ids=docs, implementation="reference")
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    tiles.clear()
+    _, pullback = polyattn.attention_vjp(q, k, v, block_mask=bm, implementation="chunked")
+    grads = pullback(np.ones_like(out))
+    assert len(tiles) == 8                        # 4 in its forward pass, 4 in its backward
+    _, reference = polyattn.attention_vjp(q, k, v, segment_ids=docs, implementation="reference")
+    for a, b in zip(grads, reference(np.ones_like(out)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@NUMPY_SESSION_ONLY
+def test_block_mask_errors():
+    q = np.zeros((1, 2, 8, 4))
+    bm = polyattn.block_mask(causal, None, None, 16, 16)
+    with pytest.raises(ValueError, match=r"built for Tq = 16, Tk = 16; this call has Tq = 8"):
+        sdpa(q, q, q, block_mask=bm)
+    with pytest.raises(TypeError, match="`block_mask` must be a BlockMask"):
+        sdpa(q, q, q, block_mask=np.zeros((1, 1)))
+    with pytest.raises(ValueError, match=r"built for batch \(3,\)"):
+        sdpa(q, q, q, block_mask=polyattn.block_mask(causal, (3,), 2, 8, 8))
+    with pytest.raises(ValueError, match="`block` must be"):
+        polyattn.block_mask(causal, None, None, 8, 8, block=(0, 4))
+    with pytest.raises(TypeError, match="`mask_mod` must be a function"):
+        polyattn.block_mask(None, None, None, 8, 8)

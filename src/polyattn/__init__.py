@@ -8,6 +8,7 @@ arrays work too. See ``python -m polyattn info``.
 
 from polyattn import ops
 from polyattn.attention import attention_weights, explain, scaled_dot_product_attention
+from polyattn.blockmask import BlockMask, block_mask
 from polyattn.cache import KVCache
 from polyattn.masks import causal_mask
 from polyattn.merge import merge_attention
@@ -20,6 +21,7 @@ from polyattn.vjp import attention_vjp
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockMask",
     "KVCache",
     "MultiHeadAttention",
     "__version__",
@@ -27,6 +29,7 @@ __all__ = [
     "apply_rotary_embedding",
     "attention_vjp",
     "attention_weights",
+    "block_mask",
     "causal_mask",
     "explain",
     "logsumexp",

@@ -8,6 +8,7 @@ mask, so that every implementation receives the layout documented in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ from polyattn._validation import (
     check_window,
     shape_str,
 )
+from polyattn.blockmask import BlockMask
+from polyattn.blockmask import block_mask as build_block_mask
 from polyattn.masks import causal_offset as _causal_offset
 from polyattn.masks import normalise_mask
 from polyattn.rules.user import UserRules, probe
@@ -150,7 +153,10 @@ class Problem:
                  "score_mod": None if rules.user is None or rules.user.score_mod is None
                  else _function_name(rules.user.score_mod),
                  "mask_mod": None if rules.user is None or rules.user.mask_mod is None
-                 else _function_name(rules.user.mask_mod),
+                 else _function_name(rules.user.mask_mod) + (
+                     f"; {rules.blocks!r}: the empty tiles are skipped" if rules.blocks
+                     is not None else "; no block mask (its values are not at hand): "
+                     "evaluated on every tile"),
                  "segment_ids": None if rules.segments is None else
                  f"queries {tuple(rules.segments[0].shape)}, keys "
                  f"{tuple(rules.segments[1].shape)}" + (
@@ -214,7 +220,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
             softcap: Any = None, alibi_slopes: Array | None = None,
             key_lengths: Any = None, dropout_p: Any = 0.0, dropout_seed: Any = None,
             sinks: Array | None = None, segment_ids: Any = None, score_mod: Any = None,
-            mask_mod: Any = None, mod_args: Any = ()) -> Problem:
+            mask_mod: Any = None, mod_args: Any = (), block_mask: Any = None) -> Problem:
     """Validate an attention call and bring it to the implementations' layout.
 
     With ``layout="BTHE"`` query, key and value arrive as (B…, T, H, E) and
@@ -223,6 +229,13 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     """
     pair = isinstance(segment_ids, (tuple, list))
     segment_ids = _segment_pair(segment_ids)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError("`block_mask` must be a BlockMask from polyattn.block_mask(...); "
+                            f"got {type(block_mask).__name__}")
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+            mod_args = mod_args or block_mask.mod_args
     mod_args = _check_mod_args(score_mod, mask_mod, mod_args)
     attn_mask, alibi_slopes, key_lengths, sinks, q_ids, k_ids, *mod_args = _lift_to_dask(
         (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks, *segment_ids,
@@ -241,7 +254,8 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
               "dropout": check_dropout(dropout_p, dropout_seed), "sinks": sinks,
               "segment_ids": (q_ids, k_ids, pair),
               "user": UserRules(score_mod, mask_mod, tuple(mod_args))
-              if score_mod is not None or mask_mod is not None else None}
+              if score_mod is not None or mask_mod is not None else None,
+              "block_mask": block_mask}
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     causal_alignment = check_choice("causal_alignment", causal_alignment, ALIGNMENTS)
@@ -366,6 +380,10 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         user=extras["user"])
     if extras["user"] is not None:
         probe(extras["user"], xp, compute_dtype, device_of(query))
+        blocks = _blocks(extras["block_mask"], extras["user"], tuple(batch), h, tq, tk, xp,
+                         device_of(query))
+        if blocks is not None:
+            rules = dataclasses.replace(rules, blocks=blocks)
     return Problem(
         xp=xp,
         q=to_layout(query, h),
@@ -522,3 +540,31 @@ def _check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
 
 def _function_name(fn: Any) -> str:
     return str(getattr(fn, "__qualname__", None) or repr(fn))
+
+
+def _blocks(given: BlockMask | None, user: UserRules, batch: tuple[int, ...], h: int, tq: int,
+            tk: int, xp: Namespace, device: Any) -> BlockMask | None:
+    """The block mask of a call: ``given``, checked against its shapes; else, for a
+    ``mask_mod`` whose ``mod_args`` are at hand, one built now (one evaluation per score;
+    not on Dask, where building would compute); else ``None`` (the ``mask_mod`` is
+    evaluated on every tile)."""
+    if given is not None:
+        if (given.tq, given.tk) != (tq, tk):
+            raise ValueError(f"`block_mask` was built for Tq = {given.tq}, Tk = {given.tk}; "
+                             f"this call has Tq = {tq}, Tk = {tk}")
+        lead, heads = given.kinds.shape[:-3], given.kinds.shape[-3]
+        ok = (heads in (1, h) and len(lead) <= len(batch) and all(
+            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False)))
+        if not ok:
+            raise ValueError(f"`block_mask` was built for batch {lead or None} and "
+                             f"{heads} heads; this call has B… = {batch} and H = {h}")
+        return given
+    if user.mask_mod is None:
+        return None
+    if library_name(xp) == "dask" or any(concrete_values(a) is None for a in user.mod_args):
+        return None                        # lazy, or traced mod_args: no skipping
+    try:
+        return build_block_mask(user.mask_mod, batch, h, tq, tk, mod_args=user.mod_args,
+                                xp=xp, device=device)
+    except ValueError:                      # values not at hand
+        return None

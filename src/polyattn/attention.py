@@ -80,7 +80,7 @@ def scaled_dot_product_attention(
     dropout_seed: int | None = None, sinks: Array | None = None,
     segment_ids: Array | tuple[Array, Array] | None = None,
     score_mod: Callable[..., Any] | None = None, mask_mod: Callable[..., Any] | None = None,
-    mod_args: tuple[Array, ...] = (),
+    mod_args: tuple[Array, ...] = (), block_mask: Any = None,
 ) -> Array | tuple[Array, Array]:
     """``softmax(query · keyᵀ · scale + mask) · value``, on any array library.
 
@@ -208,6 +208,13 @@ def scaled_dot_product_attention(
         The arrays both functions receive after the indices (a bias table,
         slopes, lengths), indexed by index arrays: ``bias[h]``,
         ``table[h, q_idx - kv_idx + 64]``.
+    block_mask : BlockMask, optional
+        The empty, partial and full tiles of a ``mask_mod``
+        (:func:`polyattn.block_mask`; it carries its ``mask_mod`` when none is
+        given): empty tiles are never computed, and the ``mask_mod`` is not
+        evaluated in full ones. Without one, a ``mask_mod`` whose ``mod_args``
+        are at hand gets one built at each call (one evaluation of the
+        ``mask_mod`` per score): build it once to reuse it across calls.
 
     Returns
     -------
@@ -280,7 +287,7 @@ def scaled_dot_product_attention(
                           key_lengths=key_lengths, dropout_p=dropout_p,
                           dropout_seed=dropout_seed, sinks=sinks,
                           segment_ids=segment_ids, score_mod=score_mod,
-                          mask_mod=mask_mod, mod_args=mod_args)
+                          mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask)
         choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
         _, out, lse = run(problem, choice.implementation, fallback=implementation == "auto")
         return _finish(problem, value_features(problem, out), lse, return_lse)
@@ -307,7 +314,7 @@ def attention_weights(
     dropout_seed: int | None = None, sinks: Array | None = None,
     segment_ids: Array | tuple[Array, Array] | None = None,
     score_mod: Callable[..., Any] | None = None, mask_mod: Callable[..., Any] | None = None,
-    mod_args: tuple[Array, ...] = (),
+    mod_args: tuple[Array, ...] = (), block_mask: Any = None,
 ) -> Array:
     """The attention weights ``α = softmax(query · keyᵀ · scale + mask)``.
 
@@ -348,7 +355,7 @@ def attention_weights(
                           key_lengths=key_lengths, dropout_p=dropout_p,
                           dropout_seed=dropout_seed, sinks=sinks,
                           segment_ids=segment_ids, score_mod=score_mod,
-                          mask_mod=mask_mod, mod_args=mod_args)
+                          mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask)
         return _weights(problem)
 
 
@@ -400,7 +407,7 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
     allowed = {"attn_mask", "is_causal", "causal_alignment", "scale", "enable_gqa",
                "return_lse", "implementation", "layout", "window", "softcap", "alibi_slopes",
                "key_lengths", "dropout_p", "dropout_seed", "sinks", "segment_ids", "score_mod",
-               "mask_mod", "mod_args"}
+               "mask_mod", "mod_args", "block_mask"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -418,5 +425,6 @@ def explain(query: Array, key: Array, value: Array, /, **options: Any) -> _dispa
                       dropout_seed=options.get("dropout_seed"), sinks=options.get("sinks"),
                       segment_ids=options.get("segment_ids"),
                       score_mod=options.get("score_mod"), mask_mod=options.get("mask_mod"),
-                      mod_args=options.get("mod_args", ()))
+                      mod_args=options.get("mod_args", ()),
+                      block_mask=options.get("block_mask"))
     return _dispatch.choose(problem, implementation, return_lse=return_lse)

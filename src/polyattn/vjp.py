@@ -53,7 +53,7 @@ def attention_vjp(
     dropout_seed: int | None = None, sinks: Array | None = None,
     segment_ids: Array | tuple[Array, Array] | None = None,
     score_mod: Callable[..., Any] | None = None, mask_mod: Callable[..., Any] | None = None,
-    mod_args: tuple[Array, ...] = (),
+    mod_args: tuple[Array, ...] = (), block_mask: Any = None,
 ) -> tuple[Array | tuple[Array, Array], Pullback]:
     """Scaled dot-product attention and a function that pulls gradients back through it.
 
@@ -164,7 +164,7 @@ def attention_vjp(
                           key_lengths=key_lengths, dropout_p=dropout_p,
                           dropout_seed=dropout_seed, sinks=sinks,
                           segment_ids=segment_ids, score_mod=score_mod,
-                          mask_mod=mask_mod, mod_args=mod_args)
+                          mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask)
         choice = _dispatch.choose(problem, implementation, return_lse=True, for_vjp=True)
         ran, out, lse = run(problem, choice.implementation, grad=False)
         result_out = value_features(problem, out)

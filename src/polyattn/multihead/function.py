@@ -49,6 +49,7 @@ def multi_head_attention(
     cache: KVCache | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
     segment_ids: Array | tuple[Array, Array] | None = None,
     score_mod: Any = None, mask_mod: Any = None, mod_args: tuple[Array, ...] = (),
+    block_mask: Any = None,
 ) -> Array | tuple[Array, ...]:
     """Multi-head attention with explicit parameters (functional form).
 
@@ -78,7 +79,7 @@ def multi_head_attention(
         the key (padding), or float added to the scores. Combined with
         ``attn_mask`` when both are given.
     is_causal, implementation, window, softcap, alibi_slopes, dropout_p, dropout_seed, \
-segment_ids, score_mod, mask_mod, mod_args
+segment_ids, score_mod, mask_mod, mod_args, block_mask
         As in :func:`~polyattn.scaled_dot_product_attention`, applied to the
         projected heads (``alibi_slopes`` has one slope per query head; the
         dropout mask is drawn over the (B…, H, Tq, Tk) weights of the heads).
@@ -223,7 +224,7 @@ segment_ids, score_mod, mask_mod, mod_args
             enable_gqa=hkv != h, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             key_lengths=key_lengths, dropout_p=dropout_p, dropout_seed=dropout_seed,
             sinks=params.get("sinks"), segment_ids=segment_ids, score_mod=score_mod,
-            mask_mod=mask_mod, mod_args=mod_args)
+            mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask)
         layout = "BTHE"
         if cache is not None:
             ragged = None

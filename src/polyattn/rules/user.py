@@ -96,7 +96,7 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
     except Exception as exc:
         text = str(exc)
         if any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
-                                            "concretization", "bool(")):
+                                            "concretization", "bool(", "bool is only")):
             text = f"{text} ({_CONTROL_FLOW})"
         elif "positional argument" in text:
             text = (f"{text} (score_mod gets (score, b, h, q_idx, kv_idx, *mod_args) and "

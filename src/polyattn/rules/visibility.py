@@ -20,6 +20,7 @@ keys that any query of a block can see, so that blocks outside it are skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ class Rules:
     segment_keys: tuple[Any, Any] | None = None
     #: The user's ``score_mod``, ``mask_mod`` and ``mod_args`` (:mod:`.user`), or ``None``.
     user: UserRules | None = None
+    #: The tiles ``mask_mod`` leaves empty or full (:class:`polyattn.BlockMask`), or ``None``.
+    blocks: Any = None
 
     @classmethod
     def from_causal_offset(cls, causal_offset: int | None, tq: int, tk: int) -> Rules:
@@ -202,10 +205,14 @@ def positions(rules: Rules, q0: int, q1: int, xp: Any, device: Any) -> Array:
 
 
 def visible(rules: Rules, q0: int, q1: int, k0: int, k1: int, xp: Any,
-            device: Any, tile: tuple[int, ...] | None = None) -> Array | None:
+            device: Any, tile: tuple[int, ...] | None = None,
+            mask_mod: bool = True) -> Array | None:
     """Bool (bq, bk) or (B…, 1|Hkv, 1|G, bq, bk): key ``j`` visible to query ``i``; ``None``:
     all. ``tile``: the shape (B…, Hkv, G, bq, bk) of the scores, which a ``mask_mod``
     needs (its batch and head indices)."""
+    if not mask_mod and rules.user is not None and rules.user.mask_mod is not None:
+        # a full tile: the rest of the rules
+        rules = dataclasses.replace(rules, user=dataclasses.replace(rules.user, mask_mod=None))
     if not rules.restricts or rules.block_unrestricted(q0, q1, k0, k1):
         return None
     j = xp.arange(k0, k1, device=device)[None, :]                 # (1, bk)
@@ -275,12 +282,13 @@ def alibi_bias(rules: Rules, q0: int, q1: int, k0: int, k1: int, hkv: int, xp: A
 
 
 def score_transform(s: Array, rules: Rules, mask: Array | None, q0: int, q1: int, k0: int,
-                    k1: int, xp: Any) -> Array:
+                    k1: int, xp: Any, mask_mod: bool = True) -> Array:
     """Scaled scores of a tile -> the scores that enter the softmax (in the order of
     docs/semantics.rst).
 
     ``s`` (B…, Hkv, G, bq, bk) are ``scale·q·k``; ``mask`` the matching block of
-    the grouped ``attn_mask`` (or ``None``).
+    the grouped ``attn_mask`` (or ``None``). ``mask_mod=False``: a tile its block mask
+    calls full, where the user's ``mask_mod`` is not evaluated.
     """
     device = device_of(s)
     if rules.softcap is not None:
@@ -292,7 +300,7 @@ def score_transform(s: Array, rules: Rules, mask: Array | None, q0: int, q1: int
         s = user.modified(rules.user, s, q0, q1, k0, k1, xp, device)
     if mask is not None:
         s = xp.where(mask, s, NEG_INF) if mask.dtype == xp.bool else s + mask
-    ok = visible(rules, q0, q1, k0, k1, xp, device, tuple(s.shape))
+    ok = visible(rules, q0, q1, k0, k1, xp, device, tuple(s.shape), mask_mod)
     if ok is not None:
         s = xp.where(ok, s, NEG_INF)
     return s

@@ -78,9 +78,13 @@ def _attend_query_block(qg: Array, kg: Array, vg: Array, mask: Array | None, q0:
     lo, hi = rules.key_range(q0, q1)  # keys outside [lo, hi) are invisible to this block
     for k0 in range(lo, hi, block_k):
         k1 = min(k0 + block_k, hi)
+        kind = _tile_kind(rules, q0, q1, k0, k1)
+        if kind == EMPTY:
+            continue                      # the block mask: no query of it sees these keys
         # --- scores of this (query block, key block) pair
         s = xp.matmul(qg, xp.matrix_transpose(kg[..., k0:k1, :]))  # (B…, Hkv, G, bq, bk)
-        s = score_transform(s, rules, _mask_block(mask, q0, q1, k0, k1), q0, q1, k0, k1, xp)
+        s = score_transform(s, rules, _mask_block(mask, q0, q1, k0, k1), q0, q1, k0, k1, xp,
+                            kind != FULL)
         # --- update the running maximum and rescale what was accumulated
         block_max = xp.max(s, axis=-1, keepdims=True)
         m_new = block_max if m is None else xp.maximum(m, block_max)
@@ -140,6 +144,15 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
     return ungroup_heads(out, xp) + bad, ungroup_heads(lse, xp)[..., 0] + bad[..., 0]
 
 
+#: Kinds of a tile under a block mask (:data:`polyattn.blockmask.EMPTY`, ...).
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _tile_kind(rules: Rules, q0: int, q1: int, k0: int, k1: int) -> int:
+    """The block mask's kind of a tile (partial without one)."""
+    return PARTIAL if rules.blocks is None else int(rules.blocks.tile(q0, q1, k0, k1))
+
+
 def _key_blocks(rules: Rules, q0: int, q1: int, block_k: int) -> range:
     """Indices of the key blocks (of the fixed grid ``block_k``) that queries q0:q1 may see."""
     lo, hi = rules.key_range(q0, q1)
@@ -189,10 +202,13 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         dq = None
         for kb in _key_blocks(rules, q0, q1, block_k):
             k0, k1 = kb * block_k, min((kb + 1) * block_k, tk)
+            kind = _tile_kind(rules, q0, q1, k0, k1)
+            if kind == EMPTY:
+                continue
             kt, vt = kg[..., k0:k1, :], vg[..., k0:k1, :]
             raw = xp.matmul(qb, xp.matrix_transpose(kt)) * scale  # (B…, Hkv, G, bq, bk)
             s = score_transform(raw, rules, _mask_block(maskg, q0, q1, k0, k1), q0, q1, k0,
-                                k1, xp)
+                                k1, xp, kind != FULL)
             p = xp.where(sb, xp.exp(s - lb), 0.0)                 # P, before dropout
             dp = xp.matmul(dob, xp.matrix_transpose(vt))          # dO Vᵀ
             z = dropout_factor(rules, tuple(batch), hkv, g, q0, q1, k0, k1, p.dtype, xp, dev)
