@@ -1,4 +1,5 @@
-"""``torch.compile`` of code that calls polyattn: no warnings from polyattn's own code.
+"""``torch.compile`` of code that calls polyattn: no warnings from polyattn's own code
+(user rules, sinks and segment ids included, which give the eager result).
 
 The compilation runs in a fresh interpreter, because torch warns about some
 things only once per process. Two kinds of complaint are collected while a
@@ -42,6 +43,19 @@ SCRIPT = textwrap.dedent("""
     def sdpa(q, k, v):
         return polyattn.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    from polyattn import ops
+
+    def t5(score, b, h, q_idx, kv_idx, table):
+        return score + table[h, ops.minimum(ops.maximum(q_idx - kv_idx, -4), 4) + 4]
+
+    def causal(b, h, q_idx, kv_idx, table):
+        return q_idx >= kv_idx
+
+    def rules(q, k, v, table, sinks, ids):
+        return polyattn.scaled_dot_product_attention(
+            q, k, v, score_mod=t5, mask_mod=causal, mod_args=(table,), sinks=sinks,
+            segment_ids=ids)
+
     def mha(x, params):
         return polyattn.multi_head_attention(x, x, x, params, num_heads=2, is_causal=True)
 
@@ -53,6 +67,9 @@ SCRIPT = textwrap.dedent("""
         warnings.simplefilter("always")
         torch.compile(sdpa, backend="eager")(q, k, v)
         torch.compile(mha, backend="eager")(x, params)
+        extra = (torch.randn(2, 9), torch.zeros(2), torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]))
+        got = torch.compile(rules, backend="eager")(q, k, v, *extra)
+        assert torch.allclose(got, rules(q, k, v, *extra), rtol=1e-5, atol=1e-6)
 
     ours = []
     for w in caught:

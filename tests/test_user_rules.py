@@ -371,3 +371,21 @@ def test_block_mask_errors():
         polyattn.block_mask(causal, None, None, 8, 8, block=(0, 4))
     with pytest.raises(TypeError, match="`mask_mod` must be a function"):
         polyattn.block_mask(None, None, None, 8, 8)
+
+
+@pytest.mark.skipif(Backend.JAX not in selected_backends(), reason="JAX session")
+def test_jax_vmap_over_the_batch():
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(49)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 2, 6, 4))) for _ in range(3))
+    table = jnp.asarray(rng.standard_normal((2, 9)))
+
+    def f(q, k, v):
+        return sdpa(q, k, v, score_mod=t5_bias, mod_args=(table,), mask_mod=causal,
+                    sinks=jnp.zeros(2))
+
+    np.testing.assert_allclose(np.asarray(jax.vmap(f)(q, k, v)), np.asarray(f(q, k, v)),
+                               rtol=1e-12, atol=1e-12)

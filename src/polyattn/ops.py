@@ -124,14 +124,14 @@ def _parts(v: Any) -> tuple[Any, Any]:
 
 def _xp(*values: Any) -> Any:
     """The array namespace of the arrays among ``values`` (NumPy for Python numbers)."""
-    import array_api_compat
+    from polyattn._interop import namespace_of
 
     arrays = [v for v in values if hasattr(v, "shape") and hasattr(v, "dtype")]
     if not arrays:
         import array_api_compat.numpy as np_xp
 
         return np_xp
-    return array_api_compat.array_namespace(*arrays)
+    return namespace_of({f"argument {i}": a for i, a in enumerate(arrays)})
 
 
 def _unary(name: str, x: Any, grad: Any) -> Any:
