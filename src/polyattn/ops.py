@@ -134,9 +134,22 @@ def _xp(*values: Any) -> Any:
     return namespace_of({f"argument {i}": a for i, a in enumerate(arrays)})
 
 
+def _traced(name: str, *args: Any) -> Any:
+    """``ops.<name>(*args)`` recorded by a traced argument (one with ``_rule_op``: a rule
+    being compiled into a kernel, :mod:`polyattn.rules.scalar`), else ``None``."""
+    for a in args:
+        record = getattr(type(a), "_rule_op", None)
+        if record is not None:
+            return record(name, args)
+    return None
+
+
 def _unary(name: str, x: Any, grad: Any) -> Any:
     """``xp.<name>(x)`` for arrays, ``math.<name>`` for numbers, and the chain rule for a
     :class:`Dual` (``grad(value, result)``: the derivative of the function)."""
+    traced = _traced(name, x)
+    if traced is not None:
+        return traced
     if isinstance(x, Dual):
         y = _unary(name, x.x, None)
         return Dual(y, grad(x.x, y) * x.d)
@@ -189,6 +202,9 @@ def cast(x: Any, like: Any) -> Any:
     """``x`` (an index expression, say) in the floating dtype of ``like`` (a score, or a
     ``mod_args`` table): libraries that do not mix integer and floating arrays
     (array-api-strict) need it before ``slope * cast(q_idx - kv_idx, slope)``."""
+    traced = _traced("cast", x, like)
+    if traced is not None:
+        return traced
     if isinstance(x, Dual):
         return x
     value = like.x if isinstance(like, Dual) else like
@@ -199,6 +215,9 @@ def cast(x: Any, like: Any) -> Any:
 
 def where(condition: Any, x: Any, y: Any) -> Any:
     """``x`` where ``condition`` holds, else ``y`` (element by element, broadcast)."""
+    traced = _traced("where", condition, x, y)
+    if traced is not None:
+        return traced
     if isinstance(condition, Dual):
         raise TypeError("ops.where's condition must be a comparison (score > 0), not a "
                         "score")
@@ -242,12 +261,18 @@ def logical_or(x: Any, y: Any) -> Any:
 
 def logical_not(x: Any) -> Any:
     """The opposite condition, element by element."""
+    traced = _traced("logical_not", x)
+    if traced is not None:
+        return traced
     if not hasattr(x, "shape"):
         return not x
     return _xp(x).logical_not(x)
 
 
 def _logical(name: str, x: Any, y: Any) -> Any:
+    traced = _traced(name, x, y)
+    if traced is not None:
+        return traced
     if isinstance(x, Dual) or isinstance(y, Dual):
         raise TypeError(f"ops.{name} takes conditions (comparisons), not scores")
     if not hasattr(x, "shape") and not hasattr(y, "shape"):
