@@ -29,7 +29,7 @@ import polyattn
 from polyattn import ops
 
 sdpa = polyattn.scaled_dot_product_attention
-TAKING = ("reference", "chunked", "auto")
+TAKING = ("reference", "chunked", "auto", "numba_cpu")
 
 
 @pytest.fixture(params=CASES)

@@ -135,11 +135,13 @@ def modify(x, p, j, cap, inv_cap, slope):  # type: ignore[no-untyped-def]
 def modify_and_grad(x, p, j, cap, inv_cap, slope):  # type: ignore[no-untyped-def]
     """``(modify(x, p, j, …), modify_grad(x, …))`` with one ``tanh``: what a backward
     pass needs of a score (the derivative multiplies its ``dS``)."""
-    grad = T(1)
+    t = T(0)
     if cap > 0:
         t = math.tanh(x * inv_cap)
         x = cap * t
-        grad = T(1) - t * t
+    # A select, not a branch's value: the kernels' compiler then computes 1 - t² where
+    # dS is (a value from the branch would stay live, in a register, across their loops).
+    grad = T(1) - t * t if cap > 0 else T(1)
     return x - slope * T(abs(p - j)), grad
 
 
@@ -164,7 +166,9 @@ def row_position(i, rules, length):  # type: ignore[no-untyped-def]
 def visible(j, p, rules, end):  # type: ignore[no-untyped-def]
     """Whether key ``j`` is visible to a query at position ``p`` (keys ``>= end`` do not exist)."""
     _, _, left, right = rules[REACH]
-    return j < end and j <= p + right and j >= p - left
+    # ``&``, not ``and``: three comparisons and no branch (a short-circuit ``and`` returned
+    # as a value leaves a branch in the kernels' innermost loops, and costs them registers).
+    return (j < end) & (j <= p + right) & (j >= p - left)
 
 
 def row_keys(p, rules, first, end):  # type: ignore[no-untyped-def]

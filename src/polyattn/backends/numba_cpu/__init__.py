@@ -18,7 +18,7 @@ HOST = True
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
 RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
-                   "segment_ids"})
+                   "segment_ids", "score_mod", "mask_mod"})
 
 
 def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
@@ -30,9 +30,13 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     if rules.segments is not None and rules.segment_keys is None:
         return ("it lowers segment ids sorted in every row (packed sequences) as key "
                 "ranges, and these are not sorted")
-    from polyattn.backends.numba_cpu import compiler
+    from polyattn.backends.numba_cpu import compiler, user_rules
 
     usable, why = compiler.availability()
+    if usable and rules.user is not None:
+        why_not = user_rules.check(rules)
+        if why_not is not None:
+            return why_not
     if usable and "compiled" in needs:
         try:
             compiler.kernels()

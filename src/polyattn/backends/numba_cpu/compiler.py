@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from polyattn.backends.numba_cpu.threads import choose_threading_layer
+from polyattn.backends.numba_cpu.user_rules import quiet
 
 _lock = threading.Lock()
 #: Where a compile that nothing cached forces is announced (a child of "polyattn").
@@ -110,8 +111,9 @@ def kernels(*, announce: bool = True) -> dict[str, Any]:
                 _announce_compile("forward", [(forward, sig) for sig in signatures()])
             hits = sum(forward.stats.cache_hits.values())
             try:
-                for sig in signatures():
-                    forward.compile(sig)
+                with quiet():
+                    for sig in signatures():
+                        forward.compile(sig)
                 # every call converts to these signatures ("A" layout, read-only inputs)
                 # instead of compiling one more specialisation per memory layout
                 forward.disable_compile()
@@ -137,8 +139,9 @@ def backward_kernel(*, announce: bool = True) -> Any:
                                                 compiled.backward_signature(dt))
                                                for dt in (np.float32, np.float64)])
             try:
-                for dt in (np.float32, np.float64):
-                    compiled.backward.compile(compiled.backward_signature(dt))
+                with quiet():
+                    for dt in (np.float32, np.float64):
+                        compiled.backward.compile(compiled.backward_signature(dt))
                 compiled.backward.disable_compile()
             except Exception as exc:  # a compiler error of any kind: report it
                 raise KernelUnavailable(f"the numba_cpu backward kernel failed to compile: "

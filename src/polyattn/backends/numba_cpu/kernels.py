@@ -11,7 +11,8 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import cfunc, njit, prange
+from numba.extending import intrinsic
 
 from polyattn.backends.numba_cpu.tiles import (
     TILE_ROWS,
@@ -26,6 +27,7 @@ from polyattn.backends.numba_cpu.tiles import (
     tile_8,
     tile_rows,
 )
+from polyattn.backends.numba_cpu.user_rules import EMPTY, PARTIAL, signatures, user_type
 from polyattn.rules import element
 from polyattn.rules.lowering import lower
 
@@ -72,6 +74,36 @@ def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
     return c0
 
 
+# --- the rules users write: compiled functions over a span of keys (.user_rules), called
+# through pointers; the no-op ones stand in where a call has no such rule
+
+@intrinsic
+def as_pointer(typingctx: Any, address: Any, like: Any) -> Any:
+    """The address ``address`` as a pointer to elements of the array ``like``'s dtype."""
+    pointer = numba.types.CPointer(like.dtype)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, like), codegen
+
+
+def _noop_span(s: Any, stride: Any, n: Any, b: Any, h: Any, q: Any, key0: Any, fb: Any,
+               ib: Any, meta: Any) -> None:
+    return
+
+
+def _noop_grad(s: Any, stride: Any, n: Any, b: Any, h: Any, q: Any, key0: Any, d: Any,
+               fb: Any, ib: Any, meta: Any) -> None:
+    return
+
+
+#: Per dtype name: the no-op (score, score_grad, mask) functions.
+NOOP = {name: tuple(cfunc(signatures(name)[form], cache=True)(fn)
+                    for form, fn in (("score", _noop_span), ("score_grad", _noop_grad),
+                                     ("mask", _noop_span)))
+        for name in ("float32", "float64")}
+
 
 # --- products in register tiles, and what every kernel does to one panel of scores -------
 #
@@ -80,7 +112,9 @@ def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
 # across query rows is a SIMD vector operation. Integer parameters (``iparams``):
 # 0 causal, 1/2 how far left/right of its position a row sees (UNBOUNDED: every key), 3 the mask
 # (0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
-# 8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per item.
+# 8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per item, 13 segment
+# ids, 14 scores keep a derivative (soft-capping or a score_mod), 15 a score_mod, 16 a
+# mask_mod, 17/18 its block mask's tile (rows, keys). ``user``: .user_rules.lower.
 # Float parameters (``fparams``): scale, softcap, 0, 1, -inf, the dropout keep scale.
 
 @njit(nogil=True, cache=True, inline="always")
@@ -126,13 +160,16 @@ def wide_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c:
 def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offset: int,
                k0: int, n: int, iparams: Any, lse: Any, b: int, seen_only: bool,
                heads: Any, qrow: Any, first: Any, last: Any,
-               segments: Any) -> tuple[int, int]:
+               segments: Any, user: Any) -> tuple[int, int]:
     """For each column ``c`` of the panel of query rows ``[c0, c0 + W)`` of an item (row
     ``r`` is query ``q0 + r mod bq`` of its ``r div bq``-th head): its head, its query, and
     the keys ``[first, last)`` of the block ``[k0, k0 + n)`` its row may see (causal,
-    window, its segment's keys ``segments[b, i]`` with sorted segment ids; none for
-    padding columns, nor, with ``seen_only``, for rows whose ``lse`` is
-    ``-inf``). Returns ``(lo, hi)``, the keys some column sees (``lo >= hi``: none)."""
+    window, its segment's keys ``segments[b, i]`` with sorted segment ids, the key
+    blocks a block mask leaves to its query block; none for padding columns, nor, with
+    ``seen_only``, for rows whose ``lse`` is ``-inf``). Returns ``(lo, hi)``, the keys
+    some column sees (``lo >= hi``: none)."""
+    ranges = user[7]
+    rb = b if ranges.shape[0] > 1 else 0
     left, right = iparams[1], iparams[2]
     ninf = lse.dtype.type(-np.inf)
     lo, hi = n, 0
@@ -151,6 +188,10 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
         j_lo, j_hi = keys_in_reach(i + offset, i + offset, left, right, 0, k0 + n)
         if iparams[13]:
             j_lo, j_hi = max(j_lo, segments[b, i, 0]), min(j_hi, segments[b, i, 1])
+        if iparams[16]:
+            rh = h if ranges.shape[1] > 1 else 0
+            qb = min(i // iparams[17], ranges.shape[2] - 1)
+            j_lo, j_hi = max(j_lo, ranges[rb, rh, qb, 0]), min(j_hi, ranges[rb, rh, qb, 1])
         j0 = min(n, max(0, j_lo - k0))
         j1 = max(j0, j_hi - k0)
         if j0 < j1:
@@ -163,17 +204,20 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
 def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any,
                     qrow: Any, k0: int, offset: int, b: int, mb: int, mask: Any,
                     slopes: Any, fparams: Any, iparams: Any, tt: Any,
-                    keep_tanh: bool) -> None:
+                    keep_tanh: bool, user: Any) -> None:
     """The transform of docs/semantics.rst on the scores ``st[lo:hi]``, column by column on
     the keys each column sees (soft-capping and ALiBi by :func:`modify`, the scaled score
     their derivative kept in ``tt`` for the backward pass (:func:`modify_and_grad`);
-    the mask, a boolean one replacing hidden scores by -inf, so that a NaN or inf score of
-    a hidden key cannot reach the result), and -inf on the keys it does not see."""
-    ninf, zero = fparams[4], fparams[2]
+    a ``score_mod`` (its derivative multiplying ``tt``); the mask, a boolean one
+    replacing hidden scores by -inf, so that a NaN or inf score of a hidden key cannot
+    reach the result; a ``mask_mod`` on the partial tiles of its block mask, -inf on the
+    empty ones), and -inf on the keys it does not see."""
+    ninf, zero, one = fparams[4], fparams[2], fparams[3]
     has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
+    has_score, has_user_mask = iparams[15], iparams[16]
     cap = fparams[1] if has_cap else zero                # modify: no cap where cap <= 0
     inv_cap = fparams[3] / fparams[1]
-    transform = has_cap or has_alibi or has_mask
+    transform = has_cap or has_alibi or has_mask or has_score or has_user_mask
     whole = True
     for c in range(first.shape[0]):
         if first[c] > lo or last[c] < hi:
@@ -202,6 +246,18 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
             else:
                 for j in range(j0, j1):
                     st[j, c] = modify(st[j, c], p, k0 + j, cap, inv_cap, slope)
+        if has_score:
+            ld, size = st.shape[1], st.itemsize
+            at = as_pointer(st.ctypes.data + (j0 * ld + c) * size, st)
+            fb, ib, meta = user_buffers(user)
+            if keep_tanh:
+                if not has_cap:
+                    for j in range(j0, j1):
+                        tt[j, c] = one
+                dt_at = as_pointer(tt.ctypes.data + (j0 * ld + c) * size, tt)
+                user[1](at, ld, j1 - j0, b, h, i, k0 + j0, dt_at, fb, ib, meta)
+            else:
+                user[0](at, ld, j1 - j0, b, h, i, k0 + j0, fb, ib, meta)
         if has_mask:
             mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
             per_key = mrow.shape[0] > 1
@@ -212,6 +268,42 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
                         st[j, c] = ninf
                 else:
                     st[j, c] += mval
+        if has_user_mask:
+            user_mask_column(st, c, j0, j1, k0, b, h, i, iparams, user, ninf)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def user_buffers(user: Any) -> tuple[Any, Any, Any]:
+    """Pointers to the ``mod_args`` buffers of :func:`.user_rules.lower`."""
+    return (as_pointer(user[3].ctypes.data, user[3]), as_pointer(user[4].ctypes.data, user[4]),
+            as_pointer(user[5].ctypes.data, user[5]))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def user_mask_column(st: Any, c: int, j0: int, j1: int, k0: int, b: int, h: int, i: int,
+                     iparams: Any, user: Any, ninf: Any) -> None:
+    """The ``mask_mod`` on keys ``[k0 + j0, k0 + j1)`` of column ``c`` (query ``i`` of head
+    ``h``), tile by tile of its block mask: -inf on an empty tile, the function on a
+    partial one, nothing on a full one."""
+    kinds = user[6]
+    rows, keys = iparams[17], iparams[18]
+    kb_ = b if kinds.shape[0] > 1 else 0
+    kh = h if kinds.shape[1] > 1 else 0
+    qb = min(i // rows, kinds.shape[2] - 1)
+    ld, size = st.shape[1], st.itemsize
+    fb, ib, meta = user_buffers(user)
+    j = j0
+    while j < j1:
+        tile = (k0 + j) // keys
+        end = min(j1, (tile + 1) * keys - k0)
+        kind = kinds[kb_, kh, qb, min(tile, kinds.shape[3] - 1)]
+        if kind == EMPTY:
+            for jj in range(j, end):
+                st[jj, c] = ninf
+        elif kind == PARTIAL:
+            at = as_pointer(st.ctypes.data + (j * ld + c) * size, st)
+            user[2](at, ld, end - j, b, h, i, k0 + j, fb, ib, meta)
+        j = end
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -260,8 +352,8 @@ def pack_columns(x: Any, xb: int, hk: int, g_heads: int, q0: int, bq: int, rows:
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, item: Any,
-                fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
+                mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
+                item: Any, fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
     """One work item: the G heads of key/value head ``hk`` of batch row ``b``, query rows
     ``[q0, q1)``, keys ``[k_lo, k_hi)``, in panels of W query rows; per block of keys and
     panel, ``Sᵀ = scale·K·Qᵀ`` for the keys the panel sees, their transform, the online
@@ -298,14 +390,14 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
         for p in range(panels):
             c0 = p * width
             lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
-                                b, False, heads, qrow, first, last, segments)
+                                b, False, heads, qrow, first, last, segments, user)
             if lo >= hi:
                 continue                         # no row of the panel sees these keys
             s_lo = st.ctypes.data + lo * width * size
             tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[p].ctypes.data, width,
                          s_lo, width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
-                            mask, slopes, fparams, iparams, st, False)
+                            mask, slopes, fparams, iparams, st, False, user)
             softmax_step(s_lo, hi - lo, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
                          acc[p].ctypes.data, ev, width, zero)
             if has_dropout:
@@ -333,11 +425,11 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
 # compiled for the signatures of :func:`signature` by ``numba_cpu.kernels``
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def forward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-            mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, items: Any,
-            fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
+            mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
+            items: Any, fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
     for t in prange(items.shape[0]):
         attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, segments,
-                    items[t],
+                    user, items[t],
                     fparams, iparams, out, lse)
 
 
@@ -353,7 +445,8 @@ def signature(dt: Any) -> Any:
 
     i1 = arr(t.int64, 1)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
-                  arr(dt, 2), arr(t.int64, 3), arr(t.int64, 2), arr(dt, 1), i1,
+                  arr(dt, 2), arr(t.int64, 3), user_type(dt), arr(t.int64, 2), arr(dt, 1),
+                  i1,
                   arr(dt, 4, False),
                   arr(dt, 3, False))
 
@@ -386,12 +479,12 @@ def dropout_panel(st: Any, dpt: Any, pd: Any, lo: int, hi: int, first: Any, last
 def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, last: Any,
                    dcol: Any, fparams: Any, iparams: Any) -> None:
     """``dS = P ∘ (dP - D)`` into ``st`` (which holds ``P``) for keys ``[lo, hi)``, then
-    soft-capping's chain rule (``tt`` holds each score's derivative from
-    :func:`modify_and_grad`)."""
+    the chain rule of soft-capping and a ``score_mod`` (``tt`` holds each score's
+    derivative from :func:`transform_panel`)."""
     for j in range(lo, hi):
         for c in range(first.shape[0]):
             st[j, c] = st[j, c] * (dpt[j, c] - dcol[c])
-    if iparams[5]:
+    if iparams[14]:
         for c in range(first.shape[0]):
             for j in range(first[c], last[c]):
                 st[j, c] *= tt[j, c]
@@ -399,8 +492,9 @@ def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, las
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                    mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, go: Any,
-                    lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any, dq: Any) -> None:
+                    mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
+                    go: Any, lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any,
+                    dq: Any) -> None:
     """dQ of one work item (as in the forward pass): per block of keys and panel of query
     rows, ``Sᵀ`` and ``P`` recomputed from the saved ``lse``, ``dPᵀ = V·dOᵀ``, ``dS``, and
     ``dQᵀ += scale·Kᵀ·dSᵀ``."""
@@ -431,7 +525,7 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
         dcol[r] = dd[b, h, i]
     dqt = np.zeros((panels, e, width), dtype=dt)
     st, dpt = np.empty((block_k, width), dtype=dt), np.empty((block_k, width), dtype=dt)
-    tt = np.empty((block_k if iparams[5] else 0, width), dtype=dt)
+    tt = np.empty((block_k if iparams[14] else 0, width), dtype=dt)
     heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
     first, last = np.empty(width, np.int64), np.empty(width, np.int64)
     kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
@@ -443,14 +537,14 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
         for p in range(panels):
             c0 = p * width
             lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
-                                b, True, heads, qrow, first, last, segments)
+                                b, True, heads, qrow, first, last, segments, user)
             if lo >= hi:
                 continue
             s_lo = st.ctypes.data + lo * width * size
             tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[p].ctypes.data, width,
                          s_lo, width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
-                            mask, slopes, fparams, iparams, tt, True)
+                            mask, slopes, fparams, iparams, tt, True, user)
             exp_columns(s_lo, hi - lo, width, shift[c0:].ctypes.data, zero)
             tile_product(v_ptr + lo * ldv * size, ldv, 1, hi - lo, dot[p].ctypes.data,
                          width, dpt.ctypes.data + lo * width * size, width, ev, fparams[3],
@@ -470,8 +564,8 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                  mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, go: Any,
-                  lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any, dk: Any,
+                  mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
+                  go: Any, lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any, dk: Any,
                   dv: Any) -> None:
     """dK and dV of keys ``[k0, k1)`` of head ``hk``, batch row ``b``, over every query row
     of the G heads of its group, in panels of KEY_PANELS × W rows: ``Sᵀ``, ``P`` and
@@ -505,12 +599,12 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
     shift, dcol = np.empty(wide, dtype=dt), np.empty(wide, dtype=dt)
     st, dpt = np.empty((n, wide), dtype=dt), np.empty((n, wide), dtype=dt)
     pd = np.empty((n if iparams[7] else 0, wide), dtype=dt)
-    tt = np.empty((n if iparams[5] else 0, wide), dtype=dt)
+    tt = np.empty((n if iparams[14] else 0, wide), dtype=dt)
     heads, qrow = np.empty(wide, np.int64), np.empty(wide, np.int64)
     first, last = np.empty(wide, np.int64), np.empty(wide, np.int64)
     for c0 in range(0, rows, wide):
         lo, hi = panel_keys(c0, rows, tq, 0, hk, g_heads, offset, k0, n, iparams, lse, b,
-                            True, heads, qrow, first, last, segments)
+                            True, heads, qrow, first, last, segments, user)
         if lo >= hi:
             continue
         for c in range(wide):
@@ -536,7 +630,7 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
             tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[sub].ctypes.data,
                          width, s_lo + sub * width * size, wide, e, scale, False, size)
         transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b], mask,
-                        slopes, fparams, iparams, tt, True)
+                        slopes, fparams, iparams, tt, True, user)
         for sub in range(KEY_PANELS):
             exp_columns(s_lo + sub * width * size, hi - lo, wide,
                         shift.ctypes.data + sub * width * size, zero)
@@ -565,16 +659,16 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
 
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def backward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any, mmap: Any,
-             lengths: Any, offsets: Any, slopes: Any, segments: Any, go: Any, lse: Any,
-             dd: Any, q_items: Any, k_items: Any, fparams: Any, iparams: Any, dq: Any, dk: Any,
-             dv: Any) -> None:
+             lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any, go: Any,
+             lse: Any, dd: Any, q_items: Any, k_items: Any, fparams: Any, iparams: Any,
+             dq: Any, dk: Any, dv: Any) -> None:
     """dQ over the query items, then dK and dV over the key items (each its own rows)."""
     for t in prange(q_items.shape[0]):
         grad_query_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                        segments, go, lse, dd, q_items[t], fparams, iparams, dq)
+                        segments, user, go, lse, dd, q_items[t], fparams, iparams, dq)
     for t in prange(k_items.shape[0]):
         grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                      segments, go, lse, dd, k_items[t], fparams, iparams, dk, dv)
+                      segments, user, go, lse, dd, k_items[t], fparams, iparams, dk, dv)
 
 
 def backward_signature(dt: Any) -> Any:
@@ -587,6 +681,7 @@ def backward_signature(dt: Any) -> Any:
 
     i1, i2 = arr(t.int64, 1), arr(t.int64, 2)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
-                  arr(dt, 2), arr(t.int64, 3), arr(dt, 4), arr(dt, 3), arr(dt, 3), i2, i2,
+                  arr(dt, 2), arr(t.int64, 3), user_type(dt), arr(dt, 4), arr(dt, 3),
+                  arr(dt, 3), i2, i2,
                   arr(dt, 1), i1,
                   arr(dt, 4, False), arr(dt, 4, False), arr(dt, 4, False))

@@ -10,7 +10,11 @@ The entries of ``iparams`` (int64): 0 causal, 1/2 how far left/right of its posi
 a query row sees (:data:`~polyattn.rules.lowering.UNBOUNDED`: every key), 3 the mask
 (0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
 8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per work item,
-13 segment ids (sorted: each query row sees only its segment's keys ``segments[b, i]``).
+13 segment ids (sorted: each query row sees only its segment's keys ``segments[b, i]``),
+14 scores keep their derivative for the backward pass (soft-capping or a ``score_mod``),
+15 a ``score_mod``, 16 a ``mask_mod``, 17/18 its block mask's tile (rows, keys); the
+user's functions, their ``mod_args`` and the block mask travel as the tuple ``user``
+(:func:`.user_rules.lower`).
 The entries of ``fparams`` (the compute dtype): the scale, the soft-cap (1 without),
 0, 1, -inf, the factor of kept weights under dropout (1 without).
 """
@@ -23,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from polyattn.backends.numba_cpu import user_rules
 from polyattn.rules.dropout import key_words, threshold
 from polyattn.rules.element import position
 from polyattn.rules.lowering import reach
@@ -33,7 +38,7 @@ from polyattn.rules.visibility import Rules
 class Lowered:
     """The rules of one call as the kernels take them."""
 
-    #: (14,) int64: flags, reaches, block size, dropout's counters' key, heads, rows, segments
+    #: (19,) int64: flags, reaches, block size, dropout's counters' key, heads, rows, segments
     iparams: np.ndarray
     #: (6,) compute dtype: scale, soft-cap, constants, dropout's factor
     fparams: np.ndarray
@@ -46,6 +51,8 @@ class Lowered:
     #: (prod(B…), Tq, 2) int64: the keys ``[lo, hi)`` of each query's segment (sorted segment
     #: ids, :attr:`~polyattn.rules.visibility.Rules.segment_keys`), or (1, 1, 2) zeros
     segments: np.ndarray
+    #: the user's rules as the kernels take them (:func:`.user_rules.lower`)
+    user: tuple[Any, ...]
 
 
 def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype: Any,
@@ -85,11 +92,15 @@ def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype:
     else:
         segments = np.zeros((1, 1, 2), dtype=np.int64)
     key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
+    user, (tile_rows, tile_keys) = user_rules.lower(rules, batch, heads, dtype)
+    has_score = rules.user is not None and rules.user.score_mod is not None
+    has_mask = rules.user is not None and rules.user.mask_mod is not None
     iparams = np.array([
         int(rules.causal), left, right, mask_kind, int(rules.alibi is not None),
         int(rules.softcap is not None), block_k, int(rules.dropout),
         threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, heads, rows,
-        int(rules.segment_keys is not None),
+        int(rules.segment_keys is not None), int(rules.softcap is not None or has_score),
+        int(has_score), int(has_mask), tile_rows, tile_keys,
     ], dtype=np.int64)
     return Lowered(iparams=iparams, fparams=fparams, lengths=lengths, offsets=offsets,
-                   slopes=slopes, segments=segments)
+                   slopes=slopes, segments=segments, user=user)

@@ -77,6 +77,8 @@ class Call:
                     scale=scale, mask_kind=mask_kind, block_k=BLOCK_K)
         self.lengths, self.offsets, self.slopes = low.lengths, low.offsets, low.slopes
         self.segments = low.segments
+        self.user = low.user
+        self.tile = (int(low.iparams[17]), int(low.iparams[18]))
         self.fparams, self.iparams = low.fparams, low.iparams
 
     def query_items(self) -> np.ndarray:
@@ -92,8 +94,24 @@ class Call:
                     lo = max(lo, int(self.segments[b, q0, 0]))
                     hi = min(hi, int(self.segments[b, q1 - 1, 1]))
                 for hk in range(self.hkv):
-                    items.append((b, hk, q0, q1, lo, max(lo, hi)))
+                    k_lo, k_hi = self._blocks_keys(b, hk, q0, q1)
+                    item_lo, item_hi = max(lo, k_lo), min(hi, k_hi)
+                    items.append((b, hk, q0, q1, item_lo, max(item_lo, item_hi)))
         return _largest_first(items)
+
+    def _blocks_keys(self, b: int, hk: int, q0: int, q1: int) -> tuple[int, int]:
+        """The keys ``[lo, hi)`` a ``mask_mod``'s block mask leaves to query rows ``[q0, q1)``
+        of the heads of key/value head ``hk`` (every key without one)."""
+        ranges = self.user[7]                                   # (B|1, H|1, nq, 2)
+        rows, _ = self.tile
+        g = self.h // self.hkv
+        heads = slice(hk * g, (hk + 1) * g) if ranges.shape[1] > 1 else slice(0, 1)
+        sub = ranges[b if ranges.shape[0] > 1 else 0, heads,
+                     min(q0 // rows, ranges.shape[2] - 1):(q1 - 1) // rows + 1]
+        seen = sub[..., 0] < sub[..., 1]
+        if not seen.any():
+            return 0, 0
+        return int(sub[..., 0][seen].min()), int(sub[..., 1][seen].max())
 
     def key_items(self) -> np.ndarray:
         """(b, hk, k0, k1, 0, Tq) per block of keys below each batch row's length."""
@@ -105,9 +123,9 @@ class Call:
 
     def common(self) -> tuple[Any, ...]:
         """The arguments every kernel takes first: the arrays, maps, lengths, offsets,
-        slopes, segments."""
+        slopes, segments, the user's rules."""
         return (self.q4, self.k4, self.v4, self.qmap, self.kmap, self.vmap, self.mask4,
-                self.mmap, self.lengths, self.offsets, self.slopes, self.segments)
+                self.mmap, self.lengths, self.offsets, self.slopes, self.segments, self.user)
 
 
 def _largest_first(items: Sequence[tuple[int, ...]]) -> np.ndarray:

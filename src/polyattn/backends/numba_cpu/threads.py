@@ -71,7 +71,9 @@ def run(kernel: Any, *args: Any) -> None:
     ones), serialised where the threading layer needs it."""
     import numba
 
-    with _serialised():
+    from polyattn.backends.numba_cpu.user_rules import quiet
+
+    with _serialised(), quiet():          # the kernels take the user's rules as functions
         before = numba.set_parallel_chunksize(1)
         try:
             kernel(*args)

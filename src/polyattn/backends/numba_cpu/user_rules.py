@@ -1,0 +1,171 @@
+"""The family's lowering of the rules users write (``score_mod``, ``mask_mod``,
+``mod_args``, ``block_mask``): compiled functions the kernels call through pointers.
+
+A rule is traced once (:mod:`polyattn.rules.scalar`) and its source compiled by Numba
+as C-callable functions over a span of keys of one query row (``score``,
+``score_grad``, ``mask``), about 0.1 s each, kept per process by their source and
+dtype: a rule written again, or called with other arrays, reuses them. The kernels take
+them as first-class function arguments, so they are compiled once for every rule (and
+kept in Numba's cache on disk like the rest). :func:`lower` builds the tuple the
+kernels take (:func:`user_type` types it): the three functions (no-ops where the call
+has no such rule), the ``mod_args`` buffers, and the block mask's tile kinds and each
+query block's key range (tiles of one block of every key visible where no block mask
+was built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from polyattn.rules import scalar
+
+_lock = threading.Lock()
+#: Tile kinds (polyattn.blockmask): a tile no key of is visible, some are, every one is.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+#: A block mask's tile side where there is none: one tile over every query and key.
+WHOLE = 2**40
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Within it, Numba's word that first-class functions are experimental is not shown
+    (the kernels take the compiled rules as such)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="First-class function type feature")
+        yield
+
+
+def signatures(dtype: Any) -> dict[str, Any]:
+    """The Numba signatures of the compiled rule functions in ``dtype`` (a NumPy or Numba
+    float32 or float64; :data:`polyattn.rules.scalar.HEADS`)."""
+    return _signatures(str(dtype))
+
+
+@functools.cache
+def _signatures(name: str) -> dict[str, Any]:
+    from numba import types as nt
+
+    t = nt.float32 if name == "float32" else nt.float64
+    p, i = nt.CPointer, nt.int64
+    span = (p(t), i, i, i, i, i, i)
+    buffers = (p(t), p(i), p(i))
+    return {"score": nt.void(*span, *buffers), "score_grad": nt.void(*span, p(t), *buffers),
+            "mask": nt.void(*span, *buffers)}
+
+
+def user_type(dtype: Any) -> Any:
+    """The Numba type of the tuple :func:`lower` gives (a kernel signature's entry)."""
+    return _user_type(str(dtype))
+
+
+@functools.cache
+def _user_type(name: str) -> Any:
+    from numba import types as nt
+
+    t = nt.float32 if name == "float32" else nt.float64
+    sigs = signatures(name)
+
+    def arr(dt: Any, ndim: int) -> Any:
+        return nt.Array(dt, ndim, "A", readonly=True)
+
+    with quiet():
+        return nt.Tuple((nt.FunctionType(sigs["score"]), nt.FunctionType(sigs["score_grad"]),
+                         nt.FunctionType(sigs["mask"]), arr(t, 1), arr(nt.int64, 1),
+                         arr(nt.int64, 1), arr(nt.int8, 4), arr(nt.int64, 4)))
+
+
+@functools.cache
+def _compiled(text: str, form: str, dtype_name: str) -> Any:
+    """The source ``text`` of form ``form`` compiled as a C-callable function in ``dtype``."""
+    import numba
+
+    from polyattn.backends.numba_cpu.kernels import fastmath
+
+    t = np.dtype(dtype_name).type
+    clamp = numba.njit(inline="always")(
+        types.FunctionType(scalar.clamp.__code__, {"min": min, "max": max}, "clamp"))
+    names: dict[str, Any] = {"T": t, "math": math, "clamp": clamp}
+    exec(compile(text, f"<polyattn rule {form}>", "exec"), names)   # noqa: S102
+    return numba.cfunc(signatures(dtype_name)[form], fastmath=fastmath,
+                       error_model="numpy")(names[form])
+
+
+def functions(rules: Any, dtype: Any) -> tuple[Any, Any, Any]:
+    """``(score, score_grad, mask)`` compiled for the call's user rules (the kernels'
+    no-op ones where there is no such rule)."""
+    from polyattn.backends.numba_cpu import kernels
+
+    name = np.dtype(dtype).name
+    noop = kernels.NOOP[name]
+    user = rules.user
+    score, grad, mask = noop
+    with _lock:
+        if user is not None and user.score_mod is not None:
+            traced = scalar.trace(user.score_mod, "score_mod", _arrays(user.mod_args))
+            score = _compiled(scalar.source(traced, "score"), "score", name)
+            grad = _compiled(scalar.source(traced, "score_grad"), "score_grad", name)
+        if user is not None and user.mask_mod is not None:
+            traced = scalar.trace(user.mask_mod, "mask_mod", _arrays(user.mod_args))
+            mask = _compiled(scalar.source(traced, "mask"), "mask", name)
+    return score, grad, mask
+
+
+def _arrays(mod_args: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray(a) for a in mod_args)
+
+
+def check(rules: Any) -> str | None:
+    """Why the call's user rules cannot be compiled (``None``: they can): the first
+    tracing error, naming the function."""
+    user = rules.user
+    if user is None:
+        return None
+    try:
+        arrays = _arrays(user.mod_args)
+        for fn, what in ((user.score_mod, "score_mod"), (user.mask_mod, "mask_mod")):
+            if fn is not None:
+                scalar.trace(fn, what, arrays)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def lower(rules: Any, batch: tuple[int, ...], heads: int, dtype: Any,
+          ) -> tuple[tuple[Any, ...], tuple[int, int]]:
+    """The tuple of :func:`user_type` for a call, and the block mask's tile (rows, keys)."""
+    score, grad, mask = functions(rules, dtype)
+    user = rules.user
+    mod_args = () if user is None else _arrays(user.mod_args)
+    width = 1 + 2 * max([a.ndim for a in mod_args], default=0)
+    fb, ib, meta = scalar.pack(mod_args, dtype, width)
+    n_batch = math.prod(batch)
+    blocks = rules.blocks
+    if blocks is None or user is None or user.mask_mod is None:
+        kinds = np.full((1, 1, 1, 1), PARTIAL, dtype=np.int8)
+        ranges = np.array([0, WHOLE], dtype=np.int64).reshape(1, 1, 1, 2)
+        return (score, grad, mask, fb, ib, meta, kinds, ranges), (WHOLE, WHOLE)
+    kinds = np.asarray(blocks.kinds, dtype=np.int8)            # (B…|1, H|1, nq, nk)
+    lead = kinds.shape[:-3]
+    if lead:
+        kinds = np.broadcast_to(kinds, (*batch, *kinds.shape[-3:])).reshape(
+            n_batch, *kinds.shape[-3:])
+    else:
+        kinds = kinds.reshape(1, *kinds.shape)
+    kinds = np.ascontiguousarray(kinds)
+    _, bk = blocks.block
+    seen = kinds != EMPTY                                       # (B|1, H|1, nq, nk)
+    nk = kinds.shape[-1]
+    any_seen = seen.any(axis=-1)
+    first = np.where(any_seen, seen.argmax(axis=-1), 0) * bk
+    last = np.where(any_seen, (nk - seen[..., ::-1].argmax(axis=-1)) * bk, 0)
+    ranges = np.ascontiguousarray(np.stack([first, last], axis=-1).astype(np.int64))
+    return (score, grad, mask, fb, ib, meta, kinds, ranges), tuple(blocks.block)
