@@ -1,8 +1,8 @@
-"""Rules users write: ``score_mod``, ``mask_mod`` and ``mod_args`` (DESIGN §3.2).
+"""Rules users write: ``score_mod``, ``mask_mod`` and ``mod_args`` (docs/rules.rst).
 
 Every built-in rule re-expressed as a ``score_mod`` or ``mask_mod`` gives the
 built-in's result, forward, log-sum-exp and gradients, on every backend, on the
-implementations that take user rules (``reference`` and ``chunked``); a T5-style
+implementations that take user rules (``reference``, ``chunked``, ``numba_cpu``); a T5-style
 relative bias table in ``mod_args`` against the same bias as a float ``attn_mask``;
 torch autograd and ``jax.grad`` through the functions and their floating
 ``mod_args``; Dask laziness; the errors (Python control flow, a bad ``mod_args``)
@@ -139,7 +139,7 @@ def test_relative_bias_table_against_the_float_mask(xp, device, dtype_name, impl
 
 
 @NUMPY_SESSION_ONLY
-@pytest.mark.parametrize("name", ["reference", "chunked"])
+@pytest.mark.parametrize("name", ["reference", "chunked", "numba_cpu"])
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_vjp_equals_the_built_in_vjp(name, call, monkeypatch):
     implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
@@ -159,7 +159,9 @@ def test_vjp_equals_the_built_in_vjp(name, call, monkeypatch):
 
 
 @NUMPY_SESSION_ONLY
-def test_vjp_by_central_differences():
+@pytest.mark.parametrize("name", ["reference", "numba_cpu"])
+def test_vjp_by_central_differences(name, monkeypatch):
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
     rng = np.random.default_rng(44)
     q, k, v = _inputs(rng)
     table = rng.standard_normal((4, 9))
@@ -170,7 +172,8 @@ def test_vjp_by_central_differences():
                            mask_mod=causal) * go).sum())
 
     _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, score_mod=t5_bias,
-                                         mod_args=(table,), mask_mod=causal)
+                                         mod_args=(table,), mask_mod=causal,
+                                         implementation=implementation)
     dq = pullback(go)[0]
     eps = 1e-6
     for index in [(0, 0, 0, 0), (1, 3, 6, 7), (0, 2, 3, 1)]:
@@ -291,8 +294,7 @@ def test_errors_name_the_function_at_the_call():
     with pytest.raises(ValueError, match="pass one of"):
         sdpa(q, q, q, mod_args=(np.zeros(3),))
     with pytest.raises(ValueError, match="does not apply score_mod"):
-        sdpa(q, q, q, score_mod=softcap, implementation="numba_cpu"
-             if "numba_cpu" in CASES else "distributed")
+        sdpa(q, q, q, score_mod=softcap, implementation="distributed")
 
 
 def test_ops_on_numbers_and_derivatives():

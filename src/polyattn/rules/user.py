@@ -50,6 +50,9 @@ class Table:
         device = getattr(a, "device", None)
         parts = [i if hasattr(i, "shape") else xp.asarray(i, device=device) for i in index]
         parts = [xp.astype(i, xp.int64) if i.dtype != xp.int64 else i for i in parts]
+        # a negative index counts from the end of its own axis (as Python's), not of the
+        # flattened table
+        parts = [xp.where(i < 0, i + n, i) for i, n in zip(parts, a.shape, strict=False)]
         parts = list(xp.broadcast_arrays(*parts)) if len(parts) > 1 else parts
         lead = a.shape[:len(index)]
         rest = tuple(a.shape[len(index):])

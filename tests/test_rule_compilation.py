@@ -1,0 +1,229 @@
+"""User rules compiled into kernels (polyattn.rules.scalar, the numba_cpu family).
+
+The traced source, run as plain Python over a span of scores, gives what the rule gives
+on NumPy tiles, and its derivative what ``ops.Dual`` gives; the constructs that cannot
+become scalar code are refused naming the function and the construct; ``mod_args``
+buffers hold every kind of array, an index outside a table is clamped to it; on
+``numba_cpu``: a block mask with empty tiles between visible ones, rows a ``mask_mod``
+hides entirely, integer and boolean tables, and a rule the kernel cannot take (``"auto"`` runs
+the blocked path instead, ``implementation="numba_cpu"`` refuses naming it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from _support import NUMPY_SESSION_ONLY, use_implementation
+from helpers import Backend, rel_error
+
+import polyattn
+from polyattn import ops
+from polyattn.rules import scalar
+from polyattn.rules.user import UserRules, modified, modified_grad
+
+pytestmark = NUMPY_SESSION_ONLY
+sdpa = polyattn.scaled_dot_product_attention
+
+
+def _rules():
+    """score_mods whose value and derivative the traced source must reproduce, with the
+    mod_args they read."""
+    table = np.linspace(-1.0, 1.0, 4 * 9).reshape(4, 9)
+    steps = np.array([3, -1, 4, 1, -5], dtype=np.int32)
+    return {
+        "softcap": (lambda s, b, h, q, kv: 2.5 * ops.tanh(s / 2.5), ()),
+        "relu-below-diagonal": (lambda s, b, h, q, kv: ops.where(
+            q >= kv, s, ops.maximum(s, 0.0)), ()),
+        "quotient": (lambda s, b, h, q, kv: s / (1.0 + s * s) - 2.0 / (3.0 + ops.abs(s)), ()),
+        "powers-and-roots": (lambda s, b, h, q, kv: s ** 3 / 7.0 + ops.sqrt(s * s + 1.0)
+                             - ops.log(ops.exp(-s) + 2.0), ()),
+        "trigonometry": (lambda s, b, h, q, kv: ops.sin(s) * ops.cos(0.5 * s) - s, ()),
+        "integer-maths": (lambda s, b, h, q, kv: s + ((q - kv) // 3) % 4 - (b + h) * 0.25
+                          + (q ^ kv) - (kv << 1) + (q >> 1), ()),
+        "tables": (lambda s, b, h, q, kv, tb, st: s * tb[h, (q - kv) % 9] + st[kv % 5 - 2]
+                   + ops.minimum(s, tb[h, -1]), (table, steps)),
+        "constant": (lambda s, b, h, q, kv: 1.5 + 0 * q, ()),
+    }
+
+
+def _run_source(traced, form, scores, b, h, q, key0, arrays):
+    """The generated ``form`` run as Python on a list of scores (stride 1)."""
+    width = scalar.meta_width(traced)
+    fb, ib, meta = scalar.pack(arrays, np.float64, width)
+    names = {"T": float, "math": math, "clamp": scalar.clamp}
+    exec(scalar.source(traced, form), names)
+    s = list(scores)
+    if form == "score_grad":
+        d = [1.0] * len(s)
+        names[form](s, 1, len(s), b, h, q, key0, d, fb, ib, meta)
+        return np.array(s), np.array(d)
+    names[form](s, 1, len(s), b, h, q, key0, fb, ib, meta)
+    return np.array(s), None
+
+
+@pytest.mark.parametrize("name", sorted(_rules()))
+def test_source_matches_the_rule_on_tiles_value_and_derivative(name):
+    fn, arrays = _rules()[name]
+    traced = scalar.trace(fn, "score_mod", arrays)
+    rng = np.random.default_rng(7)
+    import array_api_compat.numpy as xp
+
+    user = UserRules(score_mod=fn, mod_args=arrays)
+    for b, h, q in ((0, 0, 2), (1, 3, 5)):
+        scores = rng.standard_normal(9) * 3
+        tile = np.broadcast_to(scores, (2, 2, 2, 1, 9)).copy()       # (B, Hkv, G, bq, bk)
+        want = modified(user, tile, q, q + 1, 0, 9, xp, None)[b, h // 2, h % 2, 0]
+        grad = modified_grad(user, tile, q, q + 1, 0, 9, xp, None)[b, h // 2, h % 2, 0]
+        got, _ = _run_source(traced, "score", scores, b, h, q, 0, arrays)
+        got2, d = _run_source(traced, "score_grad", scores, b, h, q, 0, arrays)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(got2, want, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(d, grad, rtol=1e-12, atol=1e-12)
+
+
+def test_mask_source_and_clamped_indices():
+    allowed = np.array([True, False, True])
+    traced = scalar.trace(lambda b, h, q, kv, ok: ops.logical_and(ok[kv - 1], q >= kv),
+                          "mask_mod", (allowed,))
+    got, _ = _run_source(traced, "mask", np.zeros(6), 0, 0, 3, 0, (allowed,))
+    # kv - 1 = -1 reads from the end (True); 3, 4 clamp to the last entry; q >= kv hides 4, 5
+    want = [0.0, 0.0, -np.inf, 0.0, -np.inf, -np.inf]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fn, what, construct", [
+    (lambda s, b, h, q, kv: s if s > 0 else 0.0 * s, "score_mod", "ops.where"),
+    (lambda s, b, h, q, kv: math.tanh(s), "score_mod", "Python float"),
+    (lambda s, b, h, q, kv: np.tanh(s), "score_mod", "NumPy function"),
+    (lambda s, b, h, q, kv: s + np.ones(3), "score_mod", "through mod_args"),
+    (lambda s, b, h, q, kv: s ** q, "score_mod", "ops.exp and ops.log"),
+    (lambda s, b, h, q, kv, t: s + t[h, s], "score_mod", "indexed by a floating value"),
+    (lambda s, b, h, q, kv, t: s + t[h], "score_mod", "a kernel indexes every axis"),
+    (lambda s, b, h, q, kv: s + sum(range(q)), "score_mod", "Python int"),
+    (lambda b, h, q, kv: q - kv, "mask_mod", "must return a condition"),
+    (lambda b, h, q, kv: ops.where(q > kv, 1.0, 0.0), "mask_mod", "must return a condition"),
+])
+def test_constructs_that_cannot_be_compiled_are_named(fn, what, construct):
+    with pytest.raises(TypeError, match=rf"{what} .*lambda.* cannot be compiled into a "
+                                        rf"kernel: .*{construct}"):
+        scalar.trace(fn, what, (np.zeros((2, 3)),) if "t" in fn.__code__.co_varnames else ())
+
+
+# --------------------------------------------------------------------------- #
+# numba_cpu
+# --------------------------------------------------------------------------- #
+
+@pytest.fixture
+def numba_cpu(monkeypatch):
+    return use_implementation("numba_cpu", Backend.NUMPY, monkeypatch)
+
+
+def _qkv(rng, tq=40, tk=40, dtype=np.float64):
+    return (rng.standard_normal((2, 4, tq, 8)).astype(dtype),
+            rng.standard_normal((2, 2, tk, 8)).astype(dtype),
+            rng.standard_normal((2, 2, tk, 8)).astype(dtype))
+
+
+def document(b, h, q_idx, kv_idx, doc):
+    return doc[b, q_idx] == doc[b, kv_idx]
+
+
+def test_numba_cpu_block_mask_with_empty_tiles_between_visible_ones(numba_cpu):
+    """Packed documents: the tiles between a row's document and the diagonal are empty
+    and skipped, partial ones run the mask_mod; a row of a document whose keys a second
+    rule hides entirely is fully masked (out 0, lse -inf)."""
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng)
+    doc = np.repeat(np.array([[0] * 13 + [1] * 7 + [2] * 20, [0] * 30 + [1] * 10]), 1, axis=0)
+    bm = polyattn.block_mask(document, (2,), None, 40, 40, mod_args=(doc,), block=(8, 8))
+    assert bm.counts["empty"] > 0 and bm.counts["full"] > 0
+
+    def hide_second(b, h, q_idx, kv_idx, doc):
+        return ops.logical_and(doc[b, q_idx] == doc[b, kv_idx], doc[b, q_idx] != 1)
+
+    for mask_mod in (document, hide_second):
+        kw = dict(enable_gqa=True, mask_mod=mask_mod, mod_args=(doc,), return_lse=True)
+        out, lse = sdpa(q, k, v, implementation=numba_cpu,
+                        block_mask=bm if mask_mod is document else None, **kw)
+        ref, ref_lse = sdpa(q, k, v, implementation="reference", **kw)
+        assert rel_error(out, ref) <= 1e-12
+        finite = np.isfinite(ref_lse)
+        np.testing.assert_array_equal(np.isfinite(lse), finite)
+        assert rel_error(lse[finite], ref_lse[finite]) <= 1e-12
+    assert (~finite).any() and (out[~finite] == 0).all()
+
+
+def test_numba_cpu_with_every_other_rule(numba_cpu):
+    """User rules between the built-in ones (docs/semantics.rst's order): soft-capping and
+    ALiBi before score_mod, a float mask after it, key lengths, a window, segment ids and
+    dropout beside a mask_mod; forward and gradients in float32 and float64."""
+    rng = np.random.default_rng(9)
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 2e-5)):
+        q, k, v = _qkv(rng, 33, 37, dtype)
+        table = rng.standard_normal((4, 9)).astype(dtype)
+
+        def t5(s, b, h, q_idx, kv_idx, tb):
+            return s + tb[h, ops.minimum(ops.maximum(q_idx - kv_idx, -4), 4) + 4]
+
+        def stripes(b, h, q_idx, kv_idx, tb):
+            return (q_idx + kv_idx + h) % 5 != 0
+
+        kw = dict(enable_gqa=True, softcap=4.0, alibi_slopes=rng.random(4),
+                  attn_mask=rng.standard_normal((33, 37)).astype(dtype),
+                  key_lengths=np.array([30, 37]), window=(20, 3), score_mod=t5,
+                  mask_mod=stripes, mod_args=(table,),
+                  segment_ids=(np.sort(rng.integers(0, 3, (2, 33))),
+                               np.sort(rng.integers(0, 3, (2, 37)))))
+        out, pullback = polyattn.attention_vjp(q, k, v, implementation=numba_cpu, **kw)
+        ref, ref_pullback = polyattn.attention_vjp(q, k, v, implementation="reference", **kw)
+        assert rel_error(out, ref) <= tol
+        go = rng.standard_normal(out.shape).astype(dtype)
+        for a, b in zip(pullback(go), ref_pullback(go), strict=True):
+            assert rel_error(a, b) <= 20 * tol
+        drop = dict(kw, dropout_p=0.3, dropout_seed=5)
+        assert rel_error(sdpa(q, k, v, implementation=numba_cpu, **drop),
+                         sdpa(q, k, v, implementation="reference", **drop)) <= tol
+
+
+def test_numba_cpu_integer_and_boolean_tables(numba_cpu):
+    rng = np.random.default_rng(10)
+    q, k, v = _qkv(rng, 20, 24)
+    buckets = rng.integers(-8, 8, size=30).astype(np.int16)       # negative: from the end
+    visible = rng.random((4, 24)) > 0.3
+    bias = rng.standard_normal(8)
+
+    def score_mod(s, b, h, q_idx, kv_idx, bk, vis, bias):
+        return s + bias[bk[q_idx + kv_idx // 4]]
+
+    def mask_mod(b, h, q_idx, kv_idx, bk, vis, bias):
+        return ops.logical_or(vis[h, kv_idx], q_idx == kv_idx)
+
+    kw = dict(enable_gqa=True, score_mod=score_mod, mask_mod=mask_mod,
+              mod_args=(buckets, visible, bias))
+    out = sdpa(q, k, v, implementation=numba_cpu, **kw)
+    index = np.arange(20)[:, None] + np.arange(24)[None, :] // 4
+    b_ = buckets[index].astype(np.int64)
+    b_ = np.where(b_ < 0, b_ + 8, b_)
+    allowed = visible[:, None, :] | (np.arange(20)[:, None] == np.arange(24))[None]
+    ref = sdpa(q, k, v, enable_gqa=True, attn_mask=np.where(allowed, bias[b_][None], -np.inf),
+               implementation="reference")
+    assert rel_error(out, ref) <= 1e-12
+
+
+def test_numba_cpu_refuses_a_rule_it_cannot_compile_and_auto_runs_it_elsewhere(numba_cpu):
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, 64, 64)
+
+    def numpy_inside(b, h, q_idx, kv_idx):
+        return np.logical_and(q_idx >= kv_idx, kv_idx >= 0)    # NumPy tiles, not a kernel
+
+    with pytest.raises(ValueError, match=r"numba_cpu.*numpy_inside.*NumPy function"):
+        sdpa(q, k, v, enable_gqa=True, mask_mod=numpy_inside, implementation=numba_cpu)
+    explanation = polyattn.explain(q, k, v, enable_gqa=True, mask_mod=numpy_inside)
+    assert explanation.implementation != "numba_cpu"
+    assert "numpy_inside" in str(explanation)
+    out = sdpa(q, k, v, enable_gqa=True, mask_mod=numpy_inside)
+    ref = sdpa(q, k, v, enable_gqa=True, is_causal=True, implementation="reference")
+    assert rel_error(out, ref) <= 1e-12
