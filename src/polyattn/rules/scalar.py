@@ -300,6 +300,9 @@ HEADS = {
     "score": "def score(s, stride, n, b, h, q, key0, fb, ib, meta):",
     "score_grad": "def score_grad(s, stride, n, b, h, q, key0, d, fb, ib, meta):",
     "mask": "def mask(s, stride, n, b, h, q, key0, fb, ib, meta):",
+    # one score at a time (a GPU thread's): the value and derivative; whether it is visible
+    "score_element": "def score_element(x, b, h, q, kv, fb, ib, meta):",
+    "mask_element": "def mask_element(b, h, q, kv, fb, ib, meta):",
 }
 
 
@@ -483,19 +486,28 @@ class _Writer:
 
 
 def source(traced: Traced, form: str) -> str:
-    """Python source of ``traced`` as the function ``form`` (of :data:`HEADS`): over the
-    span of keys ``key0 + t``, ``t < n``, of query row ``q`` of head ``h``, batch row
-    ``b``: ``score`` replaces each score by the rule's, ``score_grad`` does so and
-    multiplies ``d`` by the rule's derivative, ``mask`` puts ``-inf`` on hidden keys.
-    Names it uses: ``T`` (the compute type), ``math``, ``clamp``."""
-    w = _Writer(traced, grad=form == "score_grad")
-    result = w.value(traced.result)
-    body = list(w.lines)
+    """Python source of ``traced`` as the function ``form`` (of :data:`HEADS`).
+
+    Over the span of keys ``key0 + t``, ``t < n``, of query row ``q`` of head ``h``,
+    batch row ``b``: ``score`` replaces each score by the rule's, ``score_grad`` does so
+    and multiplies ``d`` by the rule's derivative, ``mask`` puts ``-inf`` on hidden keys.
+    One score at a time: ``score_element`` returns the rule's score and its derivative,
+    ``mask_element`` whether the key is visible. Names it uses: ``T`` (the compute
+    type), ``math``, ``clamp``."""
+    w = _Writer(traced, grad=form in ("score_grad", "score_element"))
+    w.value(traced.result)
+    if form in ("score_element", "mask_element"):
+        if form == "score_element":
+            grad = w.derivative(traced.result)
+            tail = [f"return {w._as(traced.result, FLOAT)}, {grad or 'T(0)'}"]
+        else:
+            tail = [f"return {w._condition(traced.result)}"]
+        body = [*w.outer, *w.lines, *tail]
+        return "\n".join([HEADS[form], *("    " + line for line in body)]) + "\n"
     if form == "score":
         tail = [f"s[t * stride] = {w._as(traced.result, FLOAT)}"]
     elif form == "score_grad":
         grad = w.derivative(traced.result)
-        body = list(w.lines)
         tail = [f"s[t * stride] = {w._as(traced.result, FLOAT)}",
                 f"d[t * stride] = d[t * stride] * {grad or 'T(0)'}"]
     elif form == "mask":
@@ -503,12 +515,11 @@ def source(traced: Traced, form: str) -> str:
                 "    s[t * stride] = -T(math.inf)"]
     else:
         raise ValueError(f"form must be one of {sorted(HEADS)}, got {form!r}")
-    del result
     lines = [HEADS[form], *("    " + line for line in w.outer),
              "    for t in range(n):", "        kv = key0 + t"]
     if form != "mask":
         lines.append("        x = s[t * stride]")
-    lines += ["        " + line for line in (*body, *tail)]
+    lines += ["        " + line for line in (*w.lines, *tail)]
     return "\n".join(lines) + "\n"
 
 
