@@ -154,7 +154,8 @@ def test_vjp_equals_the_built_in_vjp(name, call, monkeypatch):
     _, reference = polyattn.attention_vjp(q, k, v, enable_gqa=True, implementation="reference",
                                           **built_in)
     go = rng.standard_normal((2, 4, 7, 5))
-    for a, b in zip(pullback(go), reference(go), strict=True):
+    # a score_mod reading floating mod_args (the ALiBi slopes) adds their gradient last
+    for a, b in zip(pullback(go)[:3], reference(go), strict=True):
         assert rel_error(a, b) <= 1e-12
 
 
@@ -180,6 +181,47 @@ def test_vjp_by_central_differences(name, monkeypatch):
         e = np.zeros_like(q)
         e[index] = eps
         assert abs((loss(q + e) - loss(q - e)) / (2 * eps) - dq[index]) < 1e-7
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("name", ["reference", "chunked", "numba_cpu"])
+def test_vjp_gives_the_floating_mod_args_gradients(name, monkeypatch):
+    """The pullback returns (dq, dk, dv, dsinks, then each floating mod_args array's
+    gradient): learned ALiBi slopes and a T5 table against central differences; an
+    integer table gets none."""
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
+    rng = np.random.default_rng(49)
+    q, k, v = _inputs(rng)
+    slopes, table, sinks = rng.random(4), rng.standard_normal((4, 9)), rng.standard_normal(4)
+    offsets = np.array([0, 1, 0, 2, 1, 0, 0, 1, 2])              # integer: no gradient
+    go = rng.standard_normal((2, 4, 7, 5))
+
+    def rule(s, b, h, i, j, sl, tb, off):
+        return t5_bias(alibi(s, b, h, i, j, sl), b, h, i + off[j], j, tb)
+
+    def loss(sl, tb):
+        return float((sdpa(q, k, v, enable_gqa=True, score_mod=rule, mask_mod=causal,
+                           sinks=sinks, mod_args=(sl, tb, offsets),
+                           implementation="reference") * go).sum())
+
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, score_mod=rule,
+                                         mask_mod=causal, sinks=sinks,
+                                         mod_args=(slopes, table, offsets),
+                                         implementation=implementation)
+    grads = pullback(go)
+    assert len(grads) == 6
+    dslopes, dtable = grads[4:]
+    assert dslopes.shape == slopes.shape and dtable.shape == table.shape
+    eps = 1e-6
+    for which, x, got in ((0, slopes, dslopes), (1, table, dtable)):
+        for index in np.ndindex(x.shape) if x.ndim == 1 else [(0, 4), (3, 0), (2, 8)]:
+            e = np.zeros_like(x)
+            e[index] = eps
+            args = [slopes, table]
+            plus, minus = list(args), list(args)
+            plus[which], minus[which] = x + e, x - e
+            want = (loss(*plus) - loss(*minus)) / (2 * eps)
+            assert abs(want - got[index]) < 1e-7 * max(1.0, abs(want))
 
 
 @pytest.mark.skipif(Backend.TORCH not in selected_backends(), reason="torch session")

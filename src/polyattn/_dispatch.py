@@ -232,6 +232,15 @@ def run(problem: Problem, name: str, *, grad: bool = True,
     return _autograd.differentiable(runner, problem, backends.family("chunked"), grad=grad)
 
 
+def run_mod_args_gradients(problem: Problem, out: Any, lse: Any, grad_out: Any,
+                           grad_lse: Any) -> list[Any]:
+    """The gradients of the floating ``mod_args`` of ``problem``, in order (one Array-API
+    pass over the tiles, whichever implementation ran)."""
+    from polyattn.backends import array_api
+
+    return array_api.mod_args_gradients(problem, out, lse, grad_out, grad_lse)
+
+
 def run_backward(problem: Problem, name: str, out: Any, lse: Any, grad_out: Any,
                  grad_lse: Any) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of implementation ``name``, in the backends' layout."""

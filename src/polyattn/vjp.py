@@ -60,7 +60,8 @@ def attention_vjp(
     Takes the arguments of :func:`scaled_dot_product_attention` and returns
     its result together with ``pullback``: given the gradient of a loss with
     respect to ``out``, ``pullback(grad_out)`` returns the gradients with
-    respect to ``query``, ``key`` and ``value`` (and ``sinks``, when given).
+    respect to ``query``, ``key`` and ``value`` (then ``sinks``, when given, and each
+    floating array of ``mod_args`` that a ``score_mod`` reads).
     This is what NumPy and CuPy, which have no automatic differentiation,
     need for training; on torch and
     JAX it gives the same numbers as their autodiff (which also works
@@ -84,8 +85,10 @@ def attention_vjp(
         Exactly what :func:`scaled_dot_product_attention` returns.
     pullback : callable
         ``pullback(grad_out, grad_lse=None) -> (grad_query, grad_key,
-        grad_value)``, and ``grad_sinks`` fourth when ``sinks`` is given (one
-        gradient per differentiable argument, in order, as ``jax.vjp``).
+        grad_value)``, then ``grad_sinks`` when ``sinks`` is given, then with a
+        ``score_mod`` the gradient of each floating array of ``mod_args``, in
+        their order (one gradient per differentiable argument, as ``jax.vjp``;
+        integer and boolean ``mod_args`` have none).
         ``grad_out`` has the shape of ``out``; ``grad_lse`` (the shape of
         ``lse``, only meaningful with ``return_lse=True``) adds
         the gradient of a loss that also uses the log-sum-exp. The gradients
@@ -106,6 +109,12 @@ def attention_vjp(
       over the rows of head ``h`` (and the batch rows a (H,) table is shared
       by), ``p_sink,i = exp(sinks[h] - lse_i)``; the query, key and value
       gradients are FlashAttention-2's with the sink in ``lse``.
+    * ``mod_args`` read by a ``score_mod`` (a learned relative-bias table,
+      learned ALiBi slopes): the gradient of each floating one sums
+      ``dS · ∂score_mod/∂t`` over the scores that read its element ``t``, in one
+      more pass over the visible tiles on the Array-API path (about the cost of
+      a forward pass per load the rule makes), whichever implementation gave the
+      other gradients. A ``mask_mod``'s arrays get none (its result is boolean).
     * Dropout: the backward pass drops the same weights as the forward pass,
       recomputed from ``dropout_seed``; no mask is stored.
     * Memory: besides the inputs and gradients, O(T·block) on the blocked
@@ -193,6 +202,9 @@ def _pullback(query: Array, key: Array, value: Array, sinks: Array | None, probl
     inputs = {"query": query, "key": key, "value": value}
     shapes = {n: _bhte_shape(x, layout) for n, x in inputs.items()}
     dtypes = {n: x.dtype for n, x in inputs.items()}
+    user = problem.rules.user
+    tables = ([a for a in user.mod_args if xp.isdtype(a.dtype, "real floating")]
+              if user is not None and user.score_mod is not None else [])
 
     def pullback(grad_out: Array, grad_lse: Array | None = None) -> tuple[Array, ...]:
         with quiet_floating_point(result_out):
@@ -227,6 +239,12 @@ def _pullback(query: Array, key: Array, value: Array, sinks: Array | None, probl
                 gs = _sinks.gradient(out, lse, problem.sinks, go, gl, xp)
                 gs = xp.reshape(gs, tuple(sinks.shape))
                 grads.append(gs if gs.dtype == sinks.dtype else xp.astype(gs, sinks.dtype))
+            if tables:
+                got = ([xp.zeros(tuple(t.shape), dtype=t.dtype, device=device_of(t))
+                        for t in tables] if empty else
+                       _dispatch.run_mod_args_gradients(ran, out, lse, go, gl))
+                grads += [g if g.dtype == t.dtype else xp.astype(g, t.dtype)
+                          for g, t in zip(got, tables, strict=True)]
             return tuple(grads)
 
     return pullback

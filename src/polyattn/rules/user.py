@@ -42,6 +42,11 @@ class Table:
         return self.array.dtype
 
     def __getitem__(self, index: Any) -> Array:
+        return self.lookup(index)[0]
+
+    def lookup(self, index: Any) -> tuple[Array, Array]:
+        """``(self[index], the flat indices it read)``, the latter shaped as the indices
+        broadcast together."""
         xp, a = self.xp, self.array
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > a.ndim:
@@ -62,7 +67,7 @@ class Table:
         shape = tuple(flat.shape)
         table = xp.reshape(a, (-1, *rest)) if len(index) > 1 or a.ndim > 1 else a
         got = xp.take(table, xp.reshape(flat, (-1,)), axis=0)
-        return xp.reshape(got, (*shape, *rest))
+        return xp.reshape(got, (*shape, *rest)), flat
 
     def __repr__(self) -> str:
         return f"Table(shape={self.shape}, dtype={self.dtype})"
@@ -152,6 +157,57 @@ def modified_grad(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int,
     if not isinstance(out, Dual):              # a score_mod that ignores the score
         return xp.zeros(tuple(s.shape), dtype=s.dtype, device=device)
     return _like(out.d, s, xp)
+
+
+class _Seeded(Table):
+    """A floating ``mod_args`` array whose ``target``-th load (counted over every table of
+    the call, in the order the rule makes them) carries a derivative of 1: the rule's
+    result then carries its derivative with respect to the elements that load read."""
+
+    __slots__ = ("log", "number")
+
+    def __init__(self, array: Array, xp: Any, number: int, log: dict[str, Any]) -> None:
+        super().__init__(array, xp)
+        self.number, self.log = number, log
+
+    def __getitem__(self, index: Any) -> Any:
+        value, flat = self.lookup(index)
+        log = self.log
+        at = log["count"]
+        log["count"] += 1
+        log["tables"].append(self.number)
+        if at == log["target"]:
+            if value.ndim != flat.ndim:
+                raise TypeError(f"a gradient of mod_args[{self.number}] needs every axis "
+                                "of it indexed (one element per score)")
+            log["flat"] = flat
+            return Dual(value, self.xp.ones_like(value))
+        return value
+
+
+def table_partials(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int, xp: Any,
+                   device: Any, floating: tuple[int, ...],
+                   ) -> list[tuple[int, Array, Array]]:
+    """For each load ``score_mod`` makes of a ``mod_args`` array numbered in ``floating``,
+    on the tile ``s`` (its scores before ``score_mod``): ``(number, flat indices read,
+    d score_mod / d element read)``, both broadcasting to the tile."""
+    assert user.score_mod is not None
+    *batch, hkv, g, _, _ = s.shape
+    idx = indices(tuple(batch), hkv, g, q0, q1, k0, k1, xp, device)
+
+    def run(target: int) -> tuple[Any, dict[str, Any]]:
+        log: dict[str, Any] = {"count": 0, "target": target, "tables": [], "flat": None}
+        tables = [_Seeded(a, xp, n, log) if n in floating else Table(a, xp)
+                  for n, a in enumerate(user.mod_args)]
+        return _call(user.score_mod, "score_mod", s, *idx, *tables), log
+
+    _, census = run(-1)
+    found = []
+    for target, number in enumerate(census["tables"]):
+        out, log = run(target)
+        if isinstance(out, Dual):                # the load reaches the result
+            found.append((number, log["flat"], out.d))
+    return found
 
 
 def visible(user: UserRules, batch: tuple[int, ...], hkv: int, g: int, q0: int, q1: int,

@@ -75,3 +75,15 @@ def weights(problem: Any) -> Any:
 
     alpha, lse = reference.weights_and_lse(problem.q, problem.k, **problem.arguments())
     return alpha * sinks.share(lse, problem.sinks, problem.xp)[..., None]
+
+
+def mod_args_gradients(problem: Any, out: Any, lse: Any, grad_out: Any,
+                       grad_lse: Any) -> list[Any]:
+    """The gradients of the call's floating ``mod_args`` arrays, in order (:mod:`.tables`),
+    whichever implementation gave those of query, key and value."""
+    from polyattn.backends.array_api import tables
+
+    if not tables.floating(problem.rules, problem.xp):
+        return []
+    return tables.gradients(problem.q, problem.k, problem.v, out, lse, grad_out,  # type: ignore[no-any-return]
+                            grad_lse=grad_lse, **problem.arguments())
