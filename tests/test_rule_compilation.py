@@ -49,17 +49,21 @@ def _rules():
 
 
 def _run_source(traced, form, scores, b, h, q, key0, arrays):
-    """The generated ``form`` run as Python on a list of scores (stride 1)."""
+    """The generated ``form`` run as Python on a panel of one query row (``ld = w = 1``)."""
     width = scalar.meta_width(traced)
     fb, ib, meta = scalar.pack(arrays, np.float64, width)
-    names = {"T": float, "math": math, "clamp": scalar.clamp}
+    names = {"T": float, "math": math, "clamp": scalar.clamp, "tanh": math.tanh}
     exec(scalar.source(traced, form), names)
     s = list(scores)
+    panel = (s, 1, len(s), 1, key0, [q], [h], b)
     if form == "score_grad":
         d = [1.0] * len(s)
-        names[form](s, 1, len(s), b, h, q, key0, d, fb, ib, meta)
+        names[form](*panel, d, fb, ib, meta)
         return np.array(s), np.array(d)
-    names[form](s, 1, len(s), b, h, q, key0, fb, ib, meta)
+    if form == "mask":
+        names[form](*panel, [1], fb, ib, meta)
+    else:
+        names[form](*panel, fb, ib, meta)
     return np.array(s), None
 
 
@@ -114,6 +118,32 @@ def test_constructs_that_cannot_be_compiled_are_named(fn, what, construct):
 # --------------------------------------------------------------------------- #
 # numba_cpu
 # --------------------------------------------------------------------------- #
+
+def test_numba_cpu_tanh32_within_3_ulp_of_tanh():
+    """The kernels' float32 tanh (soft-capping, ops.tanh) against float64's, with inf and
+    NaN."""
+    pytest.importorskip("numba", reason="numba_cpu's own tanh needs Numba (numba_cpu session)")
+    from numba import njit
+
+    from polyattn.backends.numba_cpu.tanh import tanh32
+
+    @njit
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = tanh32(x[i])
+
+    x = np.concatenate([np.linspace(-12, 12, 400001), np.geomspace(1e-30, 12, 20001),
+                        -np.geomspace(1e-30, 12, 20001)]).astype(np.float32)
+    out = np.empty_like(x)
+    apply(x, out)
+    ref = np.tanh(x.astype(np.float64))
+    ulp = np.abs(out - ref) / np.spacing(np.abs(ref).astype(np.float32))
+    assert ulp.max() <= 3.0
+    special = np.array([np.inf, -np.inf, np.nan, 0.0], dtype=np.float32)
+    got = np.empty_like(special)
+    apply(special, got)
+    np.testing.assert_array_equal(got, [1.0, -1.0, np.nan, 0.0])
+
 
 @pytest.fixture
 def numba_cpu(monkeypatch):

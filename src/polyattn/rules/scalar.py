@@ -5,8 +5,9 @@ The Array-API paths call a user's function on tiles (:mod:`.user`). A kernel wor
 score at a time, so :func:`trace` calls the function once on symbolic values
 (:class:`Node`) that record what it does: arithmetic, comparisons, the functions of
 :mod:`polyattn.ops`, and ``mod_args`` indexed by the index arguments. The record is a
-small expression graph; :func:`source` writes it as a loop over a span of keys of one
-query row (a column of a CPU kernel's panel of scores), in the compute type ``T``, with
+small expression graph; :func:`source` writes it as loops over a panel of keys by query
+rows (a CPU kernel's tile of scores), or as one score (a GPU thread's), in the compute
+type ``T``, with
 ``d score_mod / d score`` beside the value where the backward pass wants it (forward
 differentiation of the graph). The kernels' families compile that source
 (``numba_cpu``: a C-callable function its kernels call through a pointer).
@@ -26,7 +27,7 @@ one, an array other than ``mod_args``, a power whose exponent is not a number.
 >>> rule.uses_score, rule.kind
 (True, 'f')
 >>> print(source(rule, "score_grad").splitlines()[0])
-def score_grad(s, stride, n, b, h, q, key0, d, fb, ib, meta):
+def score_grad(s, ld, n, w, key0, qs, hs, b, d, fb, ib, meta):
 """
 
 from __future__ import annotations
@@ -294,12 +295,15 @@ def _depends(node: Node, leaf: str, memo: dict[int, bool]) -> bool:
 # Source code
 # --------------------------------------------------------------------------- #
 
-#: The signatures of the generated functions (a span of ``n`` keys of one query row,
-#: scores ``s[t·stride]``, derivatives ``d[t·stride]``, buffers ``fb``, ``ib``, ``meta``).
+#: The signatures of the generated functions. A panel: keys ``key0 + j``, ``j < n``, by
+#: ``w`` query rows (row ``c``: query ``qs[c]`` of head ``hs[c]``, batch row ``b``), scores
+#: ``s[j·ld + c]`` (rows contiguous: the loop over them runs in SIMD vectors), derivatives
+#: ``d[j·ld + c]``, ``on[c]``: whether row ``c`` takes the mask; buffers ``fb``, ``ib``,
+#: ``meta`` (:func:`pack`).
 HEADS = {
-    "score": "def score(s, stride, n, b, h, q, key0, fb, ib, meta):",
-    "score_grad": "def score_grad(s, stride, n, b, h, q, key0, d, fb, ib, meta):",
-    "mask": "def mask(s, stride, n, b, h, q, key0, fb, ib, meta):",
+    "score": "def score(s, ld, n, w, key0, qs, hs, b, fb, ib, meta):",
+    "score_grad": "def score_grad(s, ld, n, w, key0, qs, hs, b, d, fb, ib, meta):",
+    "mask": "def mask(s, ld, n, w, key0, qs, hs, b, on, fb, ib, meta):",
     # one score at a time (a GPU thread's): the value and derivative; whether it is visible
     "score_element": "def score_element(x, b, h, q, kv, fb, ib, meta):",
     "mask_element": "def mask_element(b, h, q, kv, fb, ib, meta):",
@@ -318,7 +322,8 @@ class _Writer:
         self.depends: dict[int, bool] = {}
 
     def _varies(self, node: Node) -> bool:
-        return _depends(node, "kv", self.depends) or _depends(node, "score", {})
+        """Whether ``node`` changes within the loops (else it is computed once, before)."""
+        return any(_depends(node, leaf, {}) for leaf in ("kv", "q", "h", "score"))
 
     def value(self, node: Node) -> str:
         key = id(node)
@@ -381,6 +386,8 @@ class _Writer:
             return {"land": f"{a} and {b}", "lor": f"{a} or {b}", "lxor": f"{a} != {b}"}[op]
         if op == "lnot":
             return f"not {self._condition(args[0])}"
+        if op == "tanh":                     # the target binds its own (numba_cpu: tanh32)
+            return f"tanh({self._as(args[0], FLOAT)})"
         if op in _UNARY:
             return f"math.{op}({self._as(args[0], FLOAT)})"
         if op == "cast":
@@ -488,12 +495,12 @@ class _Writer:
 def source(traced: Traced, form: str) -> str:
     """Python source of ``traced`` as the function ``form`` (of :data:`HEADS`).
 
-    Over the span of keys ``key0 + t``, ``t < n``, of query row ``q`` of head ``h``,
-    batch row ``b``: ``score`` replaces each score by the rule's, ``score_grad`` does so
-    and multiplies ``d`` by the rule's derivative, ``mask`` puts ``-inf`` on hidden keys.
+    Over a panel of keys by query rows (:data:`HEADS`): ``score`` replaces each score
+    by the rule's, ``score_grad`` does so and multiplies ``d`` by the rule's
+    derivative, ``mask`` puts ``-inf`` on the keys it hides from the rows ``on``.
     One score at a time: ``score_element`` returns the rule's score and its derivative,
     ``mask_element`` whether the key is visible. Names it uses: ``T`` (the compute
-    type), ``math``, ``clamp``."""
+    type), ``math``, ``clamp``, ``tanh``."""
     w = _Writer(traced, grad=form in ("score_grad", "score_element"))
     w.value(traced.result)
     if form in ("score_element", "mask_element"):
@@ -504,22 +511,24 @@ def source(traced: Traced, form: str) -> str:
             tail = [f"return {w._condition(traced.result)}"]
         body = [*w.outer, *w.lines, *tail]
         return "\n".join([HEADS[form], *("    " + line for line in body)]) + "\n"
+    at = "s[j * ld + c]"
     if form == "score":
-        tail = [f"s[t * stride] = {w._as(traced.result, FLOAT)}"]
+        tail = [f"{at} = {w._as(traced.result, FLOAT)}"]
     elif form == "score_grad":
         grad = w.derivative(traced.result)
-        tail = [f"s[t * stride] = {w._as(traced.result, FLOAT)}",
-                f"d[t * stride] = d[t * stride] * {grad or 'T(0)'}"]
+        tail = [f"{at} = {w._as(traced.result, FLOAT)}",
+                f"d[j * ld + c] = d[j * ld + c] * {grad or 'T(0)'}"]
     elif form == "mask":
-        tail = [f"if not {w._condition(traced.result)}:",
-                "    s[t * stride] = -T(math.inf)"]
+        tail = [f"if on[c] != 0 and not ({w._condition(traced.result)}):",
+                f"    {at} = -T(math.inf)"]
     else:
         raise ValueError(f"form must be one of {sorted(HEADS)}, got {form!r}")
     lines = [HEADS[form], *("    " + line for line in w.outer),
-             "    for t in range(n):", "        kv = key0 + t"]
+             "    for j in range(n):", "        kv = key0 + j",
+             "        for c in range(w):", "            q = qs[c]", "            h = hs[c]"]
     if form != "mask":
-        lines.append("        x = s[t * stride]")
-    lines += ["        " + line for line in (*w.lines, *tail)]
+        lines.append(f"            x = {at}")
+    lines += ["            " + line for line in (*w.lines, *tail)]
     return "\n".join(lines) + "\n"
 
 

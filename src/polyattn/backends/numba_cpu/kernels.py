@@ -74,8 +74,8 @@ def philox_x0(n: Any, key0: Any, key1: Any) -> Any:
     return c0
 
 
-# --- the rules users write: compiled functions over a span of keys (.user_rules), called
-# through pointers; the no-op ones stand in where a call has no such rule
+# --- the rules users write: compiled functions over a panel of scores (.user_rules),
+# called through pointers; the no-op ones stand in where a call has no such rule
 
 @intrinsic
 def as_pointer(typingctx: Any, address: Any, like: Any) -> Any:
@@ -88,12 +88,12 @@ def as_pointer(typingctx: Any, address: Any, like: Any) -> Any:
     return pointer(address, like), codegen
 
 
-def _noop_span(s: Any, stride: Any, n: Any, b: Any, h: Any, q: Any, key0: Any, fb: Any,
-               ib: Any, meta: Any) -> None:
+def _noop_span(s: Any, ld: Any, n: Any, w: Any, key0: Any, qs: Any, hs: Any, b: Any,
+               fb: Any, ib: Any, meta: Any) -> None:
     return
 
 
-def _noop_grad(s: Any, stride: Any, n: Any, b: Any, h: Any, q: Any, key0: Any, d: Any,
+def _noop_grad(s: Any, ld: Any, n: Any, w: Any, key0: Any, qs: Any, hs: Any, b: Any, d: Any,
                fb: Any, ib: Any, meta: Any) -> None:
     return
 
@@ -101,7 +101,7 @@ def _noop_grad(s: Any, stride: Any, n: Any, b: Any, h: Any, q: Any, key0: Any, d
 #: Per dtype name: the no-op (score, score_grad, mask) functions.
 NOOP = {name: tuple(cfunc(signatures(name)[form], cache=True)(fn)
                     for form, fn in (("score", _noop_span), ("score_grad", _noop_grad),
-                                     ("mask", _noop_span)))
+                                     ("mask", _noop_grad)))
         for name in ("float32", "float64")}
 
 
@@ -177,6 +177,7 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
         r = c0 + c
         first[c], last[c] = 0, 0
         if r >= rows:
+            heads[c], qrow[c] = 0, 0                     # read by the user's rules, hidden
             continue
         g = r // bq
         i = q0 + r - g * bq
@@ -208,11 +209,11 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
     """The transform of docs/semantics.rst on the scores ``st[lo:hi]``, column by column on
     the keys each column sees (soft-capping and ALiBi by :func:`modify`, the scaled score
     their derivative kept in ``tt`` for the backward pass (:func:`modify_and_grad`);
-    a ``score_mod`` (its derivative multiplying ``tt``); the mask, a boolean one
+    a ``score_mod`` on the whole panel (:func:`user_scores`); the mask, a boolean one
     replacing hidden scores by -inf, so that a NaN or inf score of a hidden key cannot
-    reach the result; a ``mask_mod`` on the partial tiles of its block mask, -inf on the
-    empty ones), and -inf on the keys it does not see."""
-    ninf, zero, one = fparams[4], fparams[2], fparams[3]
+    reach the result; a ``mask_mod`` (:func:`user_mask`)), and -inf on the keys it does
+    not see."""
+    ninf, zero = fparams[4], fparams[2]
     has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
     has_score, has_user_mask = iparams[15], iparams[16]
     cap = fparams[1] if has_cap else zero                # modify: no cap where cap <= 0
@@ -224,15 +225,8 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
             whole = False
     if whole and not transform:
         return
-    mh_full, mi_full = mask.shape[1] > 1, mask.shape[2] > 1
     for c in range(first.shape[0]):
-        j0, j1 = first[c], last[c]
-        if j0 >= j1:
-            j0, j1 = lo, lo
-        for j in range(lo, j0):
-            st[j, c] = ninf
-        for j in range(j1, hi):
-            st[j, c] = ninf
+        j0, j1 = hide_outside(st, c, lo, hi, first, last, ninf)
         if j0 >= j1 or not transform:
             continue
         h, i = heads[c], qrow[c]
@@ -246,30 +240,47 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
             else:
                 for j in range(j0, j1):
                     st[j, c] = modify(st[j, c], p, k0 + j, cap, inv_cap, slope)
-        if has_score:
-            ld, size = st.shape[1], st.itemsize
-            at = as_pointer(st.ctypes.data + (j0 * ld + c) * size, st)
-            fb, ib, meta = user_buffers(user)
-            if keep_tanh:
-                if not has_cap:
-                    for j in range(j0, j1):
-                        tt[j, c] = one
-                dt_at = as_pointer(tt.ctypes.data + (j0 * ld + c) * size, tt)
-                user[1](at, ld, j1 - j0, b, h, i, k0 + j0, dt_at, fb, ib, meta)
-            else:
-                user[0](at, ld, j1 - j0, b, h, i, k0 + j0, fb, ib, meta)
-        if has_mask:
-            mrow = mask[mb, h if mh_full else 0, i if mi_full else 0]
-            per_key = mrow.shape[0] > 1
-            for j in range(j0, j1):
-                mval = mrow[k0 + j] if per_key else mrow[0]
-                if has_mask == 2:
-                    if mval == ninf:
-                        st[j, c] = ninf
-                else:
-                    st[j, c] += mval
-        if has_user_mask:
-            user_mask_column(st, c, j0, j1, k0, b, h, i, iparams, user, ninf)
+        if has_mask and not has_score:
+            mask_column(st, c, j0, j1, k0, h, i, mb, mask, has_mask, ninf)
+    if has_score:                  # after soft-capping and ALiBi, before the mask
+        user_scores(st, lo, hi, heads, qrow, k0, b, tt, keep_tanh, has_cap, fparams, user)
+        for c in range(first.shape[0]):
+            j0, j1 = hide_outside(st, c, lo, hi, first, last, ninf)
+            if has_mask and j0 < j1:
+                mask_column(st, c, j0, j1, k0, heads[c], qrow[c], mb, mask, has_mask, ninf)
+    if has_user_mask:
+        user_mask(st, lo, hi, first, last, heads, qrow, k0, b, iparams, user, ninf)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def hide_outside(st: Any, c: int, lo: int, hi: int, first: Any, last: Any,
+                 ninf: Any) -> tuple[int, int]:
+    """-inf on the keys of ``[lo, hi)`` outside column ``c``'s ``[first[c], last[c])``;
+    returns that range (empty: ``(lo, lo)``)."""
+    j0, j1 = first[c], last[c]
+    if j0 >= j1:
+        j0, j1 = lo, lo
+    for j in range(lo, j0):
+        st[j, c] = ninf
+    for j in range(j1, hi):
+        st[j, c] = ninf
+    return j0, j1
+
+
+@njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
+def mask_column(st: Any, c: int, j0: int, j1: int, k0: int, h: int, i: int, mb: int,
+                mask: Any, kind: int, ninf: Any) -> None:
+    """``attn_mask`` on keys ``[j0, j1)`` of column ``c``: added (``kind`` 1), or -inf where a
+    boolean one (``kind`` 2, held as 0 / -inf) hides the key."""
+    mrow = mask[mb, h if mask.shape[1] > 1 else 0, i if mask.shape[2] > 1 else 0]
+    per_key = mrow.shape[0] > 1
+    for j in range(j0, j1):
+        mval = mrow[k0 + j] if per_key else mrow[0]
+        if kind == 2:
+            if mval == ninf:
+                st[j, c] = ninf
+        else:
+            st[j, c] += mval
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -279,30 +290,63 @@ def user_buffers(user: Any) -> tuple[Any, Any, Any]:
             as_pointer(user[5].ctypes.data, user[5]))
 
 
+@njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
+def user_scores(st: Any, lo: int, hi: int, heads: Any, qrow: Any, k0: int, b: int, tt: Any,
+                keep: bool, has_cap: int, fparams: Any, user: Any) -> None:
+    """The ``score_mod`` on the whole panel ``st[lo:hi]`` (every column: the compiled loop
+    runs across columns in SIMD vectors; the caller hides what a column does not see
+    again), with its derivative multiplying ``tt`` where ``keep``."""
+    ld, size = st.shape[1], st.itemsize
+    at = as_pointer(st.ctypes.data + lo * ld * size, st)
+    qs, hs = as_pointer(qrow.ctypes.data, qrow), as_pointer(heads.ctypes.data, heads)
+    fb, ib, meta = user_buffers(user)
+    if keep:
+        if not has_cap:
+            for j in range(lo, hi):
+                for c in range(ld):
+                    tt[j, c] = fparams[3]
+        d_at = as_pointer(tt.ctypes.data + lo * ld * size, tt)
+        user[1](at, ld, hi - lo, ld, k0 + lo, qs, hs, b, d_at, fb, ib, meta)
+    else:
+        user[0](at, ld, hi - lo, ld, k0 + lo, qs, hs, b, fb, ib, meta)
+
+
 @njit(nogil=True, cache=True, inline="always")
-def user_mask_column(st: Any, c: int, j0: int, j1: int, k0: int, b: int, h: int, i: int,
-                     iparams: Any, user: Any, ninf: Any) -> None:
-    """The ``mask_mod`` on keys ``[k0 + j0, k0 + j1)`` of column ``c`` (query ``i`` of head
-    ``h``), tile by tile of its block mask: -inf on an empty tile, the function on a
-    partial one, nothing on a full one."""
+def user_mask(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any, qrow: Any,
+              k0: int, b: int, iparams: Any, user: Any, ninf: Any) -> None:
+    """The ``mask_mod`` on the panel ``st[lo:hi]``, tile by tile of its block mask: per
+    column, -inf on an empty tile, the compiled mask on a partial one (for the columns
+    whose tile is partial, together), nothing on a full one."""
     kinds = user[6]
     rows, keys = iparams[17], iparams[18]
     kb_ = b if kinds.shape[0] > 1 else 0
-    kh = h if kinds.shape[1] > 1 else 0
-    qb = min(i // rows, kinds.shape[2] - 1)
     ld, size = st.shape[1], st.itemsize
+    on = np.zeros(ld, np.int64)
+    qs, hs = as_pointer(qrow.ctypes.data, qrow), as_pointer(heads.ctypes.data, heads)
+    flags = as_pointer(on.ctypes.data, on)
     fb, ib, meta = user_buffers(user)
-    j = j0
-    while j < j1:
+    j = lo
+    while j < hi:
         tile = (k0 + j) // keys
-        end = min(j1, (tile + 1) * keys - k0)
-        kind = kinds[kb_, kh, qb, min(tile, kinds.shape[3] - 1)]
-        if kind == EMPTY:
-            for jj in range(j, end):
-                st[jj, c] = ninf
-        elif kind == PARTIAL:
-            at = as_pointer(st.ctypes.data + (j * ld + c) * size, st)
-            user[2](at, ld, end - j, b, h, i, k0 + j, fb, ib, meta)
+        end = min(hi, (tile + 1) * keys - k0)
+        kt = min(tile, kinds.shape[3] - 1)
+        partial = False
+        for c in range(ld):
+            on[c] = 0
+            j0, j1 = max(j, first[c]), min(end, last[c])
+            if j0 >= j1:
+                continue
+            kh = heads[c] if kinds.shape[1] > 1 else 0
+            kind = kinds[kb_, kh, min(qrow[c] // rows, kinds.shape[2] - 1), kt]
+            if kind == EMPTY:
+                for jj in range(j0, j1):
+                    st[jj, c] = ninf
+            elif kind == PARTIAL:
+                on[c] = 1
+                partial = True
+        if partial:
+            at = as_pointer(st.ctypes.data + j * ld * size, st)
+            user[2](at, ld, end - j, ld, k0 + j, qs, hs, b, flags, fb, ib, meta)
         j = end
 
 

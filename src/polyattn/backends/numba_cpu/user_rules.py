@@ -2,8 +2,9 @@
 ``mod_args``, ``block_mask``): compiled functions the kernels call through pointers.
 
 A rule is traced once (:mod:`polyattn.rules.scalar`) and its source compiled by Numba
-as C-callable functions over a span of keys of one query row (``score``,
-``score_grad``, ``mask``), about 0.1 s each, kept per process by their source and
+as C-callable functions over a panel of scores, keys by query rows, whose inner loop
+runs across the rows in SIMD vectors (``score``, ``score_grad``, ``mask``), about 0.1 s
+each, kept per process by their source and
 dtype: a rule written again, or called with other arrays, reuses them. The kernels take
 them as first-class function arguments, so they are compiled once for every rule (and
 kept in Numba's cache on disk like the rest). :func:`lower` builds the tuple the
@@ -56,10 +57,10 @@ def _signatures(name: str) -> dict[str, Any]:
 
     t = nt.float32 if name == "float32" else nt.float64
     p, i = nt.CPointer, nt.int64
-    span = (p(t), i, i, i, i, i, i)
+    panel = (p(t), i, i, i, i, p(i), p(i), i)            # s, ld, n, w, key0, qs, hs, b
     buffers = (p(t), p(i), p(i))
-    return {"score": nt.void(*span, *buffers), "score_grad": nt.void(*span, p(t), *buffers),
-            "mask": nt.void(*span, *buffers)}
+    return {"score": nt.void(*panel, *buffers), "score_grad": nt.void(*panel, p(t), *buffers),
+            "mask": nt.void(*panel, p(i), *buffers)}
 
 
 def user_type(dtype: Any) -> Any:
@@ -93,7 +94,10 @@ def _compiled(text: str, form: str, dtype_name: str) -> Any:
     t = np.dtype(dtype_name).type
     clamp = numba.njit(inline="always")(
         types.FunctionType(scalar.clamp.__code__, {"min": min, "max": max}, "clamp"))
-    names: dict[str, Any] = {"T": t, "math": math, "clamp": clamp}
+    from polyattn.backends.numba_cpu.tanh import tanh32
+
+    names: dict[str, Any] = {"T": t, "math": math, "clamp": clamp,
+                             "tanh": tanh32 if t is np.float32 else math.tanh}
     exec(compile(text, f"<polyattn rule {form}>", "exec"), names)   # noqa: S102
     return numba.cfunc(signatures(dtype_name)[form], fastmath=fastmath,
                        error_model="numpy")(names[form])
