@@ -313,8 +313,8 @@ HEADS = {
 class _Writer:
     """Source lines for the nodes of one traced rule, each once."""
 
-    def __init__(self, traced: Traced, grad: bool) -> None:
-        self.traced, self.grad = traced, grad
+    def __init__(self, traced: Traced, grad: bool, width: int) -> None:
+        self.traced, self.grad, self.width = traced, grad, width
         self.lines: list[str] = []
         self.values: dict[int, str] = {}
         self.derivatives: dict[int, str | None] = {}
@@ -409,7 +409,7 @@ class _Writer:
         """Element ``index`` of ``mod_args[number]``: row ``number`` of ``meta`` (flat, rows
         of :func:`meta_width`) holds its offset in its buffer, then (size, stride) per
         axis."""
-        row = number * meta_width(self.traced)
+        row = number * self.width
         terms = [f"meta[{row}]"]
         for axis, i in enumerate(index):
             terms.append(f"clamp({self._as(i, INT)}, meta[{row + 1 + 2 * axis}]) * "
@@ -492,7 +492,7 @@ class _Writer:
         return name
 
 
-def source(traced: Traced, form: str) -> str:
+def source(traced: Traced, form: str, width: int | None = None) -> str:
     """Python source of ``traced`` as the function ``form`` (of :data:`HEADS`).
 
     Over a panel of keys by query rows (:data:`HEADS`): ``score`` replaces each score
@@ -500,8 +500,11 @@ def source(traced: Traced, form: str) -> str:
     derivative, ``mask`` puts ``-inf`` on the keys it hides from the rows ``on``.
     One score at a time: ``score_element`` returns the rule's score and its derivative,
     ``mask_element`` whether the key is visible. Names it uses: ``T`` (the compute
-    type), ``math``, ``clamp``, ``tanh``."""
-    w = _Writer(traced, grad=form in ("score_grad", "score_element"))
+    type), ``math``, ``clamp``, ``tanh``. ``width``: entries of ``meta`` per array
+    (:func:`pack`; default :func:`meta_width`), for buffers that hold more arrays
+    than this rule reads after its own."""
+    w = _Writer(traced, grad=form in ("score_grad", "score_element"),
+                width=meta_width(traced) if width is None else width)
     w.value(traced.result)
     if form in ("score_element", "mask_element"):
         if form == "score_element":

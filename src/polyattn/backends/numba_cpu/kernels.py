@@ -34,10 +34,7 @@ from polyattn.rules.lowering import lower
 # --- the score rules (docs/semantics.rst), one (query, key) pair at a time: the scalar
 # functions of polyattn.rules.element, inlined into the loops below
 
-position = lower(element.position, "cpu")
 keys_in_reach = lower(element.keys_in_reach, "cpu")
-modify = lower(element.modify, "cpu")
-modify_and_grad = lower(element.modify_and_grad, "cpu")
 
 # --- the exponential, the dropout counters
 
@@ -206,48 +203,27 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
                     qrow: Any, k0: int, offset: int, b: int, mb: int, mask: Any,
                     slopes: Any, fparams: Any, iparams: Any, tt: Any,
                     keep_tanh: bool, user: Any) -> None:
-    """The transform of docs/semantics.rst on the scores ``st[lo:hi]``, column by column on
-    the keys each column sees (soft-capping and ALiBi by :func:`modify`, the scaled score
-    their derivative kept in ``tt`` for the backward pass (:func:`modify_and_grad`);
-    a ``score_mod`` on the whole panel (:func:`user_scores`); the mask, a boolean one
-    replacing hidden scores by -inf, so that a NaN or inf score of a hidden key cannot
-    reach the result; a ``mask_mod`` (:func:`user_mask`)), and -inf on the keys it does
-    not see."""
-    ninf, zero = fparams[4], fparams[2]
-    has_mask, has_alibi, has_cap = iparams[3], iparams[4], iparams[5]
-    has_score, has_user_mask = iparams[15], iparams[16]
-    cap = fparams[1] if has_cap else zero                # modify: no cap where cap <= 0
-    inv_cap = fparams[3] / fparams[1]
-    transform = has_cap or has_alibi or has_mask or has_score or has_user_mask
+    """The transform of docs/semantics.rst on the scores ``st[lo:hi]``: soft-capping, ALiBi
+    and a ``score_mod`` as one compiled score rule on the whole panel (:func:`user_scores`,
+    its derivative kept in ``tt`` for the backward pass); then column by column on the
+    keys each column sees, the mask (a boolean one replacing hidden scores by -inf, so
+    that a NaN or inf score of a hidden key cannot reach the result), -inf on the keys
+    it does not see; a ``mask_mod`` (:func:`user_mask`)."""
+    ninf = fparams[4]
+    has_mask, has_score, has_user_mask = iparams[3], iparams[15], iparams[16]
+    transform = has_mask or has_score or has_user_mask
     whole = True
     for c in range(first.shape[0]):
         if first[c] > lo or last[c] < hi:
             whole = False
     if whole and not transform:
         return
+    if has_score:                        # the whole panel; what a column does not see is
+        user_scores(st, lo, hi, heads, qrow, k0, b, tt, keep_tanh, fparams, user)  # hidden
     for c in range(first.shape[0]):
         j0, j1 = hide_outside(st, c, lo, hi, first, last, ninf)
-        if j0 >= j1 or not transform:
-            continue
-        h, i = heads[c], qrow[c]
-        if has_cap or has_alibi:
-            p = position(i, offset, 0, 0)                # offset holds the key-length shift
-            slope = slopes[b, h] if has_alibi else zero
-            if keep_tanh and has_cap:                    # and d(score)/d(scaled score)
-                for j in range(j0, j1):
-                    st[j, c], tt[j, c] = modify_and_grad(st[j, c], p, k0 + j, cap, inv_cap,
-                                                         slope)
-            else:
-                for j in range(j0, j1):
-                    st[j, c] = modify(st[j, c], p, k0 + j, cap, inv_cap, slope)
-        if has_mask and not has_score:
-            mask_column(st, c, j0, j1, k0, h, i, mb, mask, has_mask, ninf)
-    if has_score:                  # after soft-capping and ALiBi, before the mask
-        user_scores(st, lo, hi, heads, qrow, k0, b, tt, keep_tanh, has_cap, fparams, user)
-        for c in range(first.shape[0]):
-            j0, j1 = hide_outside(st, c, lo, hi, first, last, ninf)
-            if has_mask and j0 < j1:
-                mask_column(st, c, j0, j1, k0, heads[c], qrow[c], mb, mask, has_mask, ninf)
+        if has_mask and j0 < j1:
+            mask_column(st, c, j0, j1, k0, heads[c], qrow[c], mb, mask, has_mask, ninf)
     if has_user_mask:
         user_mask(st, lo, hi, first, last, heads, qrow, k0, b, iparams, user, ninf)
 
@@ -292,19 +268,18 @@ def user_buffers(user: Any) -> tuple[Any, Any, Any]:
 
 @njit(nogil=True, fastmath=fastmath, cache=True, inline="always")
 def user_scores(st: Any, lo: int, hi: int, heads: Any, qrow: Any, k0: int, b: int, tt: Any,
-                keep: bool, has_cap: int, fparams: Any, user: Any) -> None:
-    """The ``score_mod`` on the whole panel ``st[lo:hi]`` (every column: the compiled loop
-    runs across columns in SIMD vectors; the caller hides what a column does not see
-    again), with its derivative multiplying ``tt`` where ``keep``."""
+                keep: bool, fparams: Any, user: Any) -> None:
+    """The score rule on the whole panel ``st[lo:hi]`` (every column: the compiled loop
+    runs across columns in SIMD vectors; the caller hides what a column does not see),
+    its derivative into ``tt`` where ``keep``."""
     ld, size = st.shape[1], st.itemsize
     at = as_pointer(st.ctypes.data + lo * ld * size, st)
     qs, hs = as_pointer(qrow.ctypes.data, qrow), as_pointer(heads.ctypes.data, heads)
     fb, ib, meta = user_buffers(user)
     if keep:
-        if not has_cap:
-            for j in range(lo, hi):
-                for c in range(ld):
-                    tt[j, c] = fparams[3]
+        for j in range(lo, hi):
+            for c in range(ld):
+                tt[j, c] = fparams[3]
         d_at = as_pointer(tt.ctypes.data + lo * ld * size, tt)
         user[1](at, ld, hi - lo, ld, k0 + lo, qs, hs, b, d_at, fb, ib, meta)
     else:

@@ -11,9 +11,11 @@ a query row sees (:data:`~polyattn.rules.lowering.UNBOUNDED`: every key), 3 the 
 (0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
 8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per work item,
 13 segment ids (sorted: each query row sees only its segment's keys ``segments[b, i]``),
-14 scores keep their derivative for the backward pass (soft-capping or a ``score_mod``),
-15 a ``score_mod``, 16 a ``mask_mod``, 17/18 its block mask's tile (rows, keys); the
-user's functions, their ``mod_args`` and the block mask travel as the tuple ``user``
+14 scores keep their derivative for the backward pass, 15 a score rule after scaling
+(soft-capping, ALiBi, a ``score_mod``: one compiled function,
+:func:`.user_rules.score_rule`), 16 a ``mask_mod``, 17/18 its block mask's tile (rows,
+keys); the compiled functions, their tables (``mod_args``, the soft-cap, the slopes and
+position offsets) and the block mask travel as the tuple ``user``
 (:func:`.user_rules.lower`).
 The entries of ``fparams`` (the compute dtype): the scale, the soft-cap (1 without),
 0, 1, -inf, the factor of kept weights under dropout (1 without).
@@ -92,15 +94,16 @@ def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype:
     else:
         segments = np.zeros((1, 1, 2), dtype=np.int64)
     key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
-    user, (tile_rows, tile_keys) = user_rules.lower(rules, batch, heads, dtype)
-    has_score = rules.user is not None and rules.user.score_mod is not None
+    user, (tile_rows, tile_keys) = user_rules.lower(rules, batch, heads, dtype, offsets,
+                                                    slopes)
+    has_score = user_rules.score_rule(rules) is not None
     has_mask = rules.user is not None and rules.user.mask_mod is not None
     iparams = np.array([
         int(rules.causal), left, right, mask_kind, int(rules.alibi is not None),
         int(rules.softcap is not None), block_k, int(rules.dropout),
         threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, heads, rows,
-        int(rules.segment_keys is not None), int(rules.softcap is not None or has_score),
-        int(has_score), int(has_mask), tile_rows, tile_keys,
+        int(rules.segment_keys is not None), int(has_score), int(has_score), int(has_mask),
+        tile_rows, tile_keys,
     ], dtype=np.int64)
     return Lowered(iparams=iparams, fparams=fparams, lengths=lengths, offsets=offsets,
                    slopes=slopes, segments=segments, user=user)

@@ -22,11 +22,12 @@ import math
 import threading
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from polyattn import ops
 from polyattn.rules import scalar
 
 _lock = threading.Lock()
@@ -103,23 +104,64 @@ def _compiled(text: str, form: str, dtype_name: str) -> Any:
                        error_model="numpy")(names[form])
 
 
-def functions(rules: Any, dtype: Any) -> tuple[Any, Any, Any]:
-    """``(score, score_grad, mask)`` compiled for the call's user rules (the kernels'
-    no-op ones where there is no such rule)."""
+def score_rule(rules: Any) -> Callable[..., Any] | None:
+    """The call's score rules after scaling as one ``score_mod``: soft-capping, ALiBi
+    (docs/semantics.rst's order) and the user's ``score_mod``, reading the user's
+    ``mod_args`` then the tables of :func:`builtin_tables`; ``None`` where there are
+    none. The kernels compile the built-in rules through it too."""
+    softcap, alibi = rules.softcap is not None, rules.alibi is not None
+    user = rules.user.score_mod if rules.user is not None else None
+    if not (softcap or alibi or user is not None):
+        return None
+    n_user = 0 if rules.user is None else len(rules.user.mod_args)
+
+    def score(s: Any, b: Any, h: Any, q: Any, kv: Any, *args: Any) -> Any:
+        extra = list(args[n_user:])
+        if softcap:
+            cap = extra.pop(0)[0]
+            s = cap * ops.tanh(s / cap)
+        if alibi:
+            slopes, offsets = extra.pop(0), extra.pop(0)
+            s = s - slopes[b, h] * ops.cast(ops.abs(q + offsets[b] - kv), s)
+        if user is not None:
+            s = user(s, b, h, q, kv, *args[:n_user])
+        return s
+
+    return score
+
+
+def builtin_tables(rules: Any, dtype: Any, offsets: np.ndarray,
+                   slopes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The arrays :func:`score_rule` reads for the built-in rules: the soft-cap (1,),
+    then ALiBi's slopes (B|1, H|1) and each batch row's position offset (B,)."""
+    tables: list[np.ndarray] = []
+    if rules.softcap is not None:
+        tables.append(np.array([rules.softcap], dtype=dtype))
+    if rules.alibi is not None:
+        tables += [np.asarray(slopes, dtype=dtype), np.asarray(offsets, dtype=np.int64)]
+    return tuple(tables)
+
+
+def functions(rules: Any, dtype: Any, arrays: tuple[np.ndarray, ...],
+              width: int) -> tuple[Any, Any, Any]:
+    """``(score, score_grad, mask)`` compiled for the call's rules (:func:`score_rule`,
+    the user's ``mask_mod``; the kernels' no-op ones where there is no such rule), for
+    buffers of ``arrays`` (the user's ``mod_args``, then :func:`builtin_tables`) with
+    ``width`` entries of ``meta`` per array."""
     from polyattn.backends.numba_cpu import kernels
 
     name = np.dtype(dtype).name
-    noop = kernels.NOOP[name]
+    score, grad, mask = kernels.NOOP[name]
+    rule = score_rule(rules)
     user = rules.user
-    score, grad, mask = noop
     with _lock:
-        if user is not None and user.score_mod is not None:
-            traced = scalar.trace(user.score_mod, "score_mod", _arrays(user.mod_args))
-            score = _compiled(scalar.source(traced, "score"), "score", name)
-            grad = _compiled(scalar.source(traced, "score_grad"), "score_grad", name)
+        if rule is not None:
+            traced = scalar.trace(rule, "score_mod", arrays)
+            score = _compiled(scalar.source(traced, "score", width), "score", name)
+            grad = _compiled(scalar.source(traced, "score_grad", width), "score_grad", name)
         if user is not None and user.mask_mod is not None:
-            traced = scalar.trace(user.mask_mod, "mask_mod", _arrays(user.mod_args))
-            mask = _compiled(scalar.source(traced, "mask"), "mask", name)
+            traced = scalar.trace(user.mask_mod, "mask_mod", arrays[:len(user.mod_args)])
+            mask = _compiled(scalar.source(traced, "mask", width), "mask", name)
     return score, grad, mask
 
 
@@ -143,14 +185,17 @@ def check(rules: Any) -> str | None:
     return None
 
 
-def lower(rules: Any, batch: tuple[int, ...], heads: int, dtype: Any,
-          ) -> tuple[tuple[Any, ...], tuple[int, int]]:
-    """The tuple of :func:`user_type` for a call, and the block mask's tile (rows, keys)."""
-    score, grad, mask = functions(rules, dtype)
+def lower(rules: Any, batch: tuple[int, ...], heads: int, dtype: Any, offsets: np.ndarray,
+          slopes: np.ndarray) -> tuple[tuple[Any, ...], tuple[int, int]]:
+    """The tuple of :func:`user_type` for a call (its built-in score rules read each batch
+    row's position ``offsets`` and the ALiBi ``slopes`` as lowered by
+    :func:`.parameters.lower`), and the block mask's tile (rows, keys)."""
     user = rules.user
-    mod_args = () if user is None else _arrays(user.mod_args)
-    width = 1 + 2 * max([a.ndim for a in mod_args], default=0)
-    fb, ib, meta = scalar.pack(mod_args, dtype, width)
+    arrays = (() if user is None else _arrays(user.mod_args)) + builtin_tables(
+        rules, dtype, offsets, slopes)
+    width = 1 + 2 * max([a.ndim for a in arrays], default=0)
+    score, grad, mask = functions(rules, dtype, arrays, width)
+    fb, ib, meta = scalar.pack(arrays, dtype, width)
     n_batch = math.prod(batch)
     blocks = rules.blocks
     if blocks is None or user is None or user.mask_mod is None:
