@@ -163,8 +163,8 @@ NATIVE_REFUSALS = (
     "softcap: ",                            # soft-capping is not additive: no mask expresses it
     "dropout_p: ",                          # their own generators, not the Philox counters
     "has no attention sinks",               # sinks join through the lse, which they lack
-    "does not apply mask_mod",              # user rules: not lowered into native calls yet
-    "does not apply score_mod",
+    "mask_mod: ",                           # user rules: no native function takes them
+    "score_mod: ",
 )
 
 

@@ -17,7 +17,7 @@ HOST = False
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
 RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
-                   "segment_ids"})
+                   "segment_ids", "score_mod", "mask_mod"})
 #: The rules of :data:`RULES` that no native function expresses exactly: a call using one is
 #: refused with its reason (``{name}``: the library's function), so the dispatcher takes
 #: the next implementation. Causality, windows, key lengths and ALiBi become one dense mask.
@@ -26,6 +26,12 @@ REFUSED = {
                 "an additive mask"),
     "dropout": ("dropout_p: {name} draws its dropout mask from its own generator, not from "
                 "the Philox counters that give every polyattn implementation the same mask"),
+    "score_mod": ("score_mod: {name} takes no score function (torch's flex_attention does, "
+                  "fast only under torch.compile, and slower on the CPU than numba_cpu in "
+                  "benchmarks/results/flex-cpu-*.md): polyattn's own paths run it"),
+    "mask_mod": ("mask_mod: {name} takes no mask function, and the mask it would take "
+                 "densely costs T² where a block mask skips the empty tiles: polyattn's own "
+                 "paths run it"),
 }
 
 #: The function that runs, per library.
