@@ -6,7 +6,7 @@ same call with the equivalent boolean ``attn_mask`` (and a float64 oracle),
 forward, log-sum-exp and gradients; the key ranges that the blocked paths visit
 (packed documents cost the sum of their squared lengths where the ids are at
 hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. The
-families that do not lower segment ids yet (``numba_cuda``, ``distributed``)
+families that do not lower segment ids yet (``numba_cuda``)
 refuse them by name, which is checked, and ``"auto"`` passes them over; the NumPy
 fast path and ``numba_cpu`` lower sorted ids as key ranges and refuse unsorted ones.
 """
@@ -31,7 +31,7 @@ from polyattn._problem import prepare
 
 sdpa = polyattn.scaled_dot_product_attention
 #: Implementations that refuse segment ids by name (they do not lower them yet).
-REFUSING = ("numba_cuda", "distributed")
+REFUSING = ("numba_cuda",)
 #: Implementations that lower sorted ids only (as key ranges), refusing unsorted ones by name.
 SORTED_ONLY = ("numba_cpu",)
 

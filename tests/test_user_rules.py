@@ -2,7 +2,8 @@
 
 Every built-in rule re-expressed as a ``score_mod`` or ``mask_mod`` gives the
 built-in's result, forward, log-sum-exp and gradients, on every backend, on the
-implementations that take user rules (``reference``, ``chunked``, ``numba_cpu``); a T5-style
+implementations that take user rules (``reference``, ``chunked``, ``numba_cpu``,
+``distributed``); a T5-style
 relative bias table in ``mod_args`` against the same bias as a float ``attn_mask``;
 torch autograd and ``jax.grad`` through the functions and their floating
 ``mod_args``; Dask laziness; the errors (Python control flow, a bad ``mod_args``)
@@ -29,7 +30,7 @@ import polyattn
 from polyattn import ops
 
 sdpa = polyattn.scaled_dot_product_attention
-TAKING = ("reference", "chunked", "auto", "numba_cpu")
+TAKING = ("reference", "chunked", "auto", "numba_cpu", "distributed")
 
 
 @pytest.fixture(params=CASES)
@@ -335,7 +336,7 @@ def test_errors_name_the_function_at_the_call():
         sdpa(q, q, q, score_mod=softcap, mod_args=np.zeros(3))
     with pytest.raises(ValueError, match="pass one of"):
         sdpa(q, q, q, mod_args=(np.zeros(3),))
-    with pytest.raises(ValueError, match="does not apply score_mod"):
+    with pytest.raises(ValueError, match="not Dask arrays"):
         sdpa(q, q, q, score_mod=softcap, implementation="distributed")
 
 

@@ -16,7 +16,8 @@ DIFFERENTIATED = "library"
 HOST = False
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
-RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
+RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
+                   "segment_ids", "score_mod", "mask_mod"})
 
 
 def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
@@ -48,5 +49,14 @@ def describe(problem: Any) -> dict[str, str]:
 
     rules = problem.rules
     q, k, _ = plan.rechunked(problem.q, problem.k, problem.v)
-    return {"module": plan.__name__,
-            "plan": plan.make_plan(q, k, rules, rules.lengths_at_hand).describe()}
+    lines = {"module": plan.__name__,
+             "plan": plan.make_plan(q, k, rules, rules.lengths_at_hand).describe()}
+    if rules.user is not None:
+        lines["plan"] += ("; each tile task calls the user's rules with the call's indices "
+                          "(its rows, keys and batch rows) and mod_args whole")
+    if rules.segments is not None:
+        lines["plan"] += ("; segment ids come to each tile task as blocks"
+                          + (", and tiles outside every query's segment are left out"
+                             if rules.segment_keys is not None else
+                             " (not sorted or not at hand: no tile is left out for them)"))
+    return lines
