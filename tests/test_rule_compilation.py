@@ -257,3 +257,99 @@ def test_numba_cpu_refuses_a_rule_it_cannot_compile_and_auto_runs_it_elsewhere(n
     out = sdpa(q, k, v, enable_gqa=True, mask_mod=numpy_inside)
     ref = sdpa(q, k, v, enable_gqa=True, is_causal=True, implementation="reference")
     assert rel_error(out, ref) <= 1e-12
+
+
+# --------------------------------------------------------------------------- #
+# Rules written in ways that cannot work, and the forms that do
+# --------------------------------------------------------------------------- #
+
+def test_a_rule_that_loses_the_derivative_or_returns_no_scores_is_refused():
+    rng = np.random.default_rng(12)
+    q, k, v = _qkv(rng, 8, 8)
+    cases = [
+        (lambda s, b, h, qi, ki: np.where(qi >= ki, s * 2, -1.0), "loses the score's derivative"),
+        (lambda s, b, h, qi, ki: None, "must return scores"),
+        (lambda s, b, h, qi, ki: qi >= ki, "must return scores"),
+        (lambda s, b, h, qi, ki: math.tanh(s), "use the functions of polyattn.ops"),
+        (lambda s, b, h, qi, ki, t: s + t[h, (qi - ki) * 0.5], "indices are integers"),
+    ]
+    for rule, words in cases:
+        args = (np.zeros((4, 9)),) if rule.__code__.co_argcount == 6 else ()
+        with pytest.raises(TypeError, match=words):
+            sdpa(q, k, v, enable_gqa=True, score_mod=rule, mod_args=args,
+                 implementation="reference")
+    with pytest.raises(TypeError, match=r"`mod_args\[0\]` must have a real floating"):
+        sdpa(q, k, v, enable_gqa=True, score_mod=lambda s, b, h, qi, ki, t: s + t[h],
+             mod_args=(np.zeros(4, dtype=complex),))
+
+
+def _every_path(monkeypatch):
+    """The implementations that take user rules on NumPy arrays here."""
+    names = ["reference", "chunked"]
+    try:
+        import numba  # noqa: F401
+        names.append(use_implementation("numba_cpu", Backend.NUMPY, monkeypatch))
+    except ImportError:
+        pass
+    return names
+
+
+def test_outside_indices_powers_of_numbers_and_0d_tables_agree_everywhere(monkeypatch):
+    """Indices outside an axis clamp to it on every path (never into the next row), a
+    power of a number by the score, a 0-d table read as t[()] with its gradient, and a
+    mask_mod returning a Python bool."""
+    rng = np.random.default_rng(13)
+    q, k, v = _qkv(rng, 9, 9)
+    table, temp = rng.standard_normal((4, 9)), np.array(0.7)
+
+    def rule(s, b, h, qi, ki, t, c):
+        return s * c[()] + t[0 * h, qi - ki + 6] + 2.0 ** (0.1 * s)
+
+    distance = np.arange(9)[:, None] - np.arange(9)[None, :] + 6       # -2 ..= 14
+    distance = np.clip(np.where(distance < 0, distance + 9, distance), 0, 8)
+
+    def formula(s):
+        return s * 0.7 + table[0, distance] + 2.0 ** (0.1 * s)
+
+    scale = 1 / np.sqrt(8)
+    kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+    w = formula(q @ np.swapaxes(kk, -1, -2) * scale)
+    w = np.exp(w - w.max(-1, keepdims=True))
+    ref = (w / w.sum(-1, keepdims=True)) @ vv
+    for name in _every_path(monkeypatch):
+        out = sdpa(q, k, v, enable_gqa=True, score_mod=rule, mod_args=(table, temp),
+                   mask_mod=lambda b, h, qi, ki, t, c: True, implementation=name)
+        assert rel_error(out, ref) <= 1e-12, name
+        _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, score_mod=rule,
+                                             mod_args=(table, temp), implementation=name)
+        dtemp = pullback(np.ones_like(out))[4]
+        eps = 1e-6
+        loss = [float(sdpa(q, k, v, enable_gqa=True, score_mod=rule,
+                           mod_args=(table, temp + d)).sum()) for d in (eps, -eps)]
+        assert dtemp.shape == () and abs((loss[0] - loss[1]) / (2 * eps) - dtemp) < 1e-7
+
+
+def test_a_block_mask_must_fit_the_call_s_mask_mod():
+    docs = np.array([[0] * 8 + [1] * 8, [0] * 16])
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.standard_normal((2, 4, 16, 8)) for _ in range(3))
+
+    def document(b, h, qi, ki, ids):
+        return ids[b, qi] == ids[b, ki]
+
+    def causal(b, h, qi, ki, ids):
+        return qi >= ki
+
+    unbatched = polyattn.block_mask(document, None, None, 16, 16, mod_args=(docs,),
+                                    block=(4, 4))
+    with pytest.raises(ValueError, match=r"batch_shape=None, but its mask_mod .*document "
+                                         "reads `b`"):
+        sdpa(q, k, v, block_mask=unbatched, mod_args=(docs,))
+    other = polyattn.block_mask(causal, None, None, 16, 16, mod_args=(docs,), block=(4, 4))
+    with pytest.raises(ValueError, match=r"built for mask_mod .*causal, not for this "
+                                         r"call's .*document"):
+        sdpa(q, k, v, block_mask=other, mask_mod=document, mod_args=(docs,))
+    same = polyattn.block_mask(lambda b, h, qi, ki, ids: qi >= ki, None, None, 16, 16,
+                               mod_args=(docs,), block=(4, 4))
+    out = sdpa(q, k, v, block_mask=same, mask_mod=causal, mod_args=(docs,))  # same rule
+    assert rel_error(out, sdpa(q, k, v, is_causal=True, implementation="reference")) <= 1e-12

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -532,10 +533,53 @@ def _check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
         if not _array_like(a):
             raise TypeError(f"`mod_args[{i}]` must be an array of the inputs' library; got "
                             f"{type(a).__name__}")
+        kind = str(a.dtype)
+        if not any(kind.startswith(k) for k in ("float", "int", "uint", "bool", "bfloat")):
+            raise TypeError(f"`mod_args[{i}]` must have a real floating, integer or boolean "
+                            f"dtype; got {kind} (shape {tuple(a.shape)})")
     if mod_args and score_mod is None and mask_mod is None:
         raise ValueError("`mod_args` are the arrays of score_mod and mask_mod; pass one of "
                          "them, or leave mod_args out")
     return list(mod_args)
+
+
+def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, ...],
+                           h: int) -> None:
+    """A block mask fits the call's ``mask_mod``: built for it (or for a function of the
+    same expression), and with batch rows and heads where the function reads ``b`` or
+    ``h`` (``None`` there promised that it does not)."""
+    import numpy as np
+
+    from polyattn.rules import scalar
+
+    def expression(fn: Any) -> str | None:
+        try:
+            stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
+                                              tuple(a.shape)) for a in given.mod_args)
+            return scalar.source(scalar.trace(fn, "mask_mod", stand_ins), "mask_element")
+        except Exception:  # a rule that cannot be traced: nothing to compare, no error
+            return None
+
+    mine = expression(given.mask_mod)
+    if user.mask_mod is not None and user.mask_mod is not given.mask_mod:
+        theirs = expression(user.mask_mod)
+        if mine is None or theirs is None or mine != theirs:
+            raise ValueError(f"`block_mask` was built for mask_mod "
+                             f"{_function_name(given.mask_mod)}, not for this call's "
+                             f"{_function_name(user.mask_mod)}; build it with the same "
+                             "function (or pass the block mask alone)")
+    if mine is None:
+        return
+    text = mine.split("\n", 1)[1]
+    lead, heads = given.kinds.shape[:-3], given.kinds.shape[-3]
+    for name, built, wanted, argument in (("b", math.prod(lead) if lead else 1,
+                                            math.prod(batch), "batch_shape"),
+                                           ("h", heads, h, "num_heads")):
+        if built == 1 and wanted > 1 and re.search(rf"\b{name}\b", text):
+            raise ValueError(f"`block_mask` was built with {argument}=None, but its mask_mod "
+                             f"{_function_name(given.mask_mod)} reads `{name}`: its tiles "
+                             f"differ between {'batch rows' if name == 'b' else 'heads'}; "
+                             f"build it with {argument}=")
 
 
 def _function_name(fn: Any) -> str:
@@ -558,6 +602,7 @@ def _blocks(given: BlockMask | None, user: UserRules, batch: tuple[int, ...], h:
         if not ok:
             raise ValueError(f"`block_mask` was built for batch {lead or None} and "
                              f"{heads} heads; this call has B… = {batch} and H = {h}")
+        _check_block_mask_rule(given, user, batch, h)
         return given
     if user.mask_mod is None:
         return None

@@ -195,19 +195,23 @@ def scaled_dot_product_attention(
         Python operators, numbers, indexing of ``mod_args`` by the indices and
         the functions of :mod:`polyattn.ops` (``ops.where``, not ``if``); it is
         called on tiles of scores with broadcast index arrays, in the inputs'
-        library. Differentiable: torch and JAX differentiate through it, and
-        :func:`attention_vjp` applies its derivative. Runs on ``"reference"``
-        and ``"chunked"`` (the Array-API paths, every library); the fused
-        kernels and ``"native"`` do not take it yet, and :func:`explain` says
-        so.
+        library, and compiled into the ``"numba_cpu"`` kernel (docs/rules.rst).
+        Differentiable: torch and JAX differentiate through it (and its floating
+        ``mod_args``), and :func:`attention_vjp` applies its derivative and
+        returns those of its floating ``mod_args``. Runs on ``"reference"`` and
+        ``"chunked"`` (the Array-API paths, every library), ``"numba_cpu"`` and
+        ``"distributed"``; the CUDA kernels and ``"native"`` do not take it yet,
+        and :func:`explain` says so.
     mask_mod : function, optional
         A rule of yours on visibility: ``mask_mod(b, h, q_idx, kv_idx,
         *mod_args) -> bool`` (True = visible), combined with every other rule;
         written and run as ``score_mod``.
     mod_args : tuple of arrays
         The arrays both functions receive after the indices (a bias table,
-        slopes, lengths), indexed by index arrays: ``bias[h]``,
-        ``table[h, q_idx - kv_idx + 64]``.
+        slopes, lengths), indexed on every axis by index arrays: ``bias[h]``,
+        ``table[h, q_idx - kv_idx + 64]``, ``temperature[()]`` for a 0-d array.
+        A negative index counts from the end of its axis; one outside an axis
+        is clamped to it.
     block_mask : BlockMask, optional
         The empty, partial and full tiles of a ``mask_mod``
         (:func:`polyattn.block_mask`; it carries its ``mask_mod`` when none is

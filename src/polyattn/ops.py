@@ -1,7 +1,7 @@
 """The functions a ``score_mod`` or ``mask_mod`` is written with.
 
 A user rule (``score_mod(score, b, h, q_idx, kv_idx, *mod_args)``,
-``mask_mod(b, h, q_idx, kv_idx, *mod_args)``; docs/semantics.rst, "Rules you
+``mask_mod(b, h, q_idx, kv_idx, *mod_args)``; docs/rules.rst, "Rules you
 write") is written once with Python operators, Python numbers, indexing of
 ``mod_args`` by the index arguments, and these functions. polyattn then calls it
 on whole tiles of scores, with broadcast index arrays, in the inputs' array library
@@ -81,6 +81,12 @@ class Dual:
         if o == 0:
             return Dual(self.x ** 0, self.d * 0)
         return Dual(self.x ** o, o * self.x ** (o - 1) * self.d)
+
+    def __rpow__(self, o: Any) -> Dual:
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or o <= 0:
+            raise TypeError("a power of a number by the score needs a positive Python "
+                            f"number as its base; got {o!r}")
+        return exp(self * math.log(o))
 
     def __neg__(self) -> Dual:
         return Dual(-self.x, -self.d)

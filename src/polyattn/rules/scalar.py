@@ -15,8 +15,8 @@ differentiation of the graph). The kernels' families compile that source
 A ``mod_args`` array reaches the compiled code flattened, floating ones into one buffer
 of the compute type, integer and boolean ones into one int64 buffer, with a table of
 offsets, shapes and strides (:func:`pack`); an index outside an axis is clamped to it
-(negative indices count from the end, as in Python), where the Array-API paths on NumPy
-raise ``IndexError``.
+after negative indices count from the end, as on the Array-API paths
+(:class:`polyattn.rules.user.Table`).
 
 Tracing raises :class:`TypeError` naming the function and the construct that cannot
 become scalar code: Python control flow on an argument, ``math`` or NumPy functions on
@@ -94,8 +94,15 @@ class Node:
                     isinstance(o, (float, np.floating)) or o < 0 else INT)
 
     def __rpow__(self, o: Any) -> Node:
-        raise TypeError("a power whose exponent is a rule's argument: write it with ops.exp "
-                        "and ops.log")
+        if isinstance(o, bool) or not isinstance(o, (int, float, np.integer, np.floating)) \
+                or o <= 0:
+            raise TypeError("a power of a number by a rule's argument needs a positive "
+                            f"Python number as its base; got {o!r}")
+        return Node("exp", (self * math.log(o),), FLOAT)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a NumPy function on a rule's argument: use the functions of "
+                        "polyattn.ops (ops.where, ops.maximum, ...)")
 
     def __neg__(self) -> Node: return Node("neg", (self,), self.kind if self.kind != BOOL
                                            else INT)
@@ -220,7 +227,7 @@ class TracedTable:
 
     def __getitem__(self, index: Any) -> Node:
         index = index if isinstance(index, tuple) else (index,)
-        if len(index) != len(self.shape):
+        if len(index) != len(self.shape):    # a 0-d array is read as table[()]
             raise TypeError(f"mod_args[{self.number}] of shape {self.shape} indexed by "
                             f"{len(index)} indices: a kernel indexes every axis (one element "
                             "per score)")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from polyattn._interop import concrete_values
 from polyattn.ops import _CONTROL_FLOW, Dual
 
 Array = Any
@@ -54,13 +55,20 @@ class Table:
                              f"{len(index)} indices")
         device = getattr(a, "device", None)
         parts = [i if hasattr(i, "shape") else xp.asarray(i, device=device) for i in index]
+        for i in parts:
+            if not xp.isdtype(i.dtype, "integral"):
+                raise TypeError(f"a mod_args array of shape {self.shape} indexed by a "
+                                f"{i.dtype} value: indices are integers")
         parts = [xp.astype(i, xp.int64) if i.dtype != xp.int64 else i for i in parts]
-        # a negative index counts from the end of its own axis (as Python's), not of the
-        # flattened table
-        parts = [xp.where(i < 0, i + n, i) for i, n in zip(parts, a.shape, strict=False)]
+        # a negative index counts from the end of its own axis (as Python's); an index
+        # outside its axis is clamped to it, as in the kernels (never another axis's)
+        parts = [xp.clip(xp.where(i < 0, i + n, i), 0, max(n - 1, 0))
+                 for i, n in zip(parts, a.shape, strict=False)]
         parts = list(xp.broadcast_arrays(*parts)) if len(parts) > 1 else parts
         lead = a.shape[:len(index)]
         rest = tuple(a.shape[len(index):])
+        if not parts:                                   # table[()]: the whole (0-d) array
+            return a, xp.zeros((), dtype=xp.int64, device=device)
         flat = parts[0]
         for size, i in zip(lead[1:], parts[1:], strict=True):
             flat = flat * size + i
@@ -103,8 +111,11 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
         return fn(*args)
     except Exception as exc:
         text = str(exc)
-        if any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
-                                            "concretization", "bool(", "bool is only")):
+        if "Dual" in text or "ufunc" in text or "real number" in text:
+            text = (f"{text} (a math or NumPy function on a rule's argument cannot carry "
+                    "its derivative: use the functions of polyattn.ops)")
+        elif any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
+                                              "concretization", "bool(", "bool is only")):
             text = f"{text} ({_CONTROL_FLOW})"
         elif "positional argument" in text:
             text = (f"{text} (score_mod gets (score, b, h, q_idx, kv_idx, *mod_args) and "
@@ -121,11 +132,34 @@ def probe(user: UserRules, xp: Any, dtype: Any, device: Any) -> None:
     idx = indices((1,), 1, 1, 0, 2, 0, 2, xp, device)
     tables = _tables(user, xp)
     if user.score_mod is not None:
-        s = xp.zeros((1, 1, 1, 2, 2), dtype=dtype, device=device)
-        _call(user.score_mod, "score_mod", Dual(s, s + 1), *idx, *tables)
-        _call(user.score_mod, "score_mod", s, *idx, *tables)
+        s = xp.reshape(xp.asarray([0.5, -1.0, 2.0, 0.25], dtype=dtype, device=device),
+                       (1, 1, 1, 2, 2))
+        traced = _call(user.score_mod, "score_mod", Dual(s, s * 0 + 1), *idx, *tables)
+        plain = _check_score(user, _call(user.score_mod, "score_mod", s, *idx, *tables), xp)
+        if not isinstance(traced, Dual):
+            moved = _check_score(user, _call(user.score_mod, "score_mod", s + 1, *idx,
+                                             *tables), xp)
+            changed = concrete_values(xp.any(xp.asarray(moved != plain)))
+            if changed is not None and bool(changed):
+                raise TypeError(f"score_mod {_name(user.score_mod)} loses the score's "
+                                "derivative: a NumPy or library function on the score (use "
+                                "the functions of polyattn.ops, such as ops.where)")
     if user.mask_mod is not None:
         visible(user, (1,), 1, 1, 0, 2, 0, 2, xp, device)
+
+
+def _check_score(user: UserRules, out: Any, xp: Any) -> Any:
+    """``out``, a ``score_mod``'s result on the probe, if it is scores: a number or a real
+    floating or integer array (a condition, ``None`` or anything else is a TypeError)."""
+    name = _name(user.score_mod) if user.score_mod is not None else "score_mod"
+    ok = (isinstance(out, (int, float)) and not isinstance(out, bool)) or (
+        hasattr(out, "dtype") and hasattr(out, "shape")
+        and str(out.dtype).split(".")[-1].startswith(("float", "int", "uint", "bfloat")))
+    if not ok:
+        got = getattr(out, "dtype", None) or type(out).__name__
+        raise TypeError(f"score_mod {name} must return scores (a number or a floating "
+                        f"array); got {got}")
+    return out
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -216,6 +250,8 @@ def visible(user: UserRules, batch: tuple[int, ...], hkv: int, g: int, q0: int, 
     assert user.mask_mod is not None
     idx = indices(batch, hkv, g, q0, q1, k0, k1, xp, device)
     ok = _call(user.mask_mod, "mask_mod", *idx, *_tables(user, xp))
+    if isinstance(ok, bool):                     # every key (True) or none (False)
+        ok = xp.asarray(ok, device=device)
     if isinstance(ok, Dual):
         raise TypeError(f"mask_mod {_name(user.mask_mod)} returned scores, not a condition")
     if not hasattr(ok, "dtype") or ok.dtype != xp.bool:
