@@ -225,7 +225,8 @@ def table_partials(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int
     """For each load ``score_mod`` makes of a ``mod_args`` array numbered in ``floating``,
     on the tile ``s`` (its scores before ``score_mod``): ``(number, flat indices read,
     d score_mod / d element read)``, both broadcasting to the tile."""
-    assert user.score_mod is not None
+    rule = user.score_mod
+    assert rule is not None
     *batch, hkv, g, _, _ = s.shape
     idx = indices(tuple(batch), hkv, g, q0, q1, k0, k1, xp, device)
 
@@ -233,7 +234,7 @@ def table_partials(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int
         log: dict[str, Any] = {"count": 0, "target": target, "tables": [], "flat": None}
         tables = [_Seeded(a, xp, n, log) if n in floating else Table(a, xp)
                   for n, a in enumerate(user.mod_args)]
-        return _call(user.score_mod, "score_mod", s, *idx, *tables), log
+        return _call(rule, "score_mod", s, *idx, *tables), log
 
     _, census = run(-1)
     found = []

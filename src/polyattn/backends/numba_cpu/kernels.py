@@ -11,7 +11,7 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import cfunc, njit, prange
+from numba import njit, prange
 from numba.extending import intrinsic
 
 from polyattn.backends.numba_cpu.tiles import (
@@ -27,7 +27,7 @@ from polyattn.backends.numba_cpu.tiles import (
     tile_8,
     tile_rows,
 )
-from polyattn.backends.numba_cpu.user_rules import EMPTY, PARTIAL, signatures, user_type
+from polyattn.backends.numba_cpu.user_rules import EMPTY, FASTMATH, PARTIAL, user_type
 from polyattn.rules import element
 from polyattn.rules.lowering import lower
 
@@ -38,7 +38,7 @@ keys_in_reach = lower(element.keys_in_reach, "cpu")
 
 # --- the exponential, the dropout counters
 
-fastmath = {"contract", "reassoc", "nsz", "arcp"}
+fastmath = FASTMATH
 # the exponential keeps its evaluation order: reassociating (t - k·ln2_hi) - k·ln2_lo
 # into t - k·ln2 would lose the range reduction's extra bits
 exact = {"contract", "nsz", "arcp"}
@@ -83,23 +83,6 @@ def as_pointer(typingctx: Any, address: Any, like: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(pointer))
 
     return pointer(address, like), codegen
-
-
-def _noop_span(s: Any, ld: Any, n: Any, w: Any, key0: Any, qs: Any, hs: Any, b: Any,
-               fb: Any, ib: Any, meta: Any) -> None:
-    return
-
-
-def _noop_grad(s: Any, ld: Any, n: Any, w: Any, key0: Any, qs: Any, hs: Any, b: Any, d: Any,
-               fb: Any, ib: Any, meta: Any) -> None:
-    return
-
-
-#: Per dtype name: the no-op (score, score_grad, mask) functions.
-NOOP = {name: tuple(cfunc(signatures(name)[form], cache=True)(fn)
-                    for form, fn in (("score", _noop_span), ("score_grad", _noop_grad),
-                                     ("mask", _noop_grad)))
-        for name in ("float32", "float64")}
 
 
 # --- products in register tiles, and what every kernel does to one panel of scores -------

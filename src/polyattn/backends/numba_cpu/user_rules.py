@@ -35,6 +35,9 @@ _lock = threading.Lock()
 EMPTY, PARTIAL, FULL = 0, 1, 2
 #: A block mask's tile side where there is none: one tile over every query and key.
 WHOLE = 2**40
+#: The kernels' floating-point flags (those of :mod:`.kernels` too): reassociation and
+#: contraction, never the "no NaN / no inf" assumptions.
+FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
 
 @contextlib.contextmanager
@@ -90,8 +93,6 @@ def _compiled(text: str, form: str, dtype_name: str) -> Any:
     """The source ``text`` of form ``form`` compiled as a C-callable function in ``dtype``."""
     import numba
 
-    from polyattn.backends.numba_cpu.kernels import fastmath
-
     t = np.dtype(dtype_name).type
     clamp = numba.njit(inline="always")(
         types.FunctionType(scalar.clamp.__code__, {"min": min, "max": max}, "clamp"))
@@ -99,9 +100,31 @@ def _compiled(text: str, form: str, dtype_name: str) -> Any:
 
     names: dict[str, Any] = {"T": t, "math": math, "clamp": clamp,
                              "tanh": tanh32 if t is np.float32 else math.tanh}
-    exec(compile(text, f"<polyattn rule {form}>", "exec"), names)   # noqa: S102
-    return numba.cfunc(signatures(dtype_name)[form], fastmath=fastmath,
+    exec(compile(text, f"<polyattn rule {form}>", "exec"), names)
+    return numba.cfunc(signatures(dtype_name)[form], fastmath=FASTMATH,
                        error_model="numpy")(names[form])
+
+
+def _noop_panel(s: Any, ld: Any, n: Any, w: Any, key0: Any, qs: Any, hs: Any, b: Any,
+                fb: Any, ib: Any, meta: Any) -> None:
+    return
+
+
+def _noop_panel_with(s: Any, ld: Any, n: Any, w: Any, key0: Any, qs: Any, hs: Any, b: Any,
+                     extra: Any, fb: Any, ib: Any, meta: Any) -> None:
+    return
+
+
+@functools.cache
+def noop(name: str) -> tuple[Any, Any, Any]:
+    """The no-op ``(score, score_grad, mask)`` in dtype ``name``: what the kernels take
+    where a call has no such rule (never called then)."""
+    import numba
+
+    sigs = signatures(name)
+    return (numba.cfunc(sigs["score"], cache=True)(_noop_panel),
+            numba.cfunc(sigs["score_grad"], cache=True)(_noop_panel_with),
+            numba.cfunc(sigs["mask"], cache=True)(_noop_panel_with))
 
 
 def score_rule(rules: Any) -> Callable[..., Any] | None:
@@ -148,10 +171,8 @@ def functions(rules: Any, dtype: Any, arrays: tuple[np.ndarray, ...],
     the user's ``mask_mod``; the kernels' no-op ones where there is no such rule), for
     buffers of ``arrays`` (the user's ``mod_args``, then :func:`builtin_tables`) with
     ``width`` entries of ``meta`` per array."""
-    from polyattn.backends.numba_cpu import kernels
-
     name = np.dtype(dtype).name
-    score, grad, mask = kernels.NOOP[name]
+    score, grad, mask = noop(name)
     rule = score_rule(rules)
     user = rules.user
     with _lock:
