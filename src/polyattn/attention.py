@@ -183,8 +183,8 @@ def scaled_dot_product_attention(
         otherwise they act as a mask. Positions (causal, window, ALiBi) stay
         those of the packed row. Runs on ``"reference"``, ``"chunked"``,
         ``"numba_cpu"`` (sorted ids: the NumPy fast path and the kernel lower
-        them as each query's key range) and ``"native"`` (as a dense mask);
-        the CUDA kernels and the Dask plan do not take them yet, and
+        them as each query's key range), ``"distributed"`` and ``"native"``
+        (as a dense mask); the CUDA kernels do not take them yet, and
         :func:`explain` says so.
     score_mod : function, optional
         A rule of yours on the scores: ``score_mod(score, b, h, q_idx,
