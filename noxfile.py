@@ -255,6 +255,7 @@ def docs(session: nox.Session) -> None:
                 "--ignore=src/polyattn/backends/numba_cpu/launch.py",
                 "--ignore=src/polyattn/backends/numba_cpu/parameters.py",
                 "--ignore=src/polyattn/backends/numba_cpu/kernels.py",
+                "--ignore=src/polyattn/backends/numba_cpu/tanh.py",
                 "--ignore=src/polyattn/backends/numba_cpu/tiles.py")
 
 
