@@ -20,6 +20,7 @@ family only: the tiled and tensor-core families take more than 16 query rows, an
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -111,6 +112,9 @@ def use_implementation(name: str, backend: Backend | None, monkeypatch: Any) -> 
             monkeypatch.setattr(numpy_blocks, "BLOCK_K", 4)
             break
     skip_unless_native_on(backend, implementation, monkeypatch)
+    if implementation == "numba_cpu" and importlib.util.find_spec("numba") is None:
+        pytest.skip("numba_cpu needs Numba, which this session lacks (the numba_cpu "
+                    "session runs it)")
     if implementation == "numba_cuda":
         wanted = "numpy (CUDA simulator)" if SIMULATOR else "cupy (CUDA GPU)"
         backend = backend or Backend.NUMPY

@@ -533,8 +533,8 @@ def _check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
         if not _array_like(a):
             raise TypeError(f"`mod_args[{i}]` must be an array of the inputs' library; got "
                             f"{type(a).__name__}")
-        kind = str(a.dtype)
-        if not any(kind.startswith(k) for k in ("float", "int", "uint", "bool", "bfloat")):
+        kind = str(a.dtype).split(".")[-1]             # torch.float32 -> float32
+        if not kind.startswith(("float", "int", "uint", "bool", "bfloat")):
             raise TypeError(f"`mod_args[{i}]` must have a real floating, integer or boolean "
                             f"dtype; got {kind} (shape {tuple(a.shape)})")
     if mod_args and score_mod is None and mask_mod is None:
