@@ -30,7 +30,7 @@ import polyattn
 from polyattn import ops
 
 sdpa = polyattn.scaled_dot_product_attention
-TAKING = ("reference", "chunked", "auto", "numba_cpu", "distributed")
+TAKING = ("reference", "chunked", "auto", "numba_cpu", "distributed", "numba_cuda")
 
 
 @pytest.fixture(params=CASES)
@@ -140,7 +140,7 @@ def test_relative_bias_table_against_the_float_mask(xp, device, dtype_name, impl
 
 
 @NUMPY_SESSION_ONLY
-@pytest.mark.parametrize("name", ["reference", "chunked", "numba_cpu"])
+@pytest.mark.parametrize("name", ["reference", "chunked", "numba_cpu", "numba_cuda-rows"])
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_vjp_equals_the_built_in_vjp(name, call, monkeypatch):
     implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
@@ -434,3 +434,50 @@ def test_jax_vmap_over_the_batch():
 
     np.testing.assert_allclose(np.asarray(jax.vmap(f)(q, k, v)), np.asarray(f(q, k, v)),
                                rtol=1e-12, atol=1e-12)
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("name", ["numba_cpu", "numba_cuda-rows"])
+def test_a_mask_mod_hiding_every_key_of_some_rows(name, monkeypatch):
+    """Rows whose every key the mask_mod hides give 0 and lse -inf, gradients 0."""
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
+    rng = np.random.default_rng(48)
+    q, k, v = _inputs(rng)
+
+    def odd_rows_see_nothing(b, h, q_idx, kv_idx):
+        return ops.logical_and(q_idx % 2 == 0, kv_idx <= q_idx + 1)
+
+    out, lse = sdpa(q, k, v, enable_gqa=True, return_lse=True, implementation=implementation,
+                    mask_mod=odd_rows_see_nothing)
+    ref, ref_lse = sdpa(q, k, v, enable_gqa=True, return_lse=True, implementation="reference",
+                        mask_mod=odd_rows_see_nothing)
+    assert np.all(np.asarray(out)[..., 1::2, :] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[..., 1::2]))
+    assert_close(out, ref, "float64")
+    assert_lse_close(lse, ref_lse, "float64")
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, implementation=implementation,
+                                         mask_mod=odd_rows_see_nothing)
+    _, reference = polyattn.attention_vjp(q, k, v, enable_gqa=True, implementation="reference",
+                                          mask_mod=odd_rows_see_nothing)
+    go = rng.standard_normal((2, 4, 7, 5))
+    for a, b in zip(pullback(go)[:3], reference(go), strict=True):
+        assert rel_error(a, b) <= 1e-12
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("name", ["numba_cuda-tiled", "numba_cuda-tc"])
+def test_cuda_kernels_without_user_rules_refuse_them_by_name(name, monkeypatch):
+    """The register-tiled and tensor-core kernels refuse score_mod and mask_mod by name
+    where they would take the call (more than 16 query rows); ``"auto"`` passes the
+    family over, and decoding shapes go to the one-thread-per-row kernel, which applies
+    them."""
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
+    q = np.zeros((1, 1, 20, 4), dtype=np.float32)
+    kernel = "register-tiled" if name.endswith("tiled") else "tensor-core"
+    with pytest.raises(ValueError, match=f"does not apply mask_mod in its {kernel} kernel"):
+        sdpa(q, q, q, mask_mod=causal, implementation=implementation)
+    assert polyattn.explain(q, q, q, mask_mod=causal).implementation != "numba_cuda"
+    short = np.ones((1, 1, 3, 4), dtype=np.float32)
+    out = sdpa(short, short, short, mask_mod=causal, implementation=implementation)
+    ref = sdpa(short, short, short, is_causal=True, implementation="reference")
+    assert_close(out, ref, "float32")

@@ -562,3 +562,37 @@ def test_dependent_run_finds_the_row_kernels_serial_dot_product():
     run = longest_dependent_run(sass)
     print(f"{fn.__name__} sm_90: longest dependent FMA run {run}")
     assert run >= 32
+
+
+# --------------------------------------------------------------------------- #
+# The one-thread-per-row kernels with a user rule (score_mod, mask_mod, mod_args)
+# --------------------------------------------------------------------------- #
+
+def _user_rule_specs() -> list[tuple[object, object]]:
+    """The forward, dQ and dK/dV kernels at float32, head size 64, with the sample user
+    rule of :func:`polyattn.backends.cuda.user_rules.sample_key`."""
+    from polyattn.backends.cuda.user_rules import sample_key
+
+    user = sample_key("float32")
+    return [(numba_cuda.make_kernel_function("float32", 64, "none", False, user=user),
+             numba_cuda._signature("float32", "none")),
+            (numba_cuda_backward.make_dq_function("float32", 64, "none", False, user=user),
+             numba_cuda_backward._signature("float32", "none", 1)),
+            (numba_cuda_backward.make_dkdv_function("float32", 64, "none", False, user=user),
+             numba_cuda_backward._signature("float32", "none", 2))]
+
+
+USER_RULES = _user_rule_specs()
+
+
+@pytest.mark.parametrize("index", range(len(USER_RULES)),
+                         ids=[fn.__name__.removeprefix("attention_") for fn, _ in USER_RULES])
+def test_user_rule_kernel(index):
+    fn, sig = USER_RULES[index]
+    name = fn.__name__
+    assert "_user" in name
+    ptx = compile_ptx(fn, sig)
+    assert_ptx_basics(name, ptx, mods=False)  # float32 throughout, dropout's cipher
+    if HAVE_SASS_TOOLS:
+        for cc, (report, _) in assembled(ptx, sass=False).items():
+            print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores {usage(report)}")

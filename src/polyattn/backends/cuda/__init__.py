@@ -21,7 +21,10 @@ DIFFERENTIATED = "autograd"
 HOST = True
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
-RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout"})
+RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
+                   "score_mod", "mask_mod"})
+#: The kernels that apply ``score_mod`` and ``mask_mod`` (the others refuse them by name).
+USER_RULE_KERNELS = ("one-thread-per-row",)
 
 
 def entry_points() -> ModuleType:
@@ -52,6 +55,9 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     """Why the kernels cannot run this call (``None``: they can). Under torch autograd
     (``"autograd"`` in ``needs``) a mask or slopes that require a gradient rule them out."""
     usable, why = _availability(problem)
+    user = _user_rules_refused(problem)
+    if user is not None:
+        return user if usable else f"{user} (besides: {why})"
     constant = problem.constant_needing_grad if "autograd" in needs else None
     if constant is not None:
         grad = (f"`{constant}` requires a gradient, and the numba_cuda kernel's backward "
@@ -59,6 +65,37 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
                 "lose it")
         return grad if usable else f"{grad} (besides: {why})"
     return None if usable else why
+
+
+def _kernel_taking(problem: Any) -> str:
+    """The kernel that takes this call: ``"tensor-core"``, ``"register-tiled"`` or
+    ``"one-thread-per-row"`` (as :func:`.facade.attention` chooses, untuned)."""
+    from polyattn.backends.cuda import tensor_core, tiled
+    from polyattn.backends.cuda.environment import kernel_choice
+
+    tq, e = problem.q.shape[-2:]
+    ev = e if problem.v is None else problem.v.shape[-1]
+    arithmetic = _arithmetic(problem)
+    if arithmetic is not None and tensor_core.unsupported(arithmetic, tq, e, ev) is None:
+        return "tensor-core"
+    if kernel_choice() == "tiled" and tiled.unsupported(tq) is None:
+        return "register-tiled"
+    return "one-thread-per-row"
+
+
+def _user_rules_refused(problem: Any) -> str | None:
+    """Why the kernel that would take this call cannot apply its ``score_mod`` or
+    ``mask_mod`` (``None``: it has none, or the kernel applies them)."""
+    rules = getattr(problem, "rules", None)
+    used = sorted(rules.in_use() & {"score_mod", "mask_mod"}) if rules is not None else []
+    if not used:
+        return None
+    kernel = _kernel_taking(problem)
+    if kernel in USER_RULE_KERNELS:
+        return None
+    return (f"it does not apply {' or '.join(used)} in its {kernel} kernel, which takes "
+            "this call (its one-thread-per-row kernel does: POLYATTN_CUDA_KERNEL=rows, or "
+            "decoding shapes)")
 
 
 def _arithmetic(problem: Any) -> str | None:

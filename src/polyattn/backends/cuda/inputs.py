@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, _Device
+from polyattn.backends.cuda.user_rules import user_key
 from polyattn.rules.lowering import kernel_parameters, modifies
 from polyattn.rules.visibility import Rules
 
@@ -79,7 +80,10 @@ class KernelInputs:
     dtype and the rules' tuple of :func:`polyattn.rules.lowering.kernel_parameters`,
     the kernels' arguments after their outputs. ``mods``: whether scores are
     modified (:func:`polyattn.rules.lowering.modifies`). ``vector_loads``: whether
-    q, k and v may be read by vector loads (:func:`vector_loads_fit`).
+    q, k and v may be read by vector loads (:func:`vector_loads_fit`). ``user``: the
+    specialisation key of the call's ``score_mod`` and ``mask_mod``
+    (:func:`.user_rules.user_key`; ``None`` without them), ``buffers``: the device
+    views of its ``mod_args`` buffers ``(fb, ib, meta)`` (placeholders without them).
     """
 
     mask_kind: str
@@ -87,6 +91,8 @@ class KernelInputs:
     arrays: tuple[Any, ...]
     parameters: tuple[Any, Any]
     vector_loads: bool = False
+    user: Any = None
+    buffers: tuple[Any, ...] = ()
 
 
 def _mask_kind(mask: Array | None, dtype: str) -> str:
@@ -123,8 +129,10 @@ def kernel_inputs(q: Array, k: Array, v: Array, mask: Array | None, rules: Rules
                                          slopes))
     parameters = (np.dtype(dtype).type(scale), kernel_parameters(rules, dtype))
     sources = (q4, k4, v4) if dev.simulated else arrays[:3]
+    user, host_buffers = user_key(rules, dtype)
+    buffers = tuple(dev.view(dev.from_numpy(a)) for a in host_buffers)
     return KernelInputs(mask_kind, modifies(rules), arrays, parameters,
-                        vector_loads_fit(*(memory_of(x) for x in sources)))
+                        vector_loads_fit(*(memory_of(x) for x in sources)), user, buffers)
 
 
 def _mask_layout(mask: Array, batch: tuple[int, ...], full: tuple[int, int, int],

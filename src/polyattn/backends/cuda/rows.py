@@ -98,6 +98,7 @@ from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KI
 from polyattn.backends.cuda.inputs import common_dtype, head_bucket, kernel_inputs
 from polyattn.backends.cuda.launch import check_grid, empty_like_layout, launch_plan, launching
 from polyattn.backends.cuda.philox import philox_function
+from polyattn.backends.cuda.user_rules import UserKey, buffer_types, device_functions, suffix
 from polyattn.rules import element
 from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
@@ -143,6 +144,7 @@ def _signature(dtype: str, mask_kind: str) -> Any:
         types.Array(t, 5, "C"), types.Array(t, 4, "C"),  # split scratch: out, lse
         t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
         i64, i64, i64,  # rows per block, lanes per row, splits
+        *buffer_types(dtype),  # mod_args buffers fb, ib, meta (.user_rules)
     )
 
 
@@ -157,8 +159,9 @@ def _merge_signature(dtype: str) -> Any:
 
 @functools.cache
 def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                         block_k: int | None = None) -> Any:
-    """The Python kernel function for one specialisation (not yet compiled)."""
+                         block_k: int | None = None, user: UserKey | None = None) -> Any:
+    """The Python kernel function for one specialisation (not yet compiled); ``user``:
+    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`)."""
     global cuda
     cuda = _cuda()
     from numba import types
@@ -172,6 +175,9 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     PADDED = HEAD + 1  # tile rows padded by one column: lanes reading different keys
     CAP = 2 * BK  # lane states the two tiles hold at once when lanes merge
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    USER_SCORE = user is not None and user[0] is not None
+    USER_MASK = user is not None and user[1] is not None
+    score_element, mask_element = device_functions(user, dtype)
 
     keep_word = philox_function()  # Philox4x32-10's first word for a weight's index
     # The score element (positions, visibility, key ranges, modifiers, dropout), in np_t.
@@ -183,7 +189,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             element.dropout_key, element.kept, element.kept_scale))
 
     def attention_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, o_part,
-                         lse_part, scale, rules, rows, lanes, n_splits):
+                         lse_part, scale, rules, rows, lanes, n_splits, fb, ib, meta):
         """Out and lse (or one split's partial) for one query tile of one (batch, head)."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -281,7 +287,11 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         x += q_row[d] * k_tile[jj, d]
                     if MODS:
                         x = modify(x, p, j, cap, inv_cap, slope)
+                    if USER_SCORE:
+                        x, _ = score_element(x, b, h, i, j, fb, ib, meta)
                     if not visible(j, p, rules, k_end):
+                        x = NEG_INF
+                    elif USER_MASK and not mask_element(b, h, i, j, fb, ib, meta):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi, j * mj_step]:
@@ -374,8 +384,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         o_part[split, b, h, i, d] = acc[d] * inv_l
                 lse_part[split, b, h, i] = lse_i
 
-    suffix = "_mods" if mods else ""
-    name = f"attention_{dtype}_head{bucket}_{mask_kind}{suffix}_k{block_k}"
+    mods_name = "_mods" if mods else ""
+    name = f"attention_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}{suffix(user)}"
     attention_kernel.__name__ = attention_kernel.__qualname__ = name
     return attention_kernel
 
@@ -430,13 +440,13 @@ def make_merge_function(dtype: str) -> Any:
 
 @functools.cache
 def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                    block_k: int | None = None) -> Any:
+                    block_k: int | None = None, user: UserKey | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached.
 
     It is compiled for exactly one signature, so a launch skips type dispatch:
     the launcher checks dtypes, and allocates the scratch contiguous.
     """
-    fn = make_kernel_function(dtype, bucket, mask_kind, mods, block_k)
+    fn = make_kernel_function(dtype, bucket, mask_kind, mods, block_k, user)
     return _cuda().jit(_signature(dtype, mask_kind))(fn)
 
 
@@ -489,7 +499,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
         rows, lanes, splits = launch_plan(tq, tk, n_batch * n_heads, bq, bk, decode=decode,
                                           num_splits=num_splits)
         kernel = compiled_kernel(dtype, bucket, inputs.mask_kind, inputs.mods,
-                                 None if block_k is None else bk)
+                                 None if block_k is None else bk, inputs.user)
         n_blocks = n_batch * n_heads * -(-tq // rows) * splits
         check_grid(n_blocks, f"B·H·ceil(Tq/{rows})·{splits}", q)
         # Split-K scratch in the compute dtype (a placeholder without splits).
@@ -499,7 +509,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
         lse_part = dev.view(dev.empty(scratch_shape, q.dtype))  # (S, B, H, Tq)
         out_d, lse_d = dev.view(out), dev.view(lse)
         args = [*inputs.arrays, out_d, lse_d, o_part, lse_part, *inputs.parameters, rows,
-                lanes, splits]
+                lanes, splits, *inputs.buffers]
         with launching(dev) as stream:
             kernel[n_blocks, rows * lanes, stream](*args)
             if splits > 1:

@@ -54,6 +54,7 @@ from polyattn.backends.cuda import rows as fwd
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS
 from polyattn.backends.cuda.launch import check_grid, launch_backward
 from polyattn.backends.cuda.philox import philox_function
+from polyattn.backends.cuda.user_rules import UserKey, buffer_types, device_functions, suffix
 from polyattn.rules import element
 from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
@@ -93,12 +94,13 @@ def _signature(dtype: str, mask_kind: str, outputs: int) -> Any:
         strided, rows, rows,  # dO, lse, D
         *([strided] * outputs),  # dq, or dk and dv
         t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
+        *buffer_types(dtype),  # mod_args buffers fb, ib, meta (.user_rules)
     )
 
 
 @functools.cache
 def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                     block_k: int | None = None) -> Any:
+                     block_k: int | None = None, user: UserKey | None = None) -> Any:
     """The Python dQ kernel function for one specialisation (not yet compiled)."""
     _cuda()
     from numba import types
@@ -110,6 +112,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
     HEAD, BK = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    USER_SCORE = user is not None and user[0] is not None
+    USER_MASK = user is not None and user[1] is not None
+    score_element, mask_element = device_functions(user, dtype)
     keep_word = philox_function()
     (row_position, key_length, visible, block_keys, head_modifiers, mask_steps,
      modify_and_grad, drops, dropout_key, kept, kept_scale) = (
@@ -119,7 +124,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             element.drops, element.dropout_key, element.kept, element.kept_scale))
 
     def dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq, scale,
-                  rules):
+                  rules, fb, ib, meta):
         """dq of one query tile of one (batch, head) pair; one thread per query row."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -212,11 +217,16 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                         grad = ONE  # d(x) / d(raw)
                         if MODS:
                             x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
+                        if USER_SCORE:
+                            x, du = score_element(x, b, h, i, j, fb, ib, meta)
+                            grad *= du
                         seen = True
                         if BOOL_MASK:
                             seen = mask[mb, mh, mi, j * mj_step]
                         elif FLOAT_MASK:
                             x += mask[mb, mh, mi, j * mj_step]
+                        if USER_MASK and seen:
+                            seen = mask_element(b, h, i, j, fb, ib, meta)
                         weight = ZERO
                         if seen:
                             weight = math.exp(x - lse_i)
@@ -231,7 +241,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                                 else:
                                     dp = ZERO
                             ds = weight * (dp - d_i)
-                            if MODS:
+                            if MODS or USER_SCORE:
                                 ds *= grad
                             for d in range(HEAD):
                                 dq_row[d] += ds * k_tile[jj, d]
@@ -242,15 +252,15 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                 if d < e:
                     dq[b, h, i, d] = dq_row[d] * scale
 
-    suffix = "_mods" if mods else ""
-    name = f"attention_dq_{dtype}_head{bucket}_{mask_kind}{suffix}_k{block_k}"
+    mods_name = "_mods" if mods else ""
+    name = f"attention_dq_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}{suffix(user)}"
     dq_kernel.__name__ = dq_kernel.__qualname__ = name
     return dq_kernel
 
 
 @functools.cache
 def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                       block_k: int | None = None) -> Any:
+                       block_k: int | None = None, user: UserKey | None = None) -> Any:
     """The Python dK/dV kernel function for one specialisation (not yet compiled);
     ``block_k`` is the number of query rows per shared tile."""
     _cuda()
@@ -263,6 +273,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     ZERO, ONE, NEG_INF = np_t(0.0), np_t(1.0), np_t(-np.inf)
     HEAD, BT = bucket, block_k
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    USER_SCORE = user is not None and user[0] is not None
+    USER_MASK = user is not None and user[1] is not None
+    score_element, mask_element = device_functions(user, dtype)
     keep_word = philox_function()
     (row_position, key_length, visible, block_queries, head_modifiers, modify_and_grad, drops,
      dropout_key, kept, kept_scale) = (
@@ -272,7 +285,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             element.dropout_key, element.kept, element.kept_scale))
 
     def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
-                    scale, rules):
+                    scale, rules, fb, ib, meta):
         """dk and dv of one key tile of one (batch, key/value head) pair, summed over
         the query heads of its group; one thread per key row."""
         n_batch, n_heads, tq, e = q.shape
@@ -380,6 +393,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                             grad = ONE  # d(x) / d(raw)
                             if MODS:
                                 x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
+                            if USER_SCORE:
+                                x, du = score_element(x, b, h, i, j, fb, ib, meta)
+                                grad *= du
                             seen = True
                             if BOOL_MASK or FLOAT_MASK:
                                 mi = 0
@@ -389,6 +405,8 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                                     seen = mask[mb, mh, mi, mj]
                                 else:
                                     x += mask[mb, mh, mi, mj]
+                            if USER_MASK and seen:
+                                seen = mask_element(b, h, i, j, fb, ib, meta)
                             weight = ZERO
                             if seen:
                                 weight = math.exp(x - lse_i)
@@ -406,7 +424,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                                     dp += do_tile[ii, d] * v_row[d]
                                 pz = weight * z
                                 ds = weight * (dp * z - d_tile[ii])
-                                if MODS:
+                                if MODS or USER_SCORE:
                                     ds *= grad
                                 for d in range(HEAD):
                                     dv_row[d] += pz * do_tile[ii, d]
@@ -420,25 +438,26 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                 if d < ev:
                     dv[b, hk, j, d] = dv_row[d]
 
-    suffix = "_mods" if mods else ""
-    name = f"attention_dkdv_{dtype}_head{bucket}_{mask_kind}{suffix}_k{block_k}"
+    mods_name = "_mods" if mods else ""
+    name = (f"attention_dkdv_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}"
+            f"{suffix(user)}")
     dkdv_kernel.__name__ = dkdv_kernel.__qualname__ = name
     return dkdv_kernel
 
 
 @functools.cache
 def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                block_k: int | None = None) -> Any:
+                block_k: int | None = None, user: UserKey | None = None) -> Any:
     """The dQ kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dq_function(dtype, bucket, mask_kind, mods, block_k)
+    fn = make_dq_function(dtype, bucket, mask_kind, mods, block_k, user)
     return _cuda().jit(_signature(dtype, mask_kind, 1))(fn)
 
 
 @functools.cache
 def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                  block_k: int | None = None) -> Any:
+                  block_k: int | None = None, user: UserKey | None = None) -> Any:
     """The dK/dV kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, block_k)
+    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, block_k, user)
     return _cuda().jit(_signature(dtype, mask_kind, 2))(fn)
 
 
@@ -492,10 +511,12 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         kv_blocks = n_batch * n_kv_heads * -(-tk // rows)
         check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
         check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
-        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
-            dq_blocks, rows, stream](*inputs.arrays, *arrays, dq_d, *inputs.parameters)
-        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile)[
-            kv_blocks, rows, stream](*inputs.arrays, *arrays, *dkdv_d, *inputs.parameters)
+        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile, inputs.user)[
+            dq_blocks, rows, stream](*inputs.arrays, *arrays, dq_d, *inputs.parameters,
+                                     *inputs.buffers)
+        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile, inputs.user)[
+            kv_blocks, rows, stream](*inputs.arrays, *arrays, *dkdv_d, *inputs.parameters,
+                                     *inputs.buffers)
 
     return launch_backward(q, k, v, out, lse, grad_out, mask=mask, rules=rules, scale=scale,
                            xp=xp, grad_lse=grad_lse, launch=launch)
