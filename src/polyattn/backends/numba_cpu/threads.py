@@ -71,9 +71,10 @@ def run(kernel: Any, *args: Any) -> None:
     ones), serialised where the threading layer needs it."""
     import numba
 
-    from polyattn.backends.numba_cpu.user_rules import quiet
+    from polyattn.backends.numba_cpu.user_rules import quiet_calls
 
-    with _serialised(), quiet():          # the kernels take the user's rules as functions
+    quiet_calls()                         # the kernels take the rules as functions
+    with _serialised():
         before = numba.set_parallel_chunksize(1)
         try:
             kernel(*args)

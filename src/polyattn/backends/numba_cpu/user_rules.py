@@ -40,12 +40,27 @@ WHOLE = 2**40
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
 
+#: What Numba says whenever it types a tuple holding a first-class function (the kernels'
+#: ``user`` argument): at every call, not only when compiling.
+_EXPERIMENTAL = "First-class function type feature is experimental"
+
+
+def quiet_calls() -> None:
+    """Keep Numba's word that first-class functions are experimental from reaching the
+    caller of a kernel: one filter for that message, put (back) in place before each call
+    (a process-wide filter rather than a context, which concurrent callers would undo)."""
+    for action, message, *_ in warnings.filters:
+        if action == "ignore" and message is not None and message.pattern == _EXPERIMENTAL:
+            return
+    warnings.filterwarnings("ignore", message=_EXPERIMENTAL)
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Within it, Numba's word that first-class functions are experimental is not shown
     (the kernels take the compiled rules as such)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="First-class function type feature")
+        warnings.filterwarnings("ignore", message=_EXPERIMENTAL)
         yield
 
 
