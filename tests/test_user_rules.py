@@ -3,7 +3,8 @@
 Every built-in rule re-expressed as a ``score_mod`` or ``mask_mod`` gives the
 built-in's result, forward, log-sum-exp and gradients, on every backend, on the
 implementations that take user rules (``reference``, ``chunked``, ``numba_cpu``,
-``distributed``); a T5-style
+``distributed``, ``numba_cuda``: its register-tiled and tensor-core families on
+shapes of more than 16 query rows); a T5-style
 relative bias table in ``mod_args`` against the same bias as a float ``attn_mask``;
 torch autograd and ``jax.grad`` through the functions and their floating
 ``mod_args``; Dask laziness; the errors (Python control flow, a bad ``mod_args``)
@@ -464,8 +465,8 @@ def test_a_mask_mod_hiding_every_key_of_some_rows(name, monkeypatch):
         assert rel_error(a, b) <= 1e-12
 
 
-#: The CUDA kernel families that take more than 16 query rows, and apply user rules.
-LONG_FAMILIES = ["numba_cuda-tiled"]
+#: The CUDA kernel families that take more than 16 query rows (and apply user rules).
+LONG_FAMILIES = ["numba_cuda-tiled", "numba_cuda-tc"]
 
 
 def _long_inputs(rng):
@@ -552,21 +553,3 @@ def test_long_families_t5_table_and_rows_seeing_nothing(name, monkeypatch):
     go = rng.standard_normal((1, 2, 20, 5))
     for a, b in zip(pullback(go.astype(dtype))[:3], reference(go)[:3], strict=True):
         assert rel_error(a, b) <= (1e-12 if dtype == "float64" else 1e-4)
-
-
-@NUMPY_SESSION_ONLY
-@pytest.mark.parametrize("name", ["numba_cuda-tc"])
-def test_cuda_kernels_without_user_rules_refuse_them_by_name(name, monkeypatch):
-    """The tensor-core kernel refuses score_mod and mask_mod by name where it would take
-    the call (more than 16 query rows); ``"auto"`` passes the family over, and decoding
-    shapes go to the one-thread-per-row kernel, which applies them."""
-    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
-    q = np.zeros((1, 1, 20, 4), dtype=np.float32)
-    kernel = "register-tiled" if name.endswith("tiled") else "tensor-core"
-    with pytest.raises(ValueError, match=f"does not apply mask_mod in its {kernel} kernel"):
-        sdpa(q, q, q, mask_mod=causal, implementation=implementation)
-    assert polyattn.explain(q, q, q, mask_mod=causal).implementation != "numba_cuda"
-    short = np.ones((1, 1, 3, 4), dtype=np.float32)
-    out = sdpa(short, short, short, mask_mod=causal, implementation=implementation)
-    ref = sdpa(short, short, short, is_causal=True, implementation="reference")
-    assert_close(out, ref, "float32")
