@@ -3,7 +3,8 @@
 Every built-in rule re-expressed as a ``score_mod`` or ``mask_mod`` gives the
 built-in's result, forward, log-sum-exp and gradients, on every backend, on the
 implementations that take user rules (``reference``, ``chunked``, ``numba_cpu``,
-``distributed``); a T5-style
+``distributed``, ``numba_cuda``: its register-tiled and tensor-core families on
+shapes of more than 16 query rows); a T5-style
 relative bias table in ``mod_args`` against the same bias as a float ``attn_mask``;
 torch autograd and ``jax.grad`` through the functions and their floating
 ``mod_args``; Dask laziness; the errors (Python control flow, a bad ``mod_args``)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _support import CASES, NUMPY_SESSION_ONLY, rounded, use_implementation
+from _support import CASES, NUMPY_SESSION_ONLY, cuda_family_ran, rounded, use_implementation
 from helpers import (
     Backend,
     assert_close,
@@ -464,20 +465,91 @@ def test_a_mask_mod_hiding_every_key_of_some_rows(name, monkeypatch):
         assert rel_error(a, b) <= 1e-12
 
 
+#: The CUDA kernel families that take more than 16 query rows (and apply user rules).
+LONG_FAMILIES = ["numba_cuda-tiled", "numba_cuda-tc"]
+
+
+def _long_inputs(rng):
+    """Inputs the register-tiled and tensor-core kernels take (more than 16 query rows)."""
+    return (rng.standard_normal((1, 2, 20, 8)), rng.standard_normal((1, 1, 23, 8)),
+            rng.standard_normal((1, 1, 23, 5)))
+
+
+def _long_dtype(name):
+    return "float32" if name == "numba_cuda-tc" else "float64"
+
+
 @NUMPY_SESSION_ONLY
-@pytest.mark.parametrize("name", ["numba_cuda-tiled", "numba_cuda-tc"])
-def test_cuda_kernels_without_user_rules_refuse_them_by_name(name, monkeypatch):
-    """The register-tiled and tensor-core kernels refuse score_mod and mask_mod by name
-    where they would take the call (more than 16 query rows); ``"auto"`` passes the
-    family over, and decoding shapes go to the one-thread-per-row kernel, which applies
-    them."""
+@pytest.mark.parametrize("name", LONG_FAMILIES)
+@pytest.mark.parametrize("call", ["key_lengths", "softcap+causal+alibi", "window"])
+def test_long_families_apply_user_rules(name, call, monkeypatch):
+    """The register-tiled (and tensor-core) kernels: forward, lse and gradients of a
+    user rule equal the built-in rule's, on the reference."""
     implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
-    q = np.zeros((1, 1, 20, 4), dtype=np.float32)
-    kernel = "register-tiled" if name.endswith("tiled") else "tensor-core"
-    with pytest.raises(ValueError, match=f"does not apply mask_mod in its {kernel} kernel"):
-        sdpa(q, q, q, mask_mod=causal, implementation=implementation)
-    assert polyattn.explain(q, q, q, mask_mod=causal).implementation != "numba_cuda"
-    short = np.ones((1, 1, 3, 4), dtype=np.float32)
-    out = sdpa(short, short, short, mask_mod=causal, implementation=implementation)
-    ref = sdpa(short, short, short, is_causal=True, implementation="reference")
-    assert_close(out, ref, "float32")
+    import array_api_compat.numpy as np_xp
+
+    dtype = _long_dtype(name)
+    rng = np.random.default_rng(50)
+    slopes = rng.random(2)
+    q, k, v = (a.astype(dtype) for a in _long_inputs(rng))
+    user, built_in = (_on(o, np_xp, None, dtype, slopes) for o in CALLS[call])
+    if call == "key_lengths":
+        user["mod_args"] = (np.array([17]),)
+        built_in["key_lengths"] = np.array([17])
+    cuda_family_ran(name, polyattn.explain(q, k, v, enable_gqa=True,
+                                           implementation=implementation, **user))
+    out, lse = sdpa(q, k, v, enable_gqa=True, return_lse=True, implementation=implementation,
+                    **user)
+    ref, ref_lse = sdpa(*(a.astype(np.float64) for a in (q, k, v)), enable_gqa=True,
+                        return_lse=True, implementation="reference", **built_in)
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True,
+                                         implementation=implementation, **user)
+    _, reference = polyattn.attention_vjp(*(a.astype(np.float64) for a in (q, k, v)),
+                                          enable_gqa=True, implementation="reference",
+                                          **built_in)
+    go = rng.standard_normal((1, 2, 20, 5))
+    for a, b in zip(pullback(go.astype(dtype))[:3], reference(go)[:3], strict=True):
+        assert rel_error(a, b) <= (1e-12 if dtype == "float64" else 1e-4)
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("name", LONG_FAMILIES)
+def test_long_families_t5_table_and_rows_seeing_nothing(name, monkeypatch):
+    """A T5 relative-bias table (against the same bias as a float mask) with a mask_mod
+    that hides every key of the odd rows: 0 and lse -inf there, gradients against the
+    float64 reference."""
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
+    dtype = _long_dtype(name)
+    rng = np.random.default_rng(51)
+    q, k, v = (a.astype(dtype) for a in _long_inputs(rng))
+    table = rng.standard_normal((2, 9)).astype(dtype)
+
+    def odd_rows_see_nothing(b, h, q_idx, kv_idx, table):
+        return ops.logical_and(q_idx % 2 == 0, kv_idx <= q_idx + 1)
+
+    user = {"score_mod": t5_bias, "mask_mod": odd_rows_see_nothing, "mod_args": (table,)}
+    cuda_family_ran(name, polyattn.explain(q, k, v, enable_gqa=True,
+                                           implementation=implementation, **user))
+    out, lse = sdpa(q, k, v, enable_gqa=True, return_lse=True, implementation=implementation,
+                    **user)
+    distance = np.clip(np.arange(20)[:, None] - np.arange(23)[None, :], -4, 4) + 4
+    bias = table.astype(np.float64)[:, distance][None]                # (1, H, Tq, Tk)
+    seen = (np.arange(20)[:, None] % 2 == 0) & (np.arange(23)[None, :]
+                                               <= np.arange(20)[:, None] + 1)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    ref, ref_lse = sdpa(q64, k64, v64, enable_gqa=True, return_lse=True,
+                        attn_mask=np.where(seen, bias, -np.inf), implementation="reference")
+    assert np.all(np.asarray(out)[..., 1::2, :] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[..., 1::2]))
+    assert_close(out, np.nan_to_num(ref), dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, implementation=implementation,
+                                         **user)
+    _, reference = polyattn.attention_vjp(q64, k64, v64, enable_gqa=True,
+                                          implementation="reference",
+                                          **{**user, "mod_args": (table.astype(np.float64),)})
+    go = rng.standard_normal((1, 2, 20, 5))
+    for a, b in zip(pullback(go.astype(dtype))[:3], reference(go)[:3], strict=True):
+        assert rel_error(a, b) <= (1e-12 if dtype == "float64" else 1e-4)

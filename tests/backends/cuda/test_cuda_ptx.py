@@ -565,33 +565,45 @@ def test_dependent_run_finds_the_row_kernels_serial_dot_product():
 
 
 # --------------------------------------------------------------------------- #
-# The one-thread-per-row kernels with a user rule (score_mod, mask_mod, mod_args)
+# The kernels with a user rule (score_mod, mask_mod, mod_args)
 # --------------------------------------------------------------------------- #
 
-def _user_rule_specs() -> list[tuple[object, object]]:
-    """The forward, dQ and dK/dV kernels at float32, head size 64, with the sample user
-    rule of :func:`polyattn.backends.cuda.user_rules.sample_key`."""
+def _user_rule_specs() -> list[tuple[object, object, object]]:
+    """The one-thread-per-row and register-tiled forward, dQ and dK/dV kernels and the
+    3xTF32 tensor-core forward at float32, head size 64, with the sample user rule of
+    :func:`polyattn.backends.cuda.user_rules.sample_key` (and their launch bounds)."""
     from polyattn.backends.cuda.user_rules import sample_key
 
     user = sample_key("float32")
+    tiled, tiled_bw = numba_cuda_tiled, numba_cuda_tiled_backward
     return [(numba_cuda.make_kernel_function("float32", 64, "none", False, user=user),
-             numba_cuda._signature("float32", "none")),
+             numba_cuda._signature("float32", "none"), None),
             (numba_cuda_backward.make_dq_function("float32", 64, "none", False, user=user),
-             numba_cuda_backward._signature("float32", "none", 1)),
+             numba_cuda_backward._signature("float32", "none", 1), None),
             (numba_cuda_backward.make_dkdv_function("float32", 64, "none", False, user=user),
-             numba_cuda_backward._signature("float32", "none", 2))]
+             numba_cuda_backward._signature("float32", "none", 2), None),
+            (tiled.make_kernel_function("float32", 64, "none", False, user=user),
+             tiled._signature("float32", "none"), tiled.launch_bounds("float32", 64)),
+            (tiled_bw.make_dq_function("float32", 64, "none", False, user=user),
+             tiled_bw._signature("float32", "none", 1),
+             tiled_bw.launch_bounds("float32", tiled_bw.dq_threads(64))),
+            (tiled_bw.make_dkdv_function("float32", 64, "none", False, user=user),
+             tiled_bw._signature("float32", "none", 2),
+             tiled_bw.launch_bounds("float32", tiled_bw.dkdv_threads(64))),
+            (numba_cuda_tc.make_kernel_function("3xtf32", 64, "none", False, user=user),
+             numba_cuda_tc._signature("none"), None)]
 
 
 USER_RULES = _user_rule_specs()
 
 
 @pytest.mark.parametrize("index", range(len(USER_RULES)),
-                         ids=[fn.__name__.removeprefix("attention_") for fn, _ in USER_RULES])
+                         ids=[fn.__name__.removeprefix("attention_") for fn, _, _ in USER_RULES])
 def test_user_rule_kernel(index):
-    fn, sig = USER_RULES[index]
+    fn, sig, bounds = USER_RULES[index]
     name = fn.__name__
     assert "_user" in name
-    ptx = compile_ptx(fn, sig)
+    ptx = compile_ptx(fn, sig, bounds)
     assert_ptx_basics(name, ptx, mods=False)  # float32 throughout, dropout's cipher
     if HAVE_SASS_TOOLS:
         for cc, (report, _) in assembled(ptx, sass=False).items():

@@ -24,7 +24,7 @@ HOST = True
 RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
                    "score_mod", "mask_mod"})
 #: The kernels that apply ``score_mod`` and ``mask_mod`` (the others refuse them by name).
-USER_RULE_KERNELS = ("one-thread-per-row",)
+USER_RULE_KERNELS = ("one-thread-per-row", "register-tiled", "tensor-core")
 
 
 def entry_points() -> ModuleType:

@@ -151,13 +151,16 @@ def _performance_warning() -> type[Warning]:
 
 def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None, rules: Rules,
                  scale: float, xp: Any, kernel_for: Any, rows: int, threads: int,
-                 vector_flag: bool = False) -> tuple[Array, Array]:
+                 vector_flag: bool = False, user_rules: bool = False) -> tuple[Array, Array]:
     """``(out, lse)`` from one launch of a kernel whose blocks own ``rows`` query rows
     of one (batch, head) pair each, with ``threads`` threads, and take the arrays of
     :func:`.inputs.kernel_inputs`, ``out`` and ``lse``, then its parameters: the
     tensor-core and register-tiled kernels. ``kernel_for(mask_kind, mods)`` gives the
     compiled kernel; with ``vector_flag`` it takes one more scalar, 1 where q, k and v
-    may be read by vector loads (:func:`.inputs.vector_loads_fit`), else 0."""
+    may be read by vector loads (:func:`.inputs.vector_loads_fit`), else 0. With
+    ``user_rules`` the kernel applies ``score_mod`` and ``mask_mod``:
+    ``kernel_for(mask_kind, mods, user)`` (``user``: :func:`.user_rules.user_key`'s
+    key) and the kernel takes the ``mod_args`` buffers ``(fb, ib, meta)`` last."""
     *batch, n_heads, tq, _ = q.shape
     ev = v.shape[-1]
     dev = _Device(q)
@@ -166,14 +169,18 @@ def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None, rules: Rul
     lse = dev.empty((n_batch, n_heads, tq), q.dtype)  # (B, H, Tq)
     if n_batch * n_heads * tq > 0:
         inputs = kernel_inputs(q, k, v, mask, rules, scale, xp, dev)
-        kernel = kernel_for(inputs.mask_kind, inputs.mods)
+        if user_rules:
+            kernel = kernel_for(inputs.mask_kind, inputs.mods, inputs.user)
+        else:
+            kernel = kernel_for(inputs.mask_kind, inputs.mods)
         n_blocks = n_batch * n_heads * -(-tq // rows)
         check_grid(n_blocks, f"B·H·ceil(Tq/{rows})", q)
         out_d, lse_d = dev.view(out), dev.view(lse)
         with launching(dev) as stream:
             flag = (np.int64(inputs.vector_loads),) if vector_flag else ()
+            buffers = inputs.buffers if user_rules else ()
             kernel[n_blocks, threads, stream](*inputs.arrays, out_d, lse_d,
-                                              *inputs.parameters, *flag)
+                                              *inputs.parameters, *flag, *buffers)
         if dev.simulated:
             out, lse = out_d.copy_to_host(), lse_d.copy_to_host()
     out = xp.reshape(out, (*batch, n_heads, tq, ev))  # (B…, H, Tq, Ev)

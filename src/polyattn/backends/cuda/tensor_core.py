@@ -76,6 +76,7 @@ from polyattn.backends.cuda.environment import MASK_KINDS, _cuda, kernel_choice
 from polyattn.backends.cuda.inputs import common_dtype
 from polyattn.backends.cuda.launch import DECODE_MAX_TQ, launch_tiles
 from polyattn.backends.cuda.philox import philox_function
+from polyattn.backends.cuda.user_rules import UserKey, buffer_types, device_functions, suffix
 from polyattn.rules import element
 from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
@@ -136,13 +137,15 @@ def _signature(mask_kind: str) -> Any:
         table, types.Array(t, 2, "A"),  # key lengths, ALiBi slopes
         strided, types.Array(t, 3, "A"),  # out, lse
         t, parameter_types("float32"),  # scale, the rules (lowering.kernel_parameters)
+        *buffer_types("float32"),  # mod_args buffers fb, ib, meta (.user_rules)
     )
 
 
 @functools.cache
 def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
-                         mods: bool = False) -> Any:
-    """The Python kernel function for one specialisation (not yet compiled)."""
+                         mods: bool = False, user: UserKey | None = None) -> Any:
+    """The Python kernel function for one specialisation (not yet compiled); ``user``:
+    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`)."""
     global cuda
     cuda = _cuda()
     from numba import types
@@ -173,6 +176,9 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     NF = HEAD // 8  # 8-feature tiles of the output per warp
     O_LEN = NF * 4  # per-lane output accumulators
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    USER_SCORE = user is not None and user[0] is not None
+    USER_MASK = user is not None and user[1] is not None
+    score_element, mask_element = device_functions(user, "float32")
     if HALF_OPERANDS:
         KS = HEAD // 16  # 16-feature steps of Q Kᵀ
         HP, BP = HEAD // 2, BK // 2  # words per K row / per transposed V row
@@ -186,7 +192,8 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         TILE_T = f32
         Q_WORDS = KS * 4
 
-    def tc_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules):
+    def tc_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules, fb, ib,
+                  meta):
         """Out and lse of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -384,7 +391,11 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                     x = s[n] * scale
                     if MODS:
                         x = modify(x, p, j, cap, inv_cap, slope)
+                    if USER_SCORE and row < tq and visible(j, p, rules, hi):
+                        x, _ = score_element(x, b, h, row, j, fb, ib, meta)
                     if row >= tq or not visible(j, p, rules, hi):
+                        x = NEG_INF
+                    elif USER_MASK and not mask_element(b, h, row, j, fb, ib, meta):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi0 if upper else mi1, j * mj_step]:
@@ -518,16 +529,17 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                 if t == 0:
                     lse[b, h, row] = lse_i
 
-    suffix = "_mods" if mods else ""
-    name = f"tc_{arithmetic}_head{bucket}_{mask_kind}{suffix}"
+    mods_name = "_mods" if mods else ""
+    name = f"tc_{arithmetic}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}"
     tc_kernel.__name__ = tc_kernel.__qualname__ = name
     return tc_kernel
 
 
 @functools.cache
-def compiled_kernel(arithmetic: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+def compiled_kernel(arithmetic: str, bucket: int, mask_kind: str, mods: bool = False,
+                    user: UserKey | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached."""
-    fn = make_kernel_function(arithmetic, bucket, mask_kind, mods)
+    fn = make_kernel_function(arithmetic, bucket, mask_kind, mods, user)
     return _cuda().jit(_signature(mask_kind))(fn)
 
 
@@ -582,9 +594,9 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
     assert bucket is not None
     return launch_tiles(
         q, k, v, mask=mask, rules=rules, scale=scale, xp=xp,
-        kernel_for=lambda mask_kind, mods: compiled_kernel(arithmetic, bucket, mask_kind,
-                                                           mods),
-        rows=BLOCK_Q, threads=THREADS)
+        kernel_for=lambda mask_kind, mods, user: compiled_kernel(arithmetic, bucket, mask_kind,
+                                                                 mods, user),
+        rows=BLOCK_Q, threads=THREADS, user_rules=True)
 
 
 #: ``POLYATTN_CUDA_FLOAT32``: how the CUDA kernel computes float32 inputs.

@@ -77,6 +77,7 @@ from polyattn.backends.cuda.inputs import common_dtype, head_bucket
 from polyattn.backends.cuda.launch import DECODE_MAX_TQ, launch_tiles
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.backends.cuda.unroll import unroll, unrolled
+from polyattn.backends.cuda.user_rules import UserKey, buffer_types, device_functions, suffix
 from polyattn.rules import element
 from polyattn.rules.lowering import lower, parameter_types
 from polyattn.rules.visibility import Rules
@@ -163,12 +164,15 @@ def _signature(dtype: str, mask_kind: str) -> Any:
         strided, types.Array(t, 3, "A"),  # out, lse
         t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
         types.int64,  # 1: q, k and v may be read by vector loads (inputs.vector_loads_fit)
+        *buffer_types(dtype),  # mod_args buffers fb, ib, meta (.user_rules)
     )
 
 
 @functools.cache
-def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
-    """The Python kernel function for one specialisation (not yet compiled)."""
+def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                         user: UserKey | None = None) -> Any:
+    """The Python kernel function for one specialisation (not yet compiled); ``user``:
+    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`)."""
     global cuda
     cuda = _cuda()
     from numba import types
@@ -201,6 +205,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     O_LEN = RS * OC  # output accumulators per thread
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
     MASKED = BOOL_MASK or FLOAT_MASK
+    USER_SCORE = user is not None and user[0] is not None
+    USER_MASK = user is not None and user[1] is not None
+    score_element, mask_element = device_functions(user, dtype)
+    # The whole-tile pass (all threads, key fastest) applies the mask and the user
+    # rules, with the modifiers before them.
+    TILE_PASS = MASKED or USER_SCORE or USER_MASK
     # Shared tiles, rows padded by 4 values (16-byte aligned rows, fewer bank conflicts).
     Q_RESIDENT = q_resident(dtype, bucket)
     PRE = BK * D_CHUNK // NTHREADS  # K values of a chunk per thread
@@ -214,7 +224,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     Q_SHAPE, K_SHAPE = (HEAD if Q_RESIDENT else D_CHUNK, BQ + 4), (D_CHUNK, BK + 4)
     V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
 
-    def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules, vec):
+    def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules, vec,
+                     fb, ib, meta):
         """Out and lse of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -380,12 +391,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             # parameters below: held across the key loop, they would take
             # registers the patches need.
             cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, LOG2E)
-            if MASKED:
+            if TILE_PASS:
                 # A mask is applied to the whole tile by all threads together, key
                 # fastest (consecutive threads read consecutive mask entries), with
                 # the modifiers before it; its parameters are read per tile.
                 cuda.syncthreads()
-                mb, mh, mi_step, mj_step = mask_steps(True, mask, mask_batch, b + z, h)
+                mb, mh, mi_step, mj_step = mask_steps(MASKED, mask, mask_batch, b + z, h)
                 for idx in range(tid + z, BQ * BK, NTHREADS):
                     jj = idx % BK
                     r = idx // BK
@@ -394,10 +405,16 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         x = p_tile[jj, r]
                         if MODS:
                             x = modify(x, row + pos_offset, j0 + jj, cap, inv_cap, slope)
-                        if BOOL_MASK:
+                        if USER_SCORE:
+                            # the rule takes and gives natural-log scores
+                            x, _ = score_element(x * LN2, b, h, row, j0 + jj, fb, ib, meta)
+                            x *= LOG2E
+                        if USER_MASK and not mask_element(b, h, row, j0 + jj, fb, ib, meta):
+                            x = NEG_INF
+                        elif BOOL_MASK:
                             if not mask[mb, mh, row * mi_step, (j0 + jj) * mj_step]:
                                 x = NEG_INF
-                        else:
+                        elif FLOAT_MASK:
                             x += mask[mb, mh, row * mi_step, (j0 + jj) * mj_step] * LOG2E
                         p_tile[jj, r] = x
                 cuda.syncthreads()
@@ -415,7 +432,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 for n in range(4 * KC):
                     jj = 32 * (n // 4) + 4 * kg_s + n % 4
                     x = p_tile[jj, R * rg_s + i]
-                    if MODS and not MASKED:
+                    if MODS and not TILE_PASS:
                         x = modify(x, p, j0 + jj, cap, inv_cap, slope)
                     if jj < vis_lo or jj >= vis_hi:
                         x = NEG_INF
@@ -519,15 +536,17 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                     lse[b, h, row] = lse_i
 
     kernel = unrolled(tiled_kernel, {**globals(), **locals()})
-    suffix = "_mods" if mods else ""
-    kernel.__name__ = kernel.__qualname__ = f"tiled_{dtype}_head{bucket}_{mask_kind}{suffix}"
+    mods_name = "_mods" if mods else ""
+    kernel.__name__ = kernel.__qualname__ = (
+        f"tiled_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}")
     return kernel
 
 
 @functools.cache
-def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                    user: UserKey | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached."""
-    fn = make_kernel_function(dtype, bucket, mask_kind, mods)
+    fn = make_kernel_function(dtype, bucket, mask_kind, mods, user)
     if simulator_enabled():
         return _cuda().jit(_signature(dtype, mask_kind))(fn)
     return _cuda().jit(_signature(dtype, mask_kind),
@@ -561,5 +580,6 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
     dtype = common_dtype(query=q, key=k, value=v)
     return launch_tiles(
         q, k, v, mask=mask, rules=rules, scale=scale, xp=xp,
-        kernel_for=lambda mask_kind, mods: compiled_kernel(dtype, bucket, mask_kind, mods),
-        rows=BLOCK_Q, threads=threads(bucket), vector_flag=True)
+        kernel_for=lambda mask_kind, mods, user: compiled_kernel(dtype, bucket, mask_kind, mods,
+                                                                 user),
+        rows=BLOCK_Q, threads=threads(bucket), vector_flag=True, user_rules=True)

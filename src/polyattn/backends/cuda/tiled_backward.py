@@ -84,6 +84,7 @@ from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KI
 from polyattn.backends.cuda.launch import check_grid, launch_backward
 from polyattn.backends.cuda.philox import philox_function
 from polyattn.backends.cuda.unroll import unroll, unrolled
+from polyattn.backends.cuda.user_rules import UserKey, device_functions, suffix
 from polyattn.rules import element
 from polyattn.rules.lowering import lower
 from polyattn.rules.visibility import Rules
@@ -196,7 +197,8 @@ def _constants(dtype: str, bucket: int, rows: int) -> dict[str, Any]:
 
 
 @functools.cache
-def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                     user: UserKey | None = None) -> Any:
     """The Python dQ kernel function for one specialisation (not yet compiled)."""
     global cuda
     cuda = _cuda()
@@ -210,6 +212,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     keep_word = philox_function()
     acc_t = getattr(types, dtype)
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    USER_SCORE = user is not None and user[0] is not None
+    USER_MASK = user is not None and user[1] is not None
+    score_element, mask_element = device_functions(user, dtype)
     BQ = BLOCK_Q
     consts = _constants(dtype, bucket, dq_rows_per_thread(bucket))
     (row_position, key_length, visible, head_modifiers, mask_steps, modify_and_grad, drops,
@@ -224,7 +229,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                             "P_SHAPE"))
 
     def tiled_dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq,
-                        scale, rules, vec):
+                        scale, rules, fb, ib, meta, vec):
         """dq of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -366,11 +371,16 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                     grad = ONE  # d(x) / d(raw)
                     if MODS:
                         x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
+                    if USER_SCORE:
+                        x, du = score_element(x, b, h, row, j, fb, ib, meta)
+                        grad *= du
                     seen = True
                     if BOOL_MASK:
                         seen = mask[mb, mh, row * mi_step, j * mj_step]
                     elif FLOAT_MASK:
                         x += mask[mb, mh, row * mi_step, j * mj_step]
+                    if USER_MASK and seen:
+                        seen = mask_element(b, h, row, j, fb, ib, meta)
                     w = ZERO
                     if seen:
                         w = math.exp(x - lse_i)
@@ -383,7 +393,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                             else:
                                 dp = ZERO
                         ds = w * (dp - row_d[ii])
-                        if MODS:
+                        if MODS or USER_SCORE:
                             ds *= grad
                 ds_tile[jj, ii] = ds
 
@@ -432,13 +442,15 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                             dq[b, h, row, f] = acc[RS * c + 4 * i + u] * scale
 
     kernel = unrolled(tiled_dq_kernel, {**globals(), **locals()})
-    suffix = "_mods" if mods else ""
-    kernel.__name__ = kernel.__qualname__ = f"tiled_dq_{dtype}_head{bucket}_{mask_kind}{suffix}"
+    mods_name = "_mods" if mods else ""
+    kernel.__name__ = kernel.__qualname__ = (
+        f"tiled_dq_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}")
     return kernel
 
 
 @functools.cache
-def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                       user: UserKey | None = None) -> Any:
     """The Python dK/dV kernel function for one specialisation (not yet compiled)."""
     global cuda
     cuda = _cuda()
@@ -452,6 +464,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     keep_word = philox_function()
     acc_t = getattr(types, dtype)
     BOOL_MASK, FLOAT_MASK, MODS = mask_kind == "bool", mask_kind == "float", mods
+    USER_SCORE = user is not None and user[0] is not None
+    USER_MASK = user is not None and user[1] is not None
+    score_element, mask_element = device_functions(user, dtype)
     BKV = BLOCK_KV
     consts = _constants(dtype, bucket, dkdv_rows_per_thread(bucket))
     (row_position, key_length, visible, head_modifiers, mask_steps, modify_and_grad, drops,
@@ -466,7 +481,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                             "P_SHAPE"))
 
     def tiled_dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
-                          scale, rules, vec):
+                          scale, rules, fb, ib, meta, vec):
         """dk and dv of 64 keys of one (batch, key/value head) pair, summed over the
         query heads of its group."""
         _, n_heads, tq, e = q.shape
@@ -618,11 +633,16 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                         grad = ONE  # d(x) / d(raw)
                         if MODS:
                             x, grad = modify_and_grad(raw, p, j, cap, inv_cap, slope)
+                        if USER_SCORE:
+                            x, du = score_element(x, b, h, i, j, fb, ib, meta)
+                            grad *= du
                         seen = True
                         if BOOL_MASK:
                             seen = mask[mb, mh, i * mi_step, j * mj_step]
                         elif FLOAT_MASK:
                             x += mask[mb, mh, i * mi_step, j * mj_step]
+                        if USER_MASK and seen:
+                            seen = mask_element(b, h, i, j, fb, ib, meta)
                         w = ZERO
                         if seen:
                             w = math.exp(x - lse_i)
@@ -636,7 +656,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                                     zf = ZERO
                             pz = w * zf
                             ds = w * (ds_tile[ii, jj] * zf - row_d[ii])
-                            if MODS:
+                            if MODS or USER_SCORE:
                                 ds *= grad
                     p_tile[ii, jj] = pz
                     ds_tile[ii, jj] = ds
@@ -704,16 +724,17 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                             dv[b, hk, j, f] = dv_acc[RS * c + 4 * i + u]
 
     kernel = unrolled(tiled_dkdv_kernel, {**globals(), **locals()})
-    suffix = "_mods" if mods else ""
+    mods_name = "_mods" if mods else ""
     kernel.__name__ = kernel.__qualname__ = (
-        f"tiled_dkdv_{dtype}_head{bucket}_{mask_kind}{suffix}")
+        f"tiled_dkdv_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}")
     return kernel
 
 
 @functools.cache
-def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                user: UserKey | None = None) -> Any:
     """The dQ kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dq_function(dtype, bucket, mask_kind, mods)
+    fn = make_dq_function(dtype, bucket, mask_kind, mods, user)
     sig = _signature(dtype, mask_kind, 1)
     if simulator_enabled():
         return _cuda().jit(sig)(fn)
@@ -722,9 +743,10 @@ def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> 
 
 
 @functools.cache
-def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False) -> Any:
+def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
+                  user: UserKey | None = None) -> Any:
     """The dK/dV kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dkdv_function(dtype, bucket, mask_kind, mods)
+    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, user)
     sig = _signature(dtype, mask_kind, 2)
     if simulator_enabled():
         return _cuda().jit(sig)(fn)
@@ -774,12 +796,12 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         check_grid(dq_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
         check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{BLOCK_KV})", q)
         vec = np.int64(inputs.vector_loads)
-        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods)[
+        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, inputs.user)[
             dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *arrays, dq_d,
-                                                   *inputs.parameters, vec)
-        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods)[
+                                                   *inputs.parameters, *inputs.buffers, vec)
+        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, inputs.user)[
             kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *arrays, *dkdv_d,
-                                                     *inputs.parameters, vec)
+                                                     *inputs.parameters, *inputs.buffers, vec)
 
     return launch_backward(
         q, k, v, out, lse, grad_out, mask=mask, rules=rules, scale=scale, xp=xp,
