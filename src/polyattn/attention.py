@@ -199,9 +199,9 @@ def scaled_dot_product_attention(
         Differentiable: torch and JAX differentiate through it (and its floating
         ``mod_args``), and :func:`attention_vjp` applies its derivative and
         returns those of its floating ``mod_args``. Runs on ``"reference"`` and
-        ``"chunked"`` (the Array-API paths, every library), ``"numba_cpu"`` and
-        ``"distributed"``; the CUDA kernels and ``"native"`` do not take it yet,
-        and :func:`explain` says so.
+        ``"chunked"`` (the Array-API paths, every library), ``"numba_cpu"``,
+        ``"numba_cuda"`` (every kernel family) and ``"distributed"``;
+        ``"native"`` does not take it, and :func:`explain` says why.
     mask_mod : function, optional
         A rule of yours on visibility: ``mask_mod(b, h, q_idx, kv_idx,
         *mod_args) -> bool`` (True = visible), combined with every other rule;
