@@ -173,6 +173,19 @@ PORTABLE = [
          lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=polyattn.block_mask(
              lambda b, h, i, j: i >= j, None, None, 8, 8, xp=xp, device=dev)),
          ValueError, ("`block_mask` was built for Tq = 8, Tk = 8", "Tq = 4, Tk = 6")),
+    Case("a block mask of another batch", "block_mask",
+         lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=polyattn.block_mask(
+             lambda b, h, i, j: i >= j, (5,), None, 4, 6, xp=xp, device=dev)),
+         ValueError, ("`block_mask` was built for batch (5,) (this call's B… is (2,))",
+                      "batch_shape")),
+    Case("a block mask of other heads", "block_mask",
+         lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=polyattn.block_mask(
+             lambda b, h, i, j: i >= j, None, 4, 4, 6, xp=xp, device=dev)),
+         ValueError, ("`block_mask` was built for 4 heads (this call has H = 3)",)),
+    Case("block_mask given one array as mod_args", "block_mask",
+         lambda xp, dev: polyattn.block_mask(lambda b, h, i, j, t: i >= j, None, None, 4, 6,
+                                             mod_args=z(xp, dev, 3), xp=xp, device=dev),
+         TypeError, ("`mod_args` must be a tuple of arrays", "(wrap one array as (array,))")),
     Case("not a BlockMask", "BlockMask",
          lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=z(xp, dev, 2)),
          TypeError, ("`block_mask` must be a BlockMask from polyattn.block_mask(...)",)),

@@ -34,6 +34,7 @@ from polyattn._validation import (
     check_floating,
     check_known_shape,
     check_min_ndim,
+    check_mod_args,
     check_scale,
     check_softcap,
     check_window,
@@ -237,7 +238,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
         if mask_mod is None:
             mask_mod = block_mask.mask_mod
             mod_args = mod_args or block_mask.mod_args
-    mod_args = _check_mod_args(score_mod, mask_mod, mod_args)
+    mod_args = check_mod_args(score_mod, mask_mod, mod_args)
     attn_mask, alibi_slopes, key_lengths, sinks, q_ids, k_ids, *mod_args = _lift_to_dask(
         (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks, *segment_ids,
                               *mod_args))
@@ -515,34 +516,6 @@ def _segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq: in
     return (q_ids, k_ids), (lo, hi)
 
 
-def _check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
-    """``score_mod`` and ``mask_mod`` callables (or ``None``), ``mod_args`` a sequence of
-    arrays; returns the arrays as a list."""
-    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"`{name}` must be a function ({name}(score, b, h, q_idx, kv_idx, "
-                            f"*mod_args) or mask_mod(b, h, q_idx, kv_idx, *mod_args)); got "
-                            f"{type(fn).__name__}")
-    if mod_args is None:
-        mod_args = ()
-    if _array_like(mod_args) or not isinstance(mod_args, (tuple, list)):
-        raise TypeError("`mod_args` must be a tuple of arrays (what score_mod and mask_mod "
-                        f"receive after the indices); got {type(mod_args).__name__}"
-                        + (" (wrap one array as (array,))" if _array_like(mod_args) else ""))
-    for i, a in enumerate(mod_args):
-        if not _array_like(a):
-            raise TypeError(f"`mod_args[{i}]` must be an array of the inputs' library; got "
-                            f"{type(a).__name__}")
-        kind = str(a.dtype).split(".")[-1]             # torch.float32 -> float32
-        if not kind.startswith(("float", "int", "uint", "bool", "bfloat")):
-            raise TypeError(f"`mod_args[{i}]` must have a real floating, integer or boolean "
-                            f"dtype; got {kind} (shape {tuple(a.shape)})")
-    if mod_args and score_mod is None and mask_mod is None:
-        raise ValueError("`mod_args` are the arrays of score_mod and mask_mod; pass one of "
-                         "them, or leave mod_args out")
-    return list(mod_args)
-
-
 def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, ...],
                            h: int) -> None:
     """A block mask fits the call's ``mask_mod``: built for it (or for a function of the
@@ -597,11 +570,13 @@ def _blocks(given: BlockMask | None, user: UserRules, batch: tuple[int, ...], h:
             raise ValueError(f"`block_mask` was built for Tq = {given.tq}, Tk = {given.tk}; "
                              f"this call has Tq = {tq}, Tk = {tk}")
         lead, heads = given.kinds.shape[:-3], given.kinds.shape[-3]
-        ok = (heads in (1, h) and len(lead) <= len(batch) and all(
-            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False)))
-        if not ok:
-            raise ValueError(f"`block_mask` was built for batch {lead or None} and "
-                             f"{heads} heads; this call has B… = {batch} and H = {h}")
+        batch_fits = len(lead) <= len(batch) and all(
+            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False))
+        wrong = ([] if batch_fits else [f"batch {lead or None} (this call's B… is {batch})"]
+                 ) + ([] if heads in (1, h) else [f"{heads} heads (this call has H = {h})"])
+        if wrong:
+            raise ValueError(f"`block_mask` was built for {' and '.join(wrong)}; build it "
+                             "with this call's batch_shape and num_heads (or None)")
         _check_block_mask_rule(given, user, batch, h)
         return given
     if user.mask_mod is None:

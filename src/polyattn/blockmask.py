@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from polyattn._interop import concrete_values
-from polyattn._validation import check_nonnegative_int
+from polyattn._validation import check_mod_args, check_nonnegative_int
 from polyattn.rules import user as _user
 
 #: The kinds of a tile.
@@ -101,6 +101,7 @@ def block_mask(mask_mod: Callable[..., Any], batch_shape: tuple[int, ...] | None
     if not callable(mask_mod):
         raise TypeError(f"`mask_mod` must be a function mask_mod(b, h, q_idx, kv_idx, "
                         f"*mod_args); got {type(mask_mod).__name__}")
+    mod_args = tuple(check_mod_args(None, mask_mod, mod_args))
     tq, tk = check_nonnegative_int("tq", tq), check_nonnegative_int("tk", tk)
     if (not isinstance(block, tuple) or len(block) != 2
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in block)):
