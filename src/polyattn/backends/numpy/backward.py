@@ -151,9 +151,9 @@ def _key_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int,
     dv_acc = p.buffer("dv", (k1 - k0, p.ev))
     dk_acc.fill(0.0)
     dv_acc.fill(0.0)
-    _, lo, hi = p.key_ranges(b, 0, p.tq)
-    first = int(np.searchsorted(hi, k0, side="right"))     # first row with hi > k0
-    stop = int(np.searchsorted(lo, k1, side="left"))       # first row with lo >= k1
+    _, lo, hi = p.key_ranges(b, 0, p.tq, hk)
+    rows = np.flatnonzero((hi > lo) & (lo < k1) & (hi > k0))   # the rows that see the block
+    first, stop = (int(rows[0]), int(rows[-1]) + 1) if rows.size else (0, 0)
     for q0 in range(first, stop, p.bq):
         it = _Item(p, b, hk, q0)
         for r0, r1, c0, c1 in _band_tiles(it.lo, it.hi, k1 - k0, k0, k1):
@@ -276,23 +276,22 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     # (cost, job): the area of scores each job computes, so that the largest start first
     one_pass = fused(len(pairs))
     costed: list[tuple[int, Callable[[], Any]]] = []
-    for b in np.ndindex(*p.batch):
-        _, lo, hi = p.key_ranges(b, 0, p.tq)
+    for b, hk in pairs:
+        _, lo, hi = p.key_ranges(b, 0, p.tq, hk)
         seen = np.maximum(hi - lo, 0)                    # keys each query row sees
         starts = range(0, p.tk, p.block_k)
         areas = [] if one_pass else [
             int(np.maximum(np.clip(hi, k0, k0 + p.block_k) - np.clip(lo, k0, k0 + p.block_k),
                            0).sum()) for k0 in starts]
-        for hk in range(p.hkv):
-            if one_pass:
-                costed.append((int(seen.sum()),
-                               partial(_quiet, _head_item, p, heads, b, hk, dq, dk, dv)))
-                continue
-            costed += [(area, partial(_quiet, _key_item, p, heads, b, hk, k0, dk, dv))
-                       for k0, area in zip(starts, areas, strict=True)]
-            costed += [(int(seen[q0:q0 + p.bq].sum()),
-                        partial(_quiet, _query_item, p, heads, b, hk, q0, dq))
-                       for q0 in range(0, p.tq, p.bq)]
+        if one_pass:
+            costed.append((int(seen.sum()),
+                           partial(_quiet, _head_item, p, heads, b, hk, dq, dk, dv)))
+            continue
+        costed += [(area, partial(_quiet, _key_item, p, heads, b, hk, k0, dk, dv))
+                   for k0, area in zip(starts, areas, strict=True)]
+        costed += [(int(seen[q0:q0 + p.bq].sum()),
+                    partial(_quiet, _query_item, p, heads, b, hk, q0, dq))
+                   for q0 in range(0, p.tq, p.bq)]
     costed.sort(key=lambda job: -job[0])                 # stable: ties keep their order
     jobs = [job for _, job in costed]
     n = min(num_threads(), len(jobs))
