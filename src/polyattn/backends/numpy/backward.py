@@ -156,7 +156,7 @@ def _key_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int,
     first, stop = (int(rows[0]), int(rows[-1]) + 1) if rows.size else (0, 0)
     for q0 in range(first, stop, p.bq):
         it = _Item(p, b, hk, q0)
-        for r0, r1, c0, c1 in _band_tiles(it.lo, it.hi, k1 - k0, k0, k1):
+        for r0, r1, c0, c1 in _band_tiles(it.lo, it.hi, k1 - k0, k0, k1, it.sees):
             qt = _rows(p, "qt", h.qe, q0 + r0, q0 + r1)    # (G, r, E + 1)
             dt = _rows(p, "dt", h.de, q0 + r0, q0 + r1)    # (G, r, Ev + 1)
             pz, ds = _tile(p, h, it, qt, dt, r0, r1, c0, c1)
@@ -182,7 +182,7 @@ def _query_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: in
     acc.fill(0.0)
     qt = _rows(p, "qt", h.qe, q0, it.q1)                   # (G, bq, E + 1)
     dt = _rows(p, "dt", h.de, q0, it.q1)                   # (G, bq, Ev + 1)
-    for r0, r1, k0, k1 in _band_tiles(it.lo, it.hi, p.key_block(bq)):
+    for r0, r1, k0, k1 in _band_tiles(it.lo, it.hi, p.key_block(bq), sees=it.sees):
         _, ds = _tile(p, h, it, qt[:, r0:r1], dt[:, r0:r1], r0, r1, k0, k1)
         part = p.buffer("part", (p.g, r1 - r0, p.e))
         np.matmul(_flat(ds), h.ke[k0:k1, :p.e], out=_flat(part))  # (G·r, E)

@@ -155,7 +155,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     acc.fill(0.0)
     dropout = p.rules.dropout
 
-    tiles = list(_band_tiles(it.lo, it.hi, bk))
+    tiles = list(_band_tiles(it.lo, it.hi, bk, sees=it.sees))
     if tiles:                                        # (none where no row sees a key)
         ke = p.extended_keys(b, hk)                  # (Tk, E + 1)
         vb = p.v[(*b, hk)]                           # (Tk, Ev)

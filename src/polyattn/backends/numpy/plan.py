@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -263,7 +264,8 @@ class _Item:
     (:meth:`_Problem.key_ranges`) and the negated ALiBi slopes of its G heads.
     """
 
-    __slots__ = ("b", "band", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1", "segments")
+    __slots__ = ("b", "band", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1", "segments",
+                 "sees")
 
     def __init__(self, p: _Problem, b: tuple[int, ...], hk: int, q0: int) -> None:
         self.b, self.hk, self.q0 = b, hk, q0
@@ -275,6 +277,11 @@ class _Item:
             self.band = p.band_ranges(b, q0, self.q1)[1:]
         if p.segments is not None:
             self.segments = tuple(_row(s, b)[q0:self.q1] for s in p.segments)
+        #: with a block mask, which rows have a non-empty tile among keys k0:k1 (a function)
+        self.sees = None
+        if p.narrowed:
+            assert p.user is not None
+            self.sees = partial(p.user.sees, b, hk, q0, self.q1)
         self.neg_slopes = p.neg_slopes(b, hk)
 
 
@@ -340,13 +347,16 @@ def _flat(x: np.ndarray) -> np.ndarray:
 
 
 def _band_tiles(lo: np.ndarray, hi: np.ndarray, bk: int, start: int = 0,
-                stop: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+                stop: int | None = None, sees: Callable[[int, int], np.ndarray] | None = None,
+                ) -> Iterator[tuple[int, int, int, int]]:
     """The (r0, r1, k0, k1) rectangles of scores that rows with visible keys [lo, hi) need.
 
     Keys come in blocks of ``bk`` from the first key any row sees to the last (within
     ``[start, stop)`` where given); each block covers only the rows that see some of
     it: a run where both bounds grow with the row, else each run of such rows (bounds
-    that a block mask narrowed). Rows that see no key at all are in no rectangle.
+    that a block mask narrowed, whose ``sees(k0, k1)`` also leaves out the rows whose
+    block-mask tiles there are all empty). Rows that see no key at all are in no
+    rectangle.
     """
     seen = np.flatnonzero(hi > lo)
     if seen.size == 0:
@@ -354,7 +364,7 @@ def _band_tiles(lo: np.ndarray, hi: np.ndarray, bk: int, start: int = 0,
     k_start, k_stop = max(start, int(lo[seen].min())), int(hi[seen].max())
     if stop is not None:
         k_stop = min(k_stop, stop)
-    growing = bool((lo[1:] >= lo[:-1]).all() and (hi[1:] >= hi[:-1]).all())
+    growing = sees is None and bool((lo[1:] >= lo[:-1]).all() and (hi[1:] >= hi[:-1]).all())
     for k0 in range(k_start, k_stop, bk):
         k1 = min(k0 + bk, k_stop)
         if growing:
@@ -363,7 +373,10 @@ def _band_tiles(lo: np.ndarray, hi: np.ndarray, bk: int, start: int = 0,
             if r0 < r1:
                 yield r0, r1, k0, k1
             continue
-        for r0, r1 in _runs((hi > lo) & (lo < k1) & (hi > k0)):
+        rows = (hi > lo) & (lo < k1) & (hi > k0)
+        if sees is not None:
+            rows &= sees(k0, k1)
+        for r0, r1 in _runs(rows):
             yield r0, r1, k0, k1
 
 
@@ -386,7 +399,8 @@ def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (), hk: 
     with a block mask that tells heads apart).
     """
     _, lo, hi = p.key_ranges(b, q0, q1, hk)
-    return _band_tiles(lo, hi, bk)
+    sees = None if p.user is None or not p.narrowed else partial(p.user.sees, b, hk, q0, q1)
+    return _band_tiles(lo, hi, bk, sees=sees)
 
 
 def _output(q: np.ndarray, ev: int) -> np.ndarray:

@@ -10,8 +10,9 @@ work item), ``q_idx`` (rows, 1) and ``kv_idx`` (1, keys), with ``mod_args`` as
 A ``mask_mod`` comes with its block mask (:class:`polyattn.BlockMask`, ``rules.blocks``),
 which :class:`TileRules` reads per (batch row, key/value head): each query block's keys
 from its first non-empty key block to the end of its last (:meth:`TileRules.key_ranges`),
-which narrow the rows' visible keys in :mod:`.plan`, so that key blocks no query of a
-block sees are never computed; and inside a tile (:meth:`TileRules.hide`), per block-mask
+which narrow the rows' visible keys in :mod:`.plan`, and whether a query block has a
+non-empty tile among some keys (:meth:`TileRules.sees`), so that the path computes no
+rows of a key block where all their block-mask tiles are empty; and inside a tile (:meth:`TileRules.hide`), per block-mask
 tile it touches, nothing where the tile is full, every score hidden where it is empty, and
 the ``mask_mod`` evaluated only where it is partial. Without a block mask (its values were
 not at hand) the ``mask_mod`` is evaluated on every tile.
@@ -50,7 +51,7 @@ class TileRules:
         self.blocks = rules.blocks if self.masks else None
         self.batch, self.g, self.tk = batch, g, tk
         self._kinds: dict[tuple[Any, ...], np.ndarray] = {}
-        self._ranges: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self._ranges: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def indices(self, b: tuple[int, ...], hk: int, heads: range, q0: int, q1: int, k0: int,
                 k1: int) -> tuple[np.ndarray, ...]:
@@ -95,19 +96,39 @@ class TileRules:
         all are empty). ``None`` without a block mask."""
         if self.blocks is None:
             return None
+        first, last, _ = self._seen(b, hk)
+        block = np.arange(q0, q1) // self.blocks.block[0]
+        return first[block], last[block]
+
+    def sees(self, b: tuple[int, ...], hk: int, q0: int, q1: int, k0: int, k1: int,
+             ) -> np.ndarray:
+        """Bool (q1 - q0,): whether the query block of each of rows q0:q1 has a non-empty
+        block-mask tile among those keys k0:k1 touch, for some query head of (b, hk)."""
+        assert self.blocks is not None
+        _, _, count = self._seen(b, hk)
+        bq, bk = self.blocks.block
+        block = np.arange(q0, q1) // bq
+        return count[block, (k1 - 1) // bk + 1] > count[block, k0 // bk]
+
+    def _seen(self, b: tuple[int, ...], hk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per query block of (b, hk) (any of its query heads): the first key of its first
+        non-empty key block, the end of its last (0, 0 where every one is empty), and the
+        number of non-empty key blocks before each key block (nq, nk + 1)."""
         key = (b, hk)
         found = self._ranges.get(key)
         if found is None:
+            assert self.blocks is not None
             bk = self.blocks.block[1]
             seen = (self.kinds(b, hk) != EMPTY).any(axis=0)     # (nq, nk)
             nk = seen.shape[-1]
             some = seen.any(axis=-1)
-            first = np.where(some, seen.argmax(axis=-1) * bk, 0)
+            first = np.where(some, seen.argmax(axis=-1) * bk, 0).astype(np.int64)
             last = np.where(some, np.minimum((nk - seen[:, ::-1].argmax(axis=-1)) * bk,
-                                             self.tk), 0)
-            found = self._ranges[key] = (first.astype(np.int64), last.astype(np.int64))
-        block = np.arange(q0, q1) // self.blocks.block[0]
-        return found[0][block], found[1][block]
+                                             self.tk), 0).astype(np.int64)
+            count = np.zeros((seen.shape[0], nk + 1), dtype=np.int64)
+            np.cumsum(seen, axis=-1, out=count[:, 1:])
+            found = self._ranges[key] = (first, last, count)
+        return found
 
     def hide(self, s: np.ndarray, b: tuple[int, ...], hk: int, q0: int, q1: int, k0: int,
              k1: int, value: float) -> None:
