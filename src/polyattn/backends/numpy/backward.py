@@ -8,9 +8,13 @@ With ``P = exp(s - lse)`` (the softmax before dropout, recomputed from ``q``,
     dQ = scale·dS K       dK = scale·dSᵀ Q
 
 with ``dS`` times the soft-cap's derivative ``1 - tanh²(scale·q·k / c)``
-where a cap applies. ``dK`` and ``dV`` are summed over the ``G`` query heads
-that share a key/value head. ALiBi slopes and float masks are constants: they
-receive no gradient. Rows that see no key (``lse = -inf``) get zero gradients.
+where a cap applies, and times a ``score_mod``'s derivative with respect to the
+score (from the same call of it that gives the scores, on values that carry a
+derivative). The gradients of floating ``mod_args`` are not this module's: one
+pass of the Array-API paths gives them, whichever implementation ran. ``dK`` and
+``dV`` are summed over the ``G`` query heads that share a key/value head. ALiBi
+slopes and float masks are constants: they receive no gradient. Rows that see no
+key (``lse = -inf``) get zero gradients.
 
 The machinery is the forward pass's: the same scores in the order of
 docs/semantics.rst (:func:`.scores._scores`, :func:`.scores._hide`), the same plan
@@ -152,8 +156,8 @@ def _key_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int,
     dk_acc.fill(0.0)
     dv_acc.fill(0.0)
     _, lo, hi = p.key_ranges(b, 0, p.tq, hk)
-    rows = np.flatnonzero((hi > lo) & (lo < k1) & (hi > k0))   # the rows that see the block
-    first, stop = (int(rows[0]), int(rows[-1]) + 1) if rows.size else (0, 0)
+    seen = np.flatnonzero((hi > lo) & (lo < k1) & (hi > k0))   # the rows that see the block
+    first, stop = (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, 0)
     for q0 in range(first, stop, p.bq):
         it = _Item(p, b, hk, q0)
         for r0, r1, c0, c1 in _band_tiles(it.lo, it.hi, k1 - k0, k0, k1, it.sees):

@@ -98,7 +98,7 @@ class _Problem:
         self.segments = self.rules.segment_keys
         # unsorted ones: (query ids, key ids), compared in each tile
         self.segment_ids = (None if rules.segments is None or self.segments is not None
-                            else tuple(np.asarray(x) for x in rules.segments))
+                            else (np.asarray(rules.segments[0]), np.asarray(rules.segments[1])))
         # the user's score_mod, mask_mod and block mask (None without them)
         self.user = (None if rules.user is None
                      else TileRules(rules, self.batch, self.g, self.tk))
@@ -264,8 +264,8 @@ class _Item:
     (:meth:`_Problem.key_ranges`) and the negated ALiBi slopes of its G heads.
     """
 
-    __slots__ = ("b", "band", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1", "segments",
-                 "sees")
+    __slots__ = ("b", "band", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1", "sees",
+                 "segments")
 
     def __init__(self, p: _Problem, b: tuple[int, ...], hk: int, q0: int) -> None:
         self.b, self.hk, self.q0 = b, hk, q0

@@ -12,9 +12,10 @@ which :class:`TileRules` reads per (batch row, key/value head): each query block
 from its first non-empty key block to the end of its last (:meth:`TileRules.key_ranges`),
 which narrow the rows' visible keys in :mod:`.plan`, and whether a query block has a
 non-empty tile among some keys (:meth:`TileRules.sees`), so that the path computes no
-rows of a key block where all their block-mask tiles are empty; and inside a tile (:meth:`TileRules.hide`), per block-mask
-tile it touches, nothing where the tile is full, every score hidden where it is empty, and
-the ``mask_mod`` evaluated only where it is partial. Without a block mask (its values were
+rows of a key block where all their block-mask tiles are empty; and inside a tile
+(:meth:`TileRules.hide`), per block-mask tile it touches, nothing where the tile is full,
+every score hidden where it is empty, and the ``mask_mod`` evaluated only where it is
+partial. Without a block mask (its values were
 not at hand) the ``mask_mod`` is evaluated on every tile.
 
 Segment ids that are not sorted (so not key ranges, :mod:`.plan`) hide the keys of other
@@ -165,6 +166,7 @@ class TileRules:
         """:meth:`hide` on rows r0:r1 of ``s`` (one query block), heads ``heads``, whose key
         blocks ``kb0, kb0 + 1, …`` have ``kinds``: runs of empty blocks hidden, runs of
         partial ones given to the ``mask_mod`` together."""
+        assert self.blocks is not None
         bk = self.blocks.block[1]
         start = 0
         while start < len(kinds):
