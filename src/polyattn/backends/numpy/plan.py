@@ -277,10 +277,10 @@ class _Item:
             self.band = p.band_ranges(b, q0, self.q1)[1:]
         if p.segments is not None:
             self.segments = tuple(_row(s, b)[q0:self.q1] for s in p.segments)
-        #: with a block mask, which rows have a non-empty tile among keys k0:k1 (a function)
+        #: with a block mask whose query blocks' non-empty key blocks are not one run each,
+        #: which rows have a non-empty tile among keys k0:k1 (a function)
         self.sees = None
-        if p.narrowed:
-            assert p.user is not None
+        if p.user is not None and p.narrowed and not p.user.gapless(b, hk):
             self.sees = partial(p.user.sees, b, hk, q0, self.q1)
         self.neg_slopes = p.neg_slopes(b, hk)
 
@@ -399,7 +399,9 @@ def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (), hk: 
     with a block mask that tells heads apart).
     """
     _, lo, hi = p.key_ranges(b, q0, q1, hk)
-    sees = None if p.user is None or not p.narrowed else partial(p.user.sees, b, hk, q0, q1)
+    sees = None
+    if p.user is not None and p.narrowed and not p.user.gapless(b, hk):
+        sees = partial(p.user.sees, b, hk, q0, q1)
     return _band_tiles(lo, hi, bk, sees=sees)
 
 

@@ -52,7 +52,8 @@ class TileRules:
         self.blocks = rules.blocks if self.masks else None
         self.batch, self.g, self.tk = batch, g, tk
         self._kinds: dict[tuple[Any, ...], np.ndarray] = {}
-        self._ranges: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._ranges: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = {}
+        self._gapless: dict[tuple[Any, ...], bool] = {}
 
     def indices(self, b: tuple[int, ...], hk: int, heads: range, q0: int, q1: int, k0: int,
                 k1: int) -> tuple[np.ndarray, ...]:
@@ -101,6 +102,13 @@ class TileRules:
         block = np.arange(q0, q1) // self.blocks.block[0]
         return first[block], last[block]
 
+    def gapless(self, b: tuple[int, ...], hk: int) -> bool:
+        """Whether each query block's non-empty key blocks of (b, hk) are one run (causal,
+        windows, sorted documents, prefix-LM): :meth:`key_ranges` then says all that
+        :meth:`sees` would."""
+        self._seen(b, hk)
+        return self._gapless[(b, hk)]
+
     def sees(self, b: tuple[int, ...], hk: int, q0: int, q1: int, k0: int, k1: int,
              ) -> np.ndarray:
         """Bool (q1 - q0,): whether the query block of each of rows q0:q1 has a non-empty
@@ -111,7 +119,7 @@ class TileRules:
         block = np.arange(q0, q1) // bq
         return count[block, (k1 - 1) // bk + 1] > count[block, k0 // bk]
 
-    def _seen(self, b: tuple[int, ...], hk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _seen(self, b: tuple[int, ...], hk: int) -> tuple[np.ndarray, ...]:
         """Per query block of (b, hk) (any of its query heads): the first key of its first
         non-empty key block, the end of its last (0, 0 where every one is empty), and the
         number of non-empty key blocks before each key block (nq, nk + 1)."""
@@ -128,6 +136,8 @@ class TileRules:
                                              self.tk), 0).astype(np.int64)
             count = np.zeros((seen.shape[0], nk + 1), dtype=np.int64)
             np.cumsum(seen, axis=-1, out=count[:, 1:])
+            span = -(-last // bk) - first // bk                 # key blocks first..last
+            self._gapless[key] = bool((count[:, -1] == span).all())
             found = self._ranges[key] = (first, last, count)
         return found
 
@@ -145,12 +155,8 @@ class TileRules:
         qb0, qb1 = q0 // bq, (q1 - 1) // bq + 1
         kb0, kb1 = k0 // bk, (k1 - 1) // bk + 1
         sub = kinds[:, qb0:qb1, kb0:kb1]                        # (G|1, query, key blocks)
-        if (sub == FULL).all():
-            return
-        for n in range(qb1 - qb0):
+        for n in np.flatnonzero((sub != FULL).any(axis=(0, 2))).tolist():
             row = sub[:, n]                                     # (G|1, key blocks)
-            if (row == FULL).all():
-                continue
             r0, r1 = max(q0, (qb0 + n) * bq) - q0, min(q1, (qb0 + n + 1) * bq) - q0
             if row.shape[0] == 1 or (row == row[:1]).all():     # the same for every head
                 self._hide_row(s, b, hk, range(s.shape[0]), row[0].tolist(), r0, r1, q0,
