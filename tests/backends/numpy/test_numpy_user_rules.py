@@ -116,6 +116,24 @@ def test_with_the_built_in_rules(tiles, built_in, dtype_name):  # noqa: F811
           block_mask=block_mask(prefix_lm), **BUILT_IN[built_in])
 
 
+def test_batch_axes_and_block_masks_for_them(tiles):  # noqa: F811
+    """Two batch axes: ``b`` counts over both (a prefix per flat batch row), the block mask
+    built for them; and one built without batch or heads, broadcast over both."""
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((3, 2, h, t, 5)) for h, t in ((H, TQ), (HKV, TK), (HKV, TK)))
+    prefix = np.array([0, 3, 5, 9, 12, 16])
+
+    def prefix_per_row(b, h, q_idx, kv_idx, prefix):
+        return ops.logical_or(kv_idx < prefix[b], q_idx >= kv_idx)
+
+    bm = polyattn.block_mask(prefix_per_row, (3, 2), H, TQ, TK, mod_args=(prefix,),
+                             block=BLOCK)
+    check(q, k, v, "float64", block_mask=bm, score_mod=lambda s, b, h, i, j, p: s * 0.5)
+    anywhere = polyattn.block_mask(lambda b, h, i, j: i + 2 >= j, None, None, TQ, TK,
+                                   block=BLOCK)
+    check(q, k, v, "float32", block_mask=anywhere)
+
+
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_mask_mod_only_on_partial_tiles_and_no_empty_rows_computed(tiles, mask,  # noqa: F811
                                                                    monkeypatch):
