@@ -161,6 +161,15 @@ class _Problem:
             lo, hi = np.maximum(lo, blocks[0]), np.minimum(hi, blocks[1])
         return pos, lo, hi
 
+    def rows_seeing(self, b: tuple[int, ...], hk: int, q0: int, q1: int,
+                    ) -> Callable[[int, int], np.ndarray] | None:
+        """With a block mask whose query blocks' non-empty key blocks are not one run each,
+        which of rows q0:q1 of (b, hk) have a non-empty tile among keys k0:k1, as a function
+        of (k0, k1) for :func:`_band_tiles`; else ``None`` (:meth:`key_ranges` says it all)."""
+        if self.user is None or not self.narrowed or self.user.gapless(b, hk):
+            return None
+        return partial(self.user.sees, b, hk, q0, q1)
+
     def band_ranges(self, b: tuple[int, ...], q0: int, q1: int,
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`key_ranges` without the segments: key lengths, causal mask and window."""
@@ -277,11 +286,7 @@ class _Item:
             self.band = p.band_ranges(b, q0, self.q1)[1:]
         if p.segments is not None:
             self.segments = tuple(_row(s, b)[q0:self.q1] for s in p.segments)
-        #: with a block mask whose query blocks' non-empty key blocks are not one run each,
-        #: which rows have a non-empty tile among keys k0:k1 (a function)
-        self.sees = None
-        if p.user is not None and p.narrowed and not p.user.gapless(b, hk):
-            self.sees = partial(p.user.sees, b, hk, q0, self.q1)
+        self.sees = p.rows_seeing(b, hk, q0, self.q1)
         self.neg_slopes = p.neg_slopes(b, hk)
 
 
@@ -399,10 +404,7 @@ def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (), hk: 
     with a block mask that tells heads apart).
     """
     _, lo, hi = p.key_ranges(b, q0, q1, hk)
-    sees = None
-    if p.user is not None and p.narrowed and not p.user.gapless(b, hk):
-        sees = partial(p.user.sees, b, hk, q0, q1)
-    return _band_tiles(lo, hi, bk, sees=sees)
+    return _band_tiles(lo, hi, bk, sees=p.rows_seeing(b, hk, q0, q1))
 
 
 def _output(q: np.ndarray, ev: int) -> np.ndarray:
