@@ -7,8 +7,9 @@ forward, log-sum-exp and gradients; the key ranges that the blocked paths visit
 (packed documents cost the sum of their squared lengths where the ids are at
 hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. The
 families that do not lower segment ids yet (``numba_cuda``)
-refuse them by name, which is checked, and ``"auto"`` passes them over; the NumPy
-fast path and ``numba_cpu`` lower sorted ids as key ranges and refuse unsorted ones.
+refuse them by name, which is checked, and ``"auto"`` passes them over; ``numba_cpu``
+lowers sorted ids as key ranges and refuses unsorted ones; the NumPy fast path lowers
+sorted ids as key ranges and compares unsorted ones in each tile.
 """
 
 from __future__ import annotations
