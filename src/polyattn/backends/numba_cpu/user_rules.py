@@ -9,9 +9,10 @@ dtype: a rule written again, or called with other arrays, reuses them. The kerne
 them as first-class function arguments, so they are compiled once for every rule (and
 kept in Numba's cache on disk like the rest). :func:`lower` builds the tuple the
 kernels take (:func:`user_type` types it): the three functions (no-ops where the call
-has no such rule), the ``mod_args`` buffers, and the block mask's tile kinds and each
-query block's key range (tiles of one block of every key visible where no block mask
-was built).
+has no such rule), the ``mod_args`` buffers, and the block mask's tile kinds and key
+ranges: per query row ``(lo, hi, solid)`` from its ``rows`` (a solid row takes no
+``mask_mod``), else per query block from its tiles (one tile of every key, partial,
+where no block mask was built).
 """
 
 from __future__ import annotations
