@@ -403,6 +403,33 @@ def test_block_mask_kinds_and_repr():
     assert bd.counts == {"empty": 12, "partial": 0, "full": 4}
 
 
+def test_block_mask_rows():
+    """Per query row: the first visible key, one past the last, and whether every key
+    between them is visible (a causal or document row is; a row with holes is not; a row
+    seeing nothing is (0, 0), solid)."""
+    bm = polyattn.block_mask(causal, None, None, 5, 7, block=(2, 3))
+    assert bm.rows.shape == (1, 5, 3)
+    np.testing.assert_array_equal(bm.rows[0], [[0, i + 1, 1] for i in range(5)])
+
+    def holes(b, h, q_idx, kv_idx, ids):
+        same = ids[b, q_idx] == ids[b, kv_idx]
+        return ops.logical_and(same, ops.logical_and(q_idx >= kv_idx,
+                                                     (q_idx - kv_idx + h) % 3 != 1))
+
+    ids = np.array([[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0, 0]])
+    bd = polyattn.block_mask(holes, (2,), 2, 8, 8, mod_args=(ids,), block=(4, 4))
+    assert bd.rows.shape == (2, 2, 8, 3)
+    seen = np.stack([[[(ids[b, i] == ids[b, j]) and i >= j and (i - j + h) % 3 != 1
+                       for j in range(8)] for i in range(8)] for b in range(2)
+                     for h in range(2)]).reshape(2, 2, 8, 8)
+    for b, h, i in np.ndindex(2, 2, 8):
+        keys = np.flatnonzero(seen[b, h, i])
+        want = ([keys[0], keys[-1] + 1, int(len(keys) == keys[-1] + 1 - keys[0])]
+                if len(keys) else [0, 0, 1])
+        assert bd.rows[b, h, i].tolist() == want, (b, h, i)
+    assert bd.rows[..., 2].min() == 0 and bd.rows[..., 2].max() == 1
+
+
 def _count_tiles(path, monkeypatch):
     """Record the tiles of scores ``path`` ("array_api": the blocked path, "numpy": the
     NumPy fast path) computes, as ((first row, end), (first key, end)) of each; and make

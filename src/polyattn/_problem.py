@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -509,11 +510,30 @@ def _segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq: in
     lead = np.broadcast_shapes(qv.shape[:-1], kv.shape[:-1])
     qv, kv = (np.broadcast_to(qv, (*lead, tq)).reshape(-1, tq),
               np.broadcast_to(kv, (*lead, tk)).reshape(-1, tk))
-    if qv.shape[0] == 0 or (np.diff(qv, axis=-1) < 0).any() or (np.diff(kv, axis=-1) < 0).any():
+    steps = np.diff(qv, axis=-1)
+    if qv.shape[0] == 0 or (steps < 0).any() or (pair and (np.diff(kv, axis=-1) < 0).any()):
         return (q_ids, k_ids), None                         # unsorted: masks only, no skipping
+    if not pair:                  # one array: each query's segment is the run holding it
+        lo, hi = _runs(steps != 0)
+        return (q_ids, k_ids), (lo.reshape(*lead, tq), hi.reshape(*lead, tq))
     lo, hi = (np.stack([np.searchsorted(kr, qr, side=side) for qr, kr in zip(qv, kv, strict=True)
                         ]).reshape(*lead, tq) for side in ("left", "right"))
     return (q_ids, k_ids), (lo, hi)
+
+
+def _runs(changes: Any) -> tuple[Any, Any]:
+    """Per position of rows whose values change where ``changes`` (…, T - 1) is True: the
+    first position of its run of equal values and one past the last."""
+    import numpy as np
+
+    t = changes.shape[-1] + 1
+    at = np.broadcast_to(np.arange(t, dtype=np.int64), (*changes.shape[:-1], t))
+    edge = np.ones((*changes.shape[:-1], 1), dtype=bool)
+    starts = np.concatenate([edge, changes], axis=-1)
+    ends = np.concatenate([changes, edge], axis=-1)
+    lo = np.maximum.accumulate(np.where(starts, at, 0), axis=-1)
+    hi = np.minimum.accumulate(np.where(ends, at + 1, t)[..., ::-1], axis=-1)[..., ::-1]
+    return lo, hi
 
 
 def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, ...],
@@ -521,21 +541,11 @@ def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, 
     """A block mask fits the call's ``mask_mod``: built for it (or for a function of the
     same expression), and with batch rows and heads where the function reads ``b`` or
     ``h`` (``None`` there promised that it does not)."""
-    import numpy as np
-
-    from polyattn.rules import scalar
-
-    def expression(fn: Any) -> str | None:
-        try:
-            stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
-                                              tuple(a.shape)) for a in given.mod_args)
-            return scalar.source(scalar.trace(fn, "mask_mod", stand_ins), "mask_element")
-        except Exception:  # a rule that cannot be traced: nothing to compare, no error
-            return None
-
-    mine = expression(given.mask_mod)
+    if given not in _BUILT_FOR:          # the block mask's own rule, traced once
+        _BUILT_FOR[given] = _expression(given, given.mask_mod)
+    mine = _BUILT_FOR[given]
     if user.mask_mod is not None and user.mask_mod is not given.mask_mod:
-        theirs = expression(user.mask_mod)
+        theirs = _expression(given, user.mask_mod)
         if mine is None or theirs is None or mine != theirs:
             raise ValueError(f"`block_mask` was built for mask_mod "
                              f"{_function_name(given.mask_mod)}, not for this call's "
@@ -553,6 +563,27 @@ def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, 
                              f"{_function_name(given.mask_mod)} reads `{name}`: its tiles "
                              f"differ between {'batch rows' if name == 'b' else 'heads'}; "
                              f"build it with {argument}=")
+
+
+#: The expression of the ``mask_mod`` each block mask was built for (``None``: it cannot
+#: be traced), traced at its first use and kept while the block mask lives: the block
+#: mask is fixed when built, and every call that passes it compares against that.
+_BUILT_FOR: weakref.WeakKeyDictionary[BlockMask, str | None] = weakref.WeakKeyDictionary()
+
+
+def _expression(given: BlockMask, fn: Any) -> str | None:
+    """``fn`` as the scalar source of one score, traced on stand-ins shaped as the block
+    mask's ``mod_args`` (``None`` where it cannot be traced: nothing to compare)."""
+    import numpy as np
+
+    from polyattn.rules import scalar
+
+    try:
+        stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
+                                          tuple(a.shape)) for a in given.mod_args)
+        return scalar.source(scalar.trace(fn, "mask_mod", stand_ins), "mask_element")
+    except Exception:  # a rule that cannot be traced: nothing to compare, no error
+        return None
 
 
 def _function_name(fn: Any) -> str:
