@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +23,7 @@ from polyattn._interop import (
     library_name,
     namespace_of,
 )
+from polyattn._masking import call_block_mask, call_segments, function_name, segment_pair
 from polyattn._validation import (
     ALIGNMENTS,
     LAYOUTS,
@@ -42,7 +41,6 @@ from polyattn._validation import (
     shape_str,
 )
 from polyattn.blockmask import BlockMask
-from polyattn.blockmask import block_mask as build_block_mask
 from polyattn.masks import causal_offset as _causal_offset
 from polyattn.masks import normalise_mask
 from polyattn.rules.user import UserRules, probe
@@ -154,9 +152,9 @@ class Problem:
                  f"(B…, H) = {(*self.batch, self.num_heads)}, joined to each row through "
                  "the log-sum-exp",
                  "score_mod": None if rules.user is None or rules.user.score_mod is None
-                 else _function_name(rules.user.score_mod),
+                 else function_name(rules.user.score_mod),
                  "mask_mod": None if rules.user is None or rules.user.mask_mod is None
-                 else _function_name(rules.user.mask_mod) + (
+                 else function_name(rules.user.mask_mod) + (
                      f"; {rules.blocks!r}: the empty tiles are skipped" if rules.blocks
                      is not None else "; no block mask (its values are not at hand): "
                      "evaluated on every tile"),
@@ -231,7 +229,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
     messages are then those of the views, which the messages say.
     """
     pair = isinstance(segment_ids, (tuple, list))
-    segment_ids = _segment_pair(segment_ids)
+    segment_ids = segment_pair(segment_ids)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError("`block_mask` must be a BlockMask from polyattn.block_mask(...); "
@@ -371,7 +369,7 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
     lengths, lengths_at_hand = _key_lengths(extras["key_lengths"], tuple(batch), tk, xp,
                                             device_of(query))
     q_ids, k_ids, pair = extras["segment_ids"]
-    segments, segment_keys = _segments(q_ids, k_ids, pair, tuple(batch), tq, tk, xp)
+    segments, segment_keys = call_segments(q_ids, k_ids, pair, tuple(batch), tq, tk, xp)
     rules = Rules(
         tq=tq, tk=tk, causal=is_causal, offset=_causal_offset(tq, tk, causal_alignment),
         key_lengths=lengths, lengths_shift=bottom_right and lengths is not None,
@@ -383,7 +381,7 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         user=extras["user"])
     if extras["user"] is not None:
         probe(extras["user"], xp, compute_dtype, device_of(query))
-        blocks = _blocks(extras["block_mask"], extras["user"], tuple(batch), h, tq, tk, xp,
+        blocks = call_block_mask(extras["block_mask"], extras["user"], tuple(batch), h, tq, tk, xp,
                          device_of(query))
         if blocks is not None:
             rules = dataclasses.replace(rules, blocks=blocks)
@@ -456,166 +454,3 @@ def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
                          f"got values from {int(values.min())} to {int(values.max())}")
     shape = (1,) * (len(batch) - lengths.ndim) + tuple(lengths.shape)
     return xp.reshape(lengths, shape), None if values is None else values.reshape(shape)
-
-
-def _segment_pair(segment_ids: Any) -> tuple[Any, Any]:
-    """``segment_ids`` as (query ids, key ids): one array serves both, a pair gives each."""
-    if segment_ids is None:
-        return None, None
-    if isinstance(segment_ids, (tuple, list)):
-        if len(segment_ids) != 2 or any(not _array_like(x) for x in segment_ids):
-            raise TypeError("`segment_ids` must be an integer array (B…, T), or a pair of them "
-                            "((B…, Tq), (B…, Tk)) for queries and keys; got a "
-                            f"{type(segment_ids).__name__} of {len(segment_ids)} "
-                            f"({', '.join(type(x).__name__ for x in segment_ids)})")
-        return segment_ids[0], segment_ids[1]
-    if not _array_like(segment_ids):
-        raise TypeError("`segment_ids` must be an integer array (B…, T), or a pair of them "
-                        f"((B…, Tq), (B…, Tk)); got {type(segment_ids).__name__}")
-    return segment_ids, segment_ids
-
-
-def _segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq: int, tk: int,
-              xp: Namespace) -> tuple[tuple[Array, Array] | None, tuple[Any, Any] | None]:
-    """Segment ids as (B…|1, Tq) and (B…|1, Tk) integer arrays, checked (``pair``: given as
-    a pair); and, where their values are at hand and sorted in every row, the key range of
-    each query's segment (:attr:`Rules.segment_keys`)."""
-    if q_ids is None:
-        return None, None
-    import numpy as np
-
-    for which, ids, t, axis in (("queries", q_ids, tq, "Tq"), ("keys", k_ids, tk, "Tk")):
-        if not xp.isdtype(ids.dtype, "integral"):
-            raise TypeError(f"`segment_ids` must have an integer dtype (one id per position); "
-                            f"got {ids.dtype} of shape {shape_str(ids)}")
-        lead = tuple(ids.shape[:-1])
-        ok = ids.ndim >= 1 and ids.shape[-1] == t and len(lead) <= len(batch) and all(
-            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False))
-        if not ok:
-            what = (f"the {which}' ids must be (B…, {axis}) = ({', '.join(map(str, batch))}"
-                    f"{', ' if batch else ''}{t}) or broadcast to it" if pair else
-                    f"one array serves queries and keys, so it must be (B…, T) with "
-                    f"T = Tq = Tk; here Tq = {tq} and Tk = {tk}"
-                    + (" (pass a pair (query ids, key ids))" if tq != tk else
-                       f", B… = {batch}"))
-            raise ValueError(f"`segment_ids` has shape {shape_str(ids)}; {what}")
-    q_ids, k_ids = (xp.reshape(x, (1,) * (len(batch) - x.ndim + 1) + tuple(x.shape))
-                    for x in (q_ids, k_ids))
-    if q_ids.dtype != k_ids.dtype:
-        common = xp.result_type(q_ids.dtype, k_ids.dtype)
-        q_ids, k_ids = xp.astype(q_ids, common), xp.astype(k_ids, common)
-    qv, kv = concrete_values(q_ids), concrete_values(k_ids)
-    if qv is None or kv is None:
-        return (q_ids, k_ids), None
-    lead = np.broadcast_shapes(qv.shape[:-1], kv.shape[:-1])
-    qv, kv = (np.broadcast_to(qv, (*lead, tq)).reshape(-1, tq),
-              np.broadcast_to(kv, (*lead, tk)).reshape(-1, tk))
-    steps = np.diff(qv, axis=-1)
-    if qv.shape[0] == 0 or (steps < 0).any() or (pair and (np.diff(kv, axis=-1) < 0).any()):
-        return (q_ids, k_ids), None                         # unsorted: masks only, no skipping
-    if not pair:                  # one array: each query's segment is the run holding it
-        lo, hi = _runs(steps != 0)
-        return (q_ids, k_ids), (lo.reshape(*lead, tq), hi.reshape(*lead, tq))
-    lo, hi = (np.stack([np.searchsorted(kr, qr, side=side) for qr, kr in zip(qv, kv, strict=True)
-                        ]).reshape(*lead, tq) for side in ("left", "right"))
-    return (q_ids, k_ids), (lo, hi)
-
-
-def _runs(changes: Any) -> tuple[Any, Any]:
-    """Per position of rows whose values change where ``changes`` (…, T - 1) is True: the
-    first position of its run of equal values and one past the last."""
-    import numpy as np
-
-    t = changes.shape[-1] + 1
-    at = np.broadcast_to(np.arange(t, dtype=np.int64), (*changes.shape[:-1], t))
-    edge = np.ones((*changes.shape[:-1], 1), dtype=bool)
-    starts = np.concatenate([edge, changes], axis=-1)
-    ends = np.concatenate([changes, edge], axis=-1)
-    lo = np.maximum.accumulate(np.where(starts, at, 0), axis=-1)
-    hi = np.minimum.accumulate(np.where(ends, at + 1, t)[..., ::-1], axis=-1)[..., ::-1]
-    return lo, hi
-
-
-def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, ...],
-                           h: int) -> None:
-    """A block mask fits the call's ``mask_mod``: built for it (or for a function of the
-    same expression), and with batch rows and heads where the function reads ``b`` or
-    ``h`` (``None`` there promised that it does not)."""
-    if given not in _BUILT_FOR:          # the block mask's own rule, traced once
-        _BUILT_FOR[given] = _expression(given, given.mask_mod)
-    mine = _BUILT_FOR[given]
-    if user.mask_mod is not None and user.mask_mod is not given.mask_mod:
-        theirs = _expression(given, user.mask_mod)
-        if mine is None or theirs is None or mine != theirs:
-            raise ValueError(f"`block_mask` was built for mask_mod "
-                             f"{_function_name(given.mask_mod)}, not for this call's "
-                             f"{_function_name(user.mask_mod)}; build it with the same "
-                             "function (or pass the block mask alone)")
-    if mine is None:
-        return
-    text = mine.split("\n", 1)[1]
-    lead, heads = given.kinds.shape[:-3], given.kinds.shape[-3]
-    for name, built, wanted, argument in (("b", math.prod(lead) if lead else 1,
-                                            math.prod(batch), "batch_shape"),
-                                           ("h", heads, h, "num_heads")):
-        if built == 1 and wanted > 1 and re.search(rf"\b{name}\b", text):
-            raise ValueError(f"`block_mask` was built with {argument}=None, but its mask_mod "
-                             f"{_function_name(given.mask_mod)} reads `{name}`: its tiles "
-                             f"differ between {'batch rows' if name == 'b' else 'heads'}; "
-                             f"build it with {argument}=")
-
-
-#: The expression of the ``mask_mod`` each block mask was built for (``None``: it cannot
-#: be traced), traced at its first use and kept while the block mask lives: the block
-#: mask is fixed when built, and every call that passes it compares against that.
-_BUILT_FOR: weakref.WeakKeyDictionary[BlockMask, str | None] = weakref.WeakKeyDictionary()
-
-
-def _expression(given: BlockMask, fn: Any) -> str | None:
-    """``fn`` as the scalar source of one score, traced on stand-ins shaped as the block
-    mask's ``mod_args`` (``None`` where it cannot be traced: nothing to compare)."""
-    import numpy as np
-
-    from polyattn.rules import scalar
-
-    try:
-        stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
-                                          tuple(a.shape)) for a in given.mod_args)
-        return scalar.source(scalar.trace(fn, "mask_mod", stand_ins), "mask_element")
-    except Exception:  # a rule that cannot be traced: nothing to compare, no error
-        return None
-
-
-def _function_name(fn: Any) -> str:
-    return str(getattr(fn, "__qualname__", None) or repr(fn))
-
-
-def _blocks(given: BlockMask | None, user: UserRules, batch: tuple[int, ...], h: int, tq: int,
-            tk: int, xp: Namespace, device: Any) -> BlockMask | None:
-    """The block mask of a call: ``given``, checked against its shapes; else, for a
-    ``mask_mod`` whose ``mod_args`` are at hand, one built now (one evaluation per score;
-    not on Dask, where building would compute); else ``None`` (the ``mask_mod`` is
-    evaluated on every tile)."""
-    if given is not None:
-        if (given.tq, given.tk) != (tq, tk):
-            raise ValueError(f"`block_mask` was built for Tq = {given.tq}, Tk = {given.tk}; "
-                             f"this call has Tq = {tq}, Tk = {tk}")
-        lead, heads = given.kinds.shape[:-3], given.kinds.shape[-3]
-        batch_fits = len(lead) <= len(batch) and all(
-            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False))
-        wrong = ([] if batch_fits else [f"batch {lead or None} (this call's B… is {batch})"]
-                 ) + ([] if heads in (1, h) else [f"{heads} heads (this call has H = {h})"])
-        if wrong:
-            raise ValueError(f"`block_mask` was built for {' and '.join(wrong)}; build it "
-                             "with this call's batch_shape and num_heads (or None)")
-        _check_block_mask_rule(given, user, batch, h)
-        return given
-    if user.mask_mod is None:
-        return None
-    if library_name(xp) == "dask" or any(concrete_values(a) is None for a in user.mod_args):
-        return None                        # lazy, or traced mod_args: no skipping
-    try:
-        return build_block_mask(user.mask_mod, batch, h, tq, tk, mod_args=user.mod_args,
-                                xp=xp, device=device)
-    except ValueError:                      # values not at hand
-        return None
