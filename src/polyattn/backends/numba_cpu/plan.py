@@ -156,7 +156,7 @@ class Call:
                 self.mmap, self.lengths, self.offsets, self.slopes, self.segments, self.user)
 
 
-def _largest_first(items: Sequence[tuple[int, ...]]) -> np.ndarray:
+def _largest_first(items: Sequence[tuple[int, ...]] | np.ndarray) -> np.ndarray:
     """Work items as an (n, 6) array, the largest (query rows × keys) first."""
     arr = np.asarray(items, dtype=np.int64).reshape(-1, 6)
     return arr[np.argsort(-(arr[:, 3] - arr[:, 2]) * (arr[:, 5] - arr[:, 4]), kind="stable")]
