@@ -5,10 +5,9 @@ with every other rule. Checked on every backend and implementation against the
 same call with the equivalent boolean ``attn_mask`` (and a float64 oracle),
 forward, log-sum-exp and gradients; the key ranges that the blocked paths visit
 (packed documents cost the sum of their squared lengths where the ids are at
-hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. The
-families that do not lower segment ids yet (``numba_cuda``)
-refuse them by name, which is checked, and ``"auto"`` passes them over; the NumPy
-fast path and ``numba_cpu`` lower sorted ids as key ranges and refuse unsorted ones.
+hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. The NumPy
+fast path, ``numba_cpu`` and ``numba_cuda`` lower sorted ids as key ranges; the two
+kernels refuse unsorted ones by name, which is checked, and ``"auto"`` passes them over.
 """
 
 from __future__ import annotations
@@ -31,9 +30,9 @@ from polyattn._problem import prepare
 
 sdpa = polyattn.scaled_dot_product_attention
 #: Implementations that refuse segment ids by name (they do not lower them yet).
-REFUSING = ("numba_cuda",)
+REFUSING: tuple[str, ...] = ()
 #: Implementations that lower sorted ids only (as key ranges), refusing unsorted ones by name.
-SORTED_ONLY = ("numba_cpu",)
+SORTED_ONLY = ("numba_cpu", "numba_cuda")
 
 
 @pytest.fixture(params=CASES)
