@@ -144,5 +144,11 @@ def describe(problem: Any) -> dict[str, str]:
         how += "; the one-thread-per-row kernel (POLYATTN_CUDA_KERNEL=rows)"
     else:
         how += "; the one-thread-per-row kernel (decoding shapes)"
-    return {"module": module.__name__, "numba_cuda kernel": f"usable ({why})",
-            "arithmetic": how}
+    lines = {"module": module.__name__, "numba_cuda kernel": f"usable ({why})",
+             "arithmetic": how}
+    from polyattn.backends.cuda import blocks
+
+    masks = blocks.describe(problem.rules)
+    if masks is not None:
+        lines["numba_cuda masks"] = masks
+    return lines

@@ -90,6 +90,25 @@ def tables(rules: Any, batch: tuple[int, ...]) -> tuple[MaskKey | None, tuple[An
     return key, (segments, kinds, bq, bk)
 
 
+def describe(rules: Any) -> str | None:
+    """What the kernels make of a call's segment ids and block mask, for ``explain()``
+    (``None``: it has neither)."""
+    key = mask_key(rules)
+    if key is None:
+        return None
+    parts = []
+    if key[0]:
+        parts.append("segment ids as each row's key range (key tiles outside the segments "
+                     "of a block's rows never loaded)")
+    if key[1]:
+        c = rules.blocks.counts
+        parts.append("a kernel tile touching only empty blocks of the block mask skipped, "
+                     "one touching only full ones scored without the mask_mod (of its "
+                     f"{tuple(rules.blocks.block)} blocks {c['empty']} are empty, "
+                     f"{c['partial']} partial, {c['full']} full)")
+    return "; ".join(parts)
+
+
 def _leading_batch(x: np.ndarray, trailing: int, batch: tuple[int, ...]) -> np.ndarray:
     """``x`` (B…|1, …) with ``trailing`` axes after the batch ones, as (B|1, …): one
     entry when it is the same for every batch row, else one per flat batch index."""

@@ -118,8 +118,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
     SEGMENTS, BLOCKS = masks or (False, False)
-    segment_of, segment_span, blocks_keys, blocks_queries, tile_kind, _ = (
-        blocks.device_functions())
+    segment_of, segment_span, blocks_keys, _, tile_kind, _ = blocks.device_functions()
     keep_word = philox_function()
     (row_position, key_length, visible, block_keys, head_modifiers, mask_steps,
      modify_and_grad, drops, dropout_key, kept, kept_scale) = (
@@ -294,8 +293,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
     SEGMENTS, BLOCKS = masks or (False, False)
-    segment_of, segment_span, blocks_keys, blocks_queries, tile_kind, _ = (
-        blocks.device_functions())
+    segment_of, segment_span, _, blocks_queries, tile_kind, _ = blocks.device_functions()
     keep_word = philox_function()
     (row_position, key_length, visible, block_queries, head_modifiers, modify_and_grad, drops,
      dropout_key, kept, kept_scale) = (
