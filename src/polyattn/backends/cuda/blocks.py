@@ -29,7 +29,25 @@ visible area:
 
 Kernels compiled without them (:func:`mask_key` is ``None``) take never-read
 placeholders and carry none of this code. Kernels never import their facade;
-nothing here imports Numba before :func:`device_functions` is called.
+nothing here imports Numba before :func:`device_functions` is called (the
+device functions are plain Python, which runs on NumPy arrays too).
+
+Examples
+--------
+>>> from polyattn.rules.visibility import Rules
+>>> ids = np.array([[0, 0, 1, 1, 1]])                 # two documents
+>>> key, (segments, kinds, bq, bk) = tables(Rules(5, 5, segments=(ids, ids)), (1,))
+>>> key, segments[0, :5].tolist()                    # each query's keys
+((True, False), [[0, 2], [0, 2], [2, 5], [2, 5], [2, 5]])
+>>> kinds = np.array([[[[2, 0, 1], [0, 2, 2]]]], dtype=np.int8)   # 2 × 3 blocks of 4 × 4
+>>> tile_kind(kinds, 0, 0, 0, 3, 0, 3, 4, 4), tile_kind(kinds, 0, 0, 4, 7, 4, 11, 4, 4)
+(2, 2)
+>>> tile_kind(kinds, 0, 0, 0, 3, 4, 7, 4, 4), tile_kind(kinds, 0, 0, 0, 7, 0, 11, 4, 4)
+(0, 1)
+>>> blocks_keys(kinds, 0, 0, 0, 3, 4, 4, 0, 12)      # rows 0-3: the third key block too
+(0, 12)
+>>> blocks_queries(kinds, 0, 0, 4, 7, 4, 4, 0, 8)     # keys 4-7: rows 4-7 only
+(4, 8)
 """
 
 from __future__ import annotations

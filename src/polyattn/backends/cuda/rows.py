@@ -68,7 +68,12 @@ neither in their inner loop. Causality, windows, key lengths, positions,
 dropout, the lane layout and the number of splits are run-time values, not
 specialisations: the rules' come in one tuple argument
 (:func:`polyattn.rules.lowering.kernel_parameters`) that only the functions of
-:mod:`polyattn.rules.element` read. The merge kernel has one specialisation per dtype.
+:mod:`polyattn.rules.element` read. A user's ``score_mod`` and ``mask_mod``
+(:mod:`.user_rules`), and whether segment ids and a block mask are read
+(:mod:`.blocks`: the block's keys narrowed to its rows' segments and to the
+block mask's non-empty blocks, empty key tiles skipped, no ``mask_mod`` in full
+ones), are specialisations too; kernels without them compile to the code they
+had before. The merge kernel has one specialisation per dtype.
 
 Limits and costs
 ----------------

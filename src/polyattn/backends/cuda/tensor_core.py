@@ -38,7 +38,8 @@ The rules are those of :mod:`.rows` (docs/semantics.rst), applied to each
 element of S by the functions of :mod:`polyattn.rules.element`: scale,
 soft-capping, ALiBi, the mask (read through its strides), causality, windows
 and key lengths as visibility, dropout by Philox counters on the weight's flat
-index. Blocks load only the key tiles their rows can see.
+index. Blocks load only the key tiles their rows can see (segment ids and
+block masks included: :mod:`.blocks`).
 Rows that see no key give 0 and ``lse = -inf``; a NaN score makes its row NaN.
 
 Limits

@@ -52,8 +52,10 @@ Every rule of :mod:`.rows` is applied in the kernel, per score, by the functions
 :mod:`polyattn.rules.element` (compiled in with the compute type): scale,
 soft-capping, ALiBi, the mask (read through its strides), causality, windows
 and key lengths as visibility, dropout by Philox counters on the weight's
-flat index; key tiles no row of the block can see are never loaded; rows with
-no visible key give 0 and ``lse = -inf``; NaN propagates.
+flat index; key tiles no row of the block can see are never loaded (segment
+ids and block masks narrow them further, and a tile a block mask leaves empty
+is skipped: :mod:`.blocks`); rows with no visible key give 0 and
+``lse = -inf``; NaN propagates.
 
 Limits: query tiles of fewer than ``DECODE_MAX_TQ`` + 1 rows (decoding) go to
 the one-thread-per-row kernel of :mod:`.rows`, whose key lanes and
