@@ -300,11 +300,9 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
-            if BLOCKS:  # the same for every thread: skip an empty tile; a full one
-                # needs no mask_mod
-                kind = tile_kind(kinds, b, h, q0, min(q0 + BQ, tq) - 1, j0,
-                                 min(j0 + BK, hi) - 1, bq, bk)
-                if kind == 0:
+            if BLOCKS:  # the same for every thread: an empty tile is skipped
+                if tile_kind(kinds, b, h, q0, min(q0 + BQ, tq) - 1, j0, min(j0 + BK, hi) - 1,
+                             bq, bk) == 0:
                     continue
 
             # S = (scale·Q) Kᵀ, through shared memory D_CHUNK features at a time.
@@ -415,6 +413,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 # the modifiers before it; its parameters are read per tile.
                 cuda.syncthreads()
                 mb, mh, mi_step, mj_step = mask_steps(MASKED, mask, mask_batch, b + z, h)
+                if BLOCKS:  # a full tile needs no mask_mod (its kind read again here:
+                    # held from the loop's start, it would take registers)
+                    kind = tile_kind(kinds, b + z, h, q0, min(q0 + BQ, tq) - 1, j0,
+                                     min(j0 + BK, hi) - 1, bq, bk)
                 for idx in range(tid + z, BQ * BK, NTHREADS):
                     jj = idx % BK
                     r = idx // BK
