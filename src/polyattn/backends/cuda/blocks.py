@@ -40,13 +40,12 @@ Examples
 >>> key, segments[0, :5].tolist()                    # each query's keys
 ((True, False), [[0, 2], [0, 2], [2, 5], [2, 5], [2, 5]])
 >>> kinds = np.array([[[[2, 0, 1], [0, 2, 2]]]], dtype=np.int8)   # 2 × 3 blocks of 4 × 4
->>> tile_kind(kinds, 0, 0, 0, 3, 0, 3, 4, 4), tile_kind(kinds, 0, 0, 4, 7, 4, 11, 4, 4)
-(2, 2)
->>> tile_kind(kinds, 0, 0, 0, 3, 4, 7, 4, 4), tile_kind(kinds, 0, 0, 0, 7, 0, 11, 4, 4)
-(0, 1)
+>>> [int(tile_kind(kinds, 0, 0, *tile, 4, 4))        # rows first, last; keys first, last
+...  for tile in ((0, 3, 0, 3), (4, 7, 4, 11), (0, 3, 4, 7), (0, 7, 0, 11))]
+[2, 2, 0, 1]
 >>> blocks_keys(kinds, 0, 0, 0, 3, 4, 4, 0, 12)      # rows 0-3: the third key block too
 (0, 12)
->>> blocks_queries(kinds, 0, 0, 4, 7, 4, 4, 0, 8)     # keys 4-7: rows 4-7 only
+>>> blocks_queries(kinds, 0, 0, 0, 4, 7, 4, 4, 0, 8)  # keys 4-7: rows 4-7 only
 (4, 8)
 """
 
@@ -206,19 +205,23 @@ def blocks_keys(kinds, b, h, first, last, bq, bk, lo, hi):  # type: ignore[no-un
     return new_lo, new_hi
 
 
-def blocks_queries(kinds, b, h, first, last, bq, bk, lo, hi):  # type: ignore[no-untyped-def]
+def blocks_queries(kinds, b, h_first, h_last, first, last, bq, bk, lo, hi):  # type: ignore[no-untyped-def]
     """Query rows ``[lo, hi)`` narrowed to the query blocks that find some key block of
-    keys ``first`` … ``last`` not empty (``lo >= hi``: none)."""
+    keys ``first`` … ``last`` not empty, for some head ``h_first`` … ``h_last``
+    (``lo >= hi``: none)."""
     kb = b if kinds.shape[0] > 1 else 0
-    kh = h if kinds.shape[1] > 1 else 0
+    if kinds.shape[1] == 1:
+        h_first = 0
+        h_last = 0
     new_lo = hi
     new_hi = min(lo, hi)
     if lo < hi:
-        for c in range(first // bk, last // bk + 1):
-            for qb in range(lo // bq, (hi - 1) // bq + 1):
-                if kinds[kb, kh, qb, c] != 0:
-                    new_lo = min(new_lo, max(lo, qb * bq))
-                    new_hi = max(new_hi, min(hi, qb * bq + bq))
+        for kh in range(h_first, h_last + 1):
+            for c in range(first // bk, last // bk + 1):
+                for qb in range(lo // bq, (hi - 1) // bq + 1):
+                    if kinds[kb, kh, qb, c] != 0:
+                        new_lo = min(new_lo, max(lo, qb * bq))
+                        new_hi = max(new_hi, min(hi, qb * bq + bq))
     if new_lo >= new_hi:
         new_lo = hi
         new_hi = hi

@@ -376,8 +376,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b, h, ONE)
             row0 = (b * n_heads + h) * tq  # flat index of row 0 in (B, H, Tq)
             if BLOCKS:  # the query blocks the block mask leaves to this head's keys
-                q_lo, q_hi = blocks_queries(kinds, b, h, first_key, max(first_key, last_key),
-                                            bq, bk, q_all_lo, q_all_hi)
+                q_lo, q_hi = blocks_queries(kinds, b, h, h, first_key,
+                                            max(first_key, last_key), bq, bk, q_all_lo,
+                                            q_all_hi)
                 if last_key >= first_key:
                     n_qtiles = (q_hi - q_lo + BT - 1) // BT
 

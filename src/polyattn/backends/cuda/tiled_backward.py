@@ -282,10 +282,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
-            if BLOCKS:  # the forward's tiles: an empty one skipped, a full one unmasked
-                kind = tile_kind(kinds, b, h, q0, min(q0 + BQ, tq) - 1, j0,
-                                 min(j0 + BK, hi) - 1, bq, bk)
-                if kind == 0:
+            if BLOCKS:  # the forward's tiles: an empty one is skipped
+                if tile_kind(kinds, b, h, q0, min(q0 + BQ, tq) - 1, j0, min(j0 + BK, hi) - 1,
+                             bq, bk) == 0:
                     continue
 
             # Phase 0: S = (scale·Q) Kᵀ; phase 1: dP = dO Vᵀ; each to its shared tile.
@@ -367,6 +366,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
                                                   b + z, h)
             cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, ONE)
+            if BLOCKS:  # a full tile needs no mask_mod (read here, not held across the tile)
+                kind = tile_kind(kinds, b + z, h, q0, min(q0 + BQ, tq) - 1, j0,
+                                 min(j0 + BK, hi) - 1, bq, bk)
             # weight (b, h, i, j) has the flat index ((b·H + h)·Tq + i)·Tk + j
             pair_n = ((b + z) * n_heads + h) * tq
             for n in range(S_LEN):
@@ -524,11 +526,12 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
         q_lo, q_hi = block_queries(k0, last_key, pos_offset, rules, tq)
         if SEGMENTS and last_key >= k0:  # the queries of the keys' segments
             q_lo, q_hi = segment_span(segments, b, tq + k0, tq + last_key, q_lo, q_hi)
+        if BLOCKS and last_key >= k0:  # the query blocks it leaves to some head's keys
+            q_lo, q_hi = blocks_queries(kinds, b, hk * group, hk * group + group - 1, k0,
+                                        last_key, bq, bk, q_lo, q_hi)
         n_qtiles = 0
         if last_key >= k0:
             n_qtiles = max(0, (q_hi - q_lo + BQT - 1) // BQT)
-        if BLOCKS:
-            q_all_lo, q_all_hi = q_lo, q_hi
         dropping = drops(rules)
 
         chunk = cuda.shared.array(CHUNK_LEN, acc_t)  # Kᵀ|Qᵀ, Vᵀ|dOᵀ, then dO or Q rows
@@ -546,16 +549,11 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
 
         for g in range(group):
             h = hk * group + g
-            if BLOCKS and last_key >= k0:  # the query blocks it leaves to this head's keys
-                q_lo, q_hi = blocks_queries(kinds, b, h, k0, last_key, bq, bk, q_all_lo,
-                                            q_all_hi)
-                n_qtiles = (q_hi - q_lo + BQT - 1) // BQT
             for qt in range(n_qtiles):
                 i0 = q_lo + qt * BQT
-                if BLOCKS:  # the forward's tiles: an empty one skipped, a full one unmasked
-                    kind = tile_kind(kinds, b, h, i0, min(i0 + BQT, q_hi) - 1, k0, last_key,
-                                     bq, bk)
-                    if kind == 0:
+                if BLOCKS:  # the forward's tiles: an empty one (for this head) is skipped
+                    if tile_kind(kinds, b, h, i0, min(i0 + BQT, q_hi) - 1, k0, last_key, bq,
+                                 bk) == 0:
                         continue
                 # lse and D of the tile's rows (read after the first chunk's barrier;
                 # the previous tile's reads are behind its own barriers).
@@ -647,6 +645,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                 mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
                                                       b + z, h)
                 cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, ONE)
+                if BLOCKS:  # a full tile needs no mask_mod (read here, not held)
+                    kind = tile_kind(kinds, b + z, h, i0, min(i0 + BQT, q_hi) - 1, k0,
+                                     last_key, bq, bk)
                 pair_n = ((b + z) * n_heads + h) * tq
                 for n in range(S_LEN):
                     ii = 32 * (n // RS) + 4 * kg_s + n % 4
