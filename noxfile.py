@@ -172,7 +172,7 @@ def kernel_sim(session: nox.Session) -> None:
         return
     mechanics = required_paths(*CUDA_MECHANICS)
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *PARALLEL, *mechanics)
+           *PARALLEL, *THOROUGH, *mechanics)
     # every behaviour's numba_cuda cases (rows, tiled, tensor-core) on the simulator
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
            *PARALLEL, *THOROUGH, "tests", "-k", "numba_cuda", *ignoring(*CUDA_MECHANICS, *PTX_TESTS,

@@ -29,7 +29,7 @@ def test_every_family_names_the_rules_it_handles():
                "native": user, "numba_cpu": user, "distributed": user, "numba_cuda": user}
     for name in backends.FAMILIES:
         assert backends.family(name).RULES == today | lowered.get(name, set()), name
-    assert backends.numpy_path().RULES == today | {"segment_ids"}
+    assert backends.numpy_path().RULES == today | user
 
 
 def test_a_new_rule_is_refused_until_a_family_lists_it(monkeypatch):

@@ -5,9 +5,10 @@ with every other rule. Checked on every backend and implementation against the
 same call with the equivalent boolean ``attn_mask`` (and a float64 oracle),
 forward, log-sum-exp and gradients; the key ranges that the blocked paths visit
 (packed documents cost the sum of their squared lengths where the ids are at
-hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. The NumPy
-fast path, ``numba_cpu`` and ``numba_cuda`` lower sorted ids as key ranges; the two
-kernels refuse unsorted ones by name, which is checked, and ``"auto"`` passes them over.
+hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. ``numba_cpu``
+and ``numba_cuda`` lower sorted ids as key ranges and refuse unsorted ones by name,
+which is checked, and ``"auto"`` passes them over; the NumPy fast path lowers sorted
+ids as key ranges and compares unsorted ones in each tile.
 """
 
 from __future__ import annotations

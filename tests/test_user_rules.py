@@ -2,9 +2,9 @@
 
 Every built-in rule re-expressed as a ``score_mod`` or ``mask_mod`` gives the
 built-in's result, forward, log-sum-exp and gradients, on every backend, on the
-implementations that take user rules (``reference``, ``chunked``, ``numba_cpu``,
-``distributed``, ``numba_cuda``: its register-tiled and tensor-core families on
-shapes of more than 16 query rows); a T5-style
+implementations that take user rules (``reference``, ``chunked``, which on NumPy
+arrays is the NumPy fast path, ``numba_cpu``, ``distributed``, ``numba_cuda``: its
+register-tiled and tensor-core families on shapes of more than 16 query rows); a T5-style
 relative bias table in ``mod_args`` against the same bias as a float ``attn_mask``;
 torch autograd and ``jax.grad`` through the functions and their floating
 ``mod_args``; Dask laziness; the errors (Python control flow, a bad ``mod_args``)
@@ -21,6 +21,7 @@ from helpers import (
     Backend,
     assert_close,
     assert_lse_close,
+    numba_installed,
     rel_error,
     selected_backends,
     to_numpy,
@@ -121,6 +122,27 @@ def test_built_in_rules_as_user_rules(xp, device, dtype_name, implementation, ca
     assert_close(w, to_numpy(w_ref).astype(np.float64), dtype_name, what="weights")
 
 
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_chunked_on_numpy_arrays_is_the_numpy_path(call, monkeypatch):
+    """"chunked" on NumPy arrays runs the rules on the NumPy fast path, and so does "auto"
+    above the score budget where numba_cpu is left out (else numba_cpu, where it runs)."""
+    rng = np.random.default_rng(41)
+    q, k, v = _inputs(rng)
+    import array_api_compat.numpy as np_xp
+
+    user, _ = (_on(o, np_xp, None, "float64", rng.random(4)) for o in CALLS[call])
+    chunked = polyattn.explain(q, k, v, enable_gqa=True, implementation="chunked", **user)
+    assert chunked.module == "polyattn.backends.numpy.forward"
+    assert "numpy_chunked rules" in chunked.details
+    monkeypatch.setenv("POLYATTN_SCORE_BUDGET", "0")
+    auto = polyattn.explain(q, k, v, enable_gqa=True, **user)
+    assert auto.implementation == ("numba_cpu" if numba_installed() else "chunked")
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
+    auto = polyattn.explain(q, k, v, enable_gqa=True, **user)
+    assert (auto.implementation, auto.module) == ("chunked", chunked.module)
+
+
 def t5_bias(score, b, h, q_idx, kv_idx, table):
     """A learned relative bias per head and distance (clipped to ±4), as in T5."""
     return score + table[h, ops.minimum(ops.maximum(q_idx - kv_idx, -4), 4) + 4]
@@ -162,7 +184,7 @@ def test_vjp_equals_the_built_in_vjp(name, call, monkeypatch):
 
 
 @NUMPY_SESSION_ONLY
-@pytest.mark.parametrize("name", ["reference", "numba_cpu"])
+@pytest.mark.parametrize("name", ["reference", "chunked", "numba_cpu"])
 def test_vjp_by_central_differences(name, monkeypatch):
     implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
     rng = np.random.default_rng(44)
@@ -261,6 +283,19 @@ def test_torch_autograd_through_the_functions_and_mod_args(name, monkeypatch):
     assert rel_error(out.detach().numpy(), ref.detach().numpy()) <= 1e-12
     for a, b in zip(ours, theirs, strict=True):
         assert rel_error(a.grad.numpy(), b.grad.numpy()) <= 1e-10
+
+
+@pytest.mark.skipif(Backend.TORCH not in selected_backends(), reason="torch session")
+def test_torch_cpu_tensors_keep_user_rules_in_torch():
+    """On torch CPU tensors, "chunked" with user rules is the Array-API blocked path (autograd
+    differentiates the rules and their mod_args there), not the NumPy fast path's views."""
+    import torch
+
+    q = torch.zeros((1, 2, 6, 4))
+    e = polyattn.explain(q, q, q, mask_mod=causal, implementation="chunked")
+    assert e.module == "polyattn.backends.array_api.blocked"
+    assert polyattn.explain(q, q, q, is_causal=True,
+                            implementation="chunked").module.endswith("numpy.forward")
 
 
 @pytest.mark.skipif(Backend.JAX not in selected_backends(), reason="JAX session")
@@ -368,12 +403,77 @@ def test_block_mask_kinds_and_repr():
     assert bd.counts == {"empty": 12, "partial": 0, "full": 4}
 
 
-@NUMPY_SESSION_ONLY
-def test_blocked_path_skips_empty_tiles_and_the_mask_inside_full_ones(monkeypatch):
-    from polyattn.backends.array_api import blocked
+def test_block_mask_rows():
+    """Per query row: the first visible key, one past the last, and whether every key
+    between them is visible (a causal or document row is; a row with holes is not; a row
+    seeing nothing is (0, 0), solid)."""
+    bm = polyattn.block_mask(causal, None, None, 5, 7, block=(2, 3))
+    assert bm.rows.shape == (1, 5, 3)
+    np.testing.assert_array_equal(bm.rows[0], [[0, i + 1, 1] for i in range(5)])
 
-    monkeypatch.setattr(blocked, "BLOCK_Q", 64)
-    monkeypatch.setattr(blocked, "BLOCK_K", 64)
+    def holes(b, h, q_idx, kv_idx, ids):
+        same = ids[b, q_idx] == ids[b, kv_idx]
+        return ops.logical_and(same, ops.logical_and(q_idx >= kv_idx,
+                                                     (q_idx - kv_idx + h) % 3 != 1))
+
+    ids = np.array([[0, 0, 0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0, 0]])
+    bd = polyattn.block_mask(holes, (2,), 2, 8, 8, mod_args=(ids,), block=(4, 4))
+    assert bd.rows.shape == (2, 2, 8, 3)
+    seen = np.stack([[[(ids[b, i] == ids[b, j]) and i >= j and (i - j + h) % 3 != 1
+                       for j in range(8)] for i in range(8)] for b in range(2)
+                     for h in range(2)]).reshape(2, 2, 8, 8)
+    for b, h, i in np.ndindex(2, 2, 8):
+        keys = np.flatnonzero(seen[b, h, i])
+        want = ([keys[0], keys[-1] + 1, int(len(keys) == keys[-1] + 1 - keys[0])]
+                if len(keys) else [0, 0, 1])
+        assert bd.rows[b, h, i].tolist() == want, (b, h, i)
+    assert bd.rows[..., 2].min() == 0 and bd.rows[..., 2].max() == 1
+
+
+def _count_tiles(path, monkeypatch):
+    """Record the tiles of scores ``path`` ("array_api": the blocked path, "numpy": the
+    NumPy fast path) computes, as ((first row, end), (first key, end)) of each; and make
+    ``"chunked"`` on NumPy arrays run that path."""
+    tiles = []
+    if path == "array_api":
+        from polyattn.backends import numpy as numpy_family
+        from polyattn.backends.array_api import blocked
+
+        # the NumPy path not lowering mask_mod, "chunked" runs the blocked path
+        monkeypatch.setattr(numpy_family.FastPath, "RULES",
+                            numpy_family.FastPath.RULES - {"mask_mod"})
+        monkeypatch.setattr(blocked, "BLOCK_Q", 64)
+        monkeypatch.setattr(blocked, "BLOCK_K", 64)
+        real = blocked.score_transform
+
+        def spy(s, rules, mask, q0, q1, k0, k1, *a, **kw):
+            tiles.append(((q0, q1), (k0, k1)))
+            return real(s, rules, mask, q0, q1, k0, k1, *a, **kw)
+
+        monkeypatch.setattr(blocked, "score_transform", spy)
+        return tiles
+    from polyattn.backends.numpy import backward, forward, plan
+
+    monkeypatch.setattr(plan, "BLOCK_Q", 128)          # 64 float64 rows
+    monkeypatch.setattr(plan, "BLOCK_K", 64)
+    monkeypatch.setattr(backward, "FUSED_MIN_PAIRS", 1)   # one pass: each tile once
+    for module in (forward, backward):
+        real_scores = module._scores
+
+        def spy_scores(p, it, qe, ke, m, r0, r1, k0, k1, *a, real=real_scores, **kw):
+            tiles.append(((it.q0 + r0, it.q0 + r1), (k0, k1)))
+            return real(p, it, qe, ke, m, r0, r1, k0, k1, *a, **kw)
+
+        monkeypatch.setattr(module, "_scores", spy_scores)
+    return tiles
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("path", ["array_api", "numpy"])
+def test_chunked_skips_empty_tiles_and_the_mask_inside_full_ones(path, monkeypatch):
+    """Both paths behind "chunked" compute only the 4 diagonal tiles of 16 of a block
+    mask of 4 documents (per key/value head on the NumPy path, which computes heads
+    apart), forward and backward, and never call the mask_mod: every such tile is full."""
     rng = np.random.default_rng(48)
     q, k, v = (rng.standard_normal((1, 2, 256, 8)) for _ in range(3))
     docs = np.repeat(np.arange(4), 64)[None]
@@ -384,20 +484,22 @@ def test_blocked_path_skips_empty_tiles_and_the_mask_inside_full_ones(monkeypatc
         return ids[b, q_idx] == ids[b, kv_idx]
 
     bm = polyattn.block_mask(document, (1,), None, 256, 256, mod_args=(docs,), block=(64, 64))
-    tiles = []
-    real = blocked.score_transform
-    monkeypatch.setattr(blocked, "score_transform",
-                        lambda s, *a, **kw: tiles.append(s.shape) or real(s, *a, **kw))
+    tiles = _count_tiles(path, monkeypatch)
+    module = polyattn.explain(q, k, v, block_mask=bm, implementation="chunked").module
+    assert module.endswith("array_api.blocked" if path == "array_api" else "numpy.forward")
     evaluated.clear()
     out = sdpa(q, k, v, block_mask=bm, implementation="chunked")
-    assert len(tiles) == 4                        # the 4 diagonal tiles of 16
+    per_pass = 4 if path == "array_api" else 8    # the NumPy path: each of the 2 heads
+    diagonal = {((i, i + 64), (i, i + 64)) for i in range(0, 256, 64)}
+    assert len(tiles) == per_pass and set(tiles) == diagonal
     assert evaluated == [(2, 2)]                  # the call's probe only: all 4 are full
     ref = sdpa(q, k, v, segment_ids=docs, implementation="reference")
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
     tiles.clear()
     _, pullback = polyattn.attention_vjp(q, k, v, block_mask=bm, implementation="chunked")
     grads = pullback(np.ones_like(out))
-    assert len(tiles) == 8                        # 4 in its forward pass, 4 in its backward
+    assert len(tiles) == 2 * per_pass and set(tiles) == diagonal   # forward, backward
+    assert evaluated == [(2, 2), (2, 2)]
     _, reference = polyattn.attention_vjp(q, k, v, segment_ids=docs, implementation="reference")
     for a, b in zip(grads, reference(np.ones_like(out)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
@@ -438,7 +540,7 @@ def test_jax_vmap_over_the_batch():
 
 
 @NUMPY_SESSION_ONLY
-@pytest.mark.parametrize("name", ["numba_cpu", "numba_cuda-rows"])
+@pytest.mark.parametrize("name", ["chunked", "numba_cpu", "numba_cuda-rows"])
 def test_a_mask_mod_hiding_every_key_of_some_rows(name, monkeypatch):
     """Rows whose every key the mask_mod hides give 0 and lse -inf, gradients 0."""
     implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
@@ -481,7 +583,12 @@ def _long_dtype(name):
 
 @NUMPY_SESSION_ONLY
 @pytest.mark.parametrize("name", LONG_FAMILIES)
-@pytest.mark.parametrize("call", ["key_lengths", "softcap+causal+alibi", "window"])
+@pytest.mark.parametrize("call", [
+    "softcap+causal+alibi",
+    # a table lookup and index arithmetic in a mask_mod: the kernels take them as they take
+    # the case above (and test_long_families_t5_table_and_rows_seeing_nothing reads a table)
+    pytest.param("key_lengths", marks=pytest.mark.exhaustive),
+    pytest.param("window", marks=pytest.mark.exhaustive)])
 def test_long_families_apply_user_rules(name, call, monkeypatch):
     """The register-tiled (and tensor-core) kernels: forward, lse and gradients of a
     user rule equal the built-in rule's, on the reference."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from polyattn._validation import (
     check_floating,
     check_known_shape,
     check_min_ndim,
+    check_mod_args,
     check_scale,
     check_softcap,
     check_window,
@@ -237,7 +239,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
         if mask_mod is None:
             mask_mod = block_mask.mask_mod
             mod_args = mod_args or block_mask.mod_args
-    mod_args = _check_mod_args(score_mod, mask_mod, mod_args)
+    mod_args = check_mod_args(score_mod, mask_mod, mod_args)
     attn_mask, alibi_slopes, key_lengths, sinks, q_ids, k_ids, *mod_args = _lift_to_dask(
         (query, key, value), (attn_mask, alibi_slopes, key_lengths, sinks, *segment_ids,
                               *mod_args))
@@ -508,39 +510,30 @@ def _segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq: in
     lead = np.broadcast_shapes(qv.shape[:-1], kv.shape[:-1])
     qv, kv = (np.broadcast_to(qv, (*lead, tq)).reshape(-1, tq),
               np.broadcast_to(kv, (*lead, tk)).reshape(-1, tk))
-    if qv.shape[0] == 0 or (np.diff(qv, axis=-1) < 0).any() or (np.diff(kv, axis=-1) < 0).any():
+    steps = np.diff(qv, axis=-1)
+    if qv.shape[0] == 0 or (steps < 0).any() or (pair and (np.diff(kv, axis=-1) < 0).any()):
         return (q_ids, k_ids), None                         # unsorted: masks only, no skipping
+    if not pair:                  # one array: each query's segment is the run holding it
+        lo, hi = _runs(steps != 0)
+        return (q_ids, k_ids), (lo.reshape(*lead, tq), hi.reshape(*lead, tq))
     lo, hi = (np.stack([np.searchsorted(kr, qr, side=side) for qr, kr in zip(qv, kv, strict=True)
                         ]).reshape(*lead, tq) for side in ("left", "right"))
     return (q_ids, k_ids), (lo, hi)
 
 
-def _check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
-    """``score_mod`` and ``mask_mod`` callables (or ``None``), ``mod_args`` a sequence of
-    arrays; returns the arrays as a list."""
-    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"`{name}` must be a function ({name}(score, b, h, q_idx, kv_idx, "
-                            f"*mod_args) or mask_mod(b, h, q_idx, kv_idx, *mod_args)); got "
-                            f"{type(fn).__name__}")
-    if mod_args is None:
-        mod_args = ()
-    if _array_like(mod_args) or not isinstance(mod_args, (tuple, list)):
-        raise TypeError("`mod_args` must be a tuple of arrays (what score_mod and mask_mod "
-                        f"receive after the indices); got {type(mod_args).__name__}"
-                        + (" (wrap one array as (array,))" if _array_like(mod_args) else ""))
-    for i, a in enumerate(mod_args):
-        if not _array_like(a):
-            raise TypeError(f"`mod_args[{i}]` must be an array of the inputs' library; got "
-                            f"{type(a).__name__}")
-        kind = str(a.dtype).split(".")[-1]             # torch.float32 -> float32
-        if not kind.startswith(("float", "int", "uint", "bool", "bfloat")):
-            raise TypeError(f"`mod_args[{i}]` must have a real floating, integer or boolean "
-                            f"dtype; got {kind} (shape {tuple(a.shape)})")
-    if mod_args and score_mod is None and mask_mod is None:
-        raise ValueError("`mod_args` are the arrays of score_mod and mask_mod; pass one of "
-                         "them, or leave mod_args out")
-    return list(mod_args)
+def _runs(changes: Any) -> tuple[Any, Any]:
+    """Per position of rows whose values change where ``changes`` (…, T - 1) is True: the
+    first position of its run of equal values and one past the last."""
+    import numpy as np
+
+    t = changes.shape[-1] + 1
+    at = np.broadcast_to(np.arange(t, dtype=np.int64), (*changes.shape[:-1], t))
+    edge = np.ones((*changes.shape[:-1], 1), dtype=bool)
+    starts = np.concatenate([edge, changes], axis=-1)
+    ends = np.concatenate([changes, edge], axis=-1)
+    lo = np.maximum.accumulate(np.where(starts, at, 0), axis=-1)
+    hi = np.minimum.accumulate(np.where(ends, at + 1, t)[..., ::-1], axis=-1)[..., ::-1]
+    return lo, hi
 
 
 def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, ...],
@@ -548,21 +541,11 @@ def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, 
     """A block mask fits the call's ``mask_mod``: built for it (or for a function of the
     same expression), and with batch rows and heads where the function reads ``b`` or
     ``h`` (``None`` there promised that it does not)."""
-    import numpy as np
-
-    from polyattn.rules import scalar
-
-    def expression(fn: Any) -> str | None:
-        try:
-            stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
-                                              tuple(a.shape)) for a in given.mod_args)
-            return scalar.source(scalar.trace(fn, "mask_mod", stand_ins), "mask_element")
-        except Exception:  # a rule that cannot be traced: nothing to compare, no error
-            return None
-
-    mine = expression(given.mask_mod)
+    if given not in _BUILT_FOR:          # the block mask's own rule, traced once
+        _BUILT_FOR[given] = _expression(given, given.mask_mod)
+    mine = _BUILT_FOR[given]
     if user.mask_mod is not None and user.mask_mod is not given.mask_mod:
-        theirs = expression(user.mask_mod)
+        theirs = _expression(given, user.mask_mod)
         if mine is None or theirs is None or mine != theirs:
             raise ValueError(f"`block_mask` was built for mask_mod "
                              f"{_function_name(given.mask_mod)}, not for this call's "
@@ -582,6 +565,27 @@ def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, 
                              f"build it with {argument}=")
 
 
+#: The expression of the ``mask_mod`` each block mask was built for (``None``: it cannot
+#: be traced), traced at its first use and kept while the block mask lives: the block
+#: mask is fixed when built, and every call that passes it compares against that.
+_BUILT_FOR: weakref.WeakKeyDictionary[BlockMask, str | None] = weakref.WeakKeyDictionary()
+
+
+def _expression(given: BlockMask, fn: Any) -> str | None:
+    """``fn`` as the scalar source of one score, traced on stand-ins shaped as the block
+    mask's ``mod_args`` (``None`` where it cannot be traced: nothing to compare)."""
+    import numpy as np
+
+    from polyattn.rules import scalar
+
+    try:
+        stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
+                                          tuple(a.shape)) for a in given.mod_args)
+        return scalar.source(scalar.trace(fn, "mask_mod", stand_ins), "mask_element")
+    except Exception:  # a rule that cannot be traced: nothing to compare, no error
+        return None
+
+
 def _function_name(fn: Any) -> str:
     return str(getattr(fn, "__qualname__", None) or repr(fn))
 
@@ -597,11 +601,13 @@ def _blocks(given: BlockMask | None, user: UserRules, batch: tuple[int, ...], h:
             raise ValueError(f"`block_mask` was built for Tq = {given.tq}, Tk = {given.tk}; "
                              f"this call has Tq = {tq}, Tk = {tk}")
         lead, heads = given.kinds.shape[:-3], given.kinds.shape[-3]
-        ok = (heads in (1, h) and len(lead) <= len(batch) and all(
-            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False)))
-        if not ok:
-            raise ValueError(f"`block_mask` was built for batch {lead or None} and "
-                             f"{heads} heads; this call has B… = {batch} and H = {h}")
+        batch_fits = len(lead) <= len(batch) and all(
+            s in (1, b) for s, b in zip(reversed(lead), reversed(batch), strict=False))
+        wrong = ([] if batch_fits else [f"batch {lead or None} (this call's B… is {batch})"]
+                 ) + ([] if heads in (1, h) else [f"{heads} heads (this call has H = {h})"])
+        if wrong:
+            raise ValueError(f"`block_mask` was built for {' and '.join(wrong)}; build it "
+                             "with this call's batch_shape and num_heads (or None)")
         _check_block_mask_rule(given, user, batch, h)
         return given
     if user.mask_mod is None:

@@ -275,3 +275,37 @@ def _seed_array(seed: Array) -> Array:
                         f"{seed.dtype}")
     values = concrete_values(seed)
     return seed if values is None else int(values)
+
+
+def _array_like(x: object) -> bool:
+    """An array (asked by attribute, so that ``torch.compile`` traces it without
+    stepping into cached type checks)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
+    """``score_mod`` and ``mask_mod`` callables (or ``None``), ``mod_args`` a sequence of
+    arrays; returns the arrays as a list."""
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"`{name}` must be a function ({name}(score, b, h, q_idx, kv_idx, "
+                            f"*mod_args) or mask_mod(b, h, q_idx, kv_idx, *mod_args)); got "
+                            f"{type(fn).__name__}")
+    if mod_args is None:
+        mod_args = ()
+    if _array_like(mod_args) or not isinstance(mod_args, (tuple, list)):
+        raise TypeError("`mod_args` must be a tuple of arrays (what score_mod and mask_mod "
+                        f"receive after the indices); got {type(mod_args).__name__}"
+                        + (" (wrap one array as (array,))" if _array_like(mod_args) else ""))
+    for i, a in enumerate(mod_args):
+        if not _array_like(a):
+            raise TypeError(f"`mod_args[{i}]` must be an array of the inputs' library; got "
+                            f"{type(a).__name__}")
+        kind = str(a.dtype).split(".")[-1]             # torch.float32 -> float32
+        if not kind.startswith(("float", "int", "uint", "bool", "bfloat")):
+            raise TypeError(f"`mod_args[{i}]` must have a real floating, integer or boolean "
+                            f"dtype; got {kind} (shape {tuple(a.shape)})")
+    if mod_args and score_mod is None and mask_mod is None:
+        raise ValueError("`mod_args` are the arrays of score_mod and mask_mod; pass one of "
+                         "them, or leave mod_args out")
+    return list(mod_args)

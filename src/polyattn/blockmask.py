@@ -8,6 +8,12 @@ blocked implementation never computes an empty tile and does not evaluate the
 Building one costs one evaluation of the ``mask_mod`` per score (in tiles of one
 query block, so its memory is O(block · Tk)); built once, it serves every call and
 layer with the same shapes.
+
+It also keeps, per query row, the keys ``[lo, hi)`` from its first visible key to its
+last, and whether every key between them is visible (:attr:`BlockMask.rows`): a
+kernel that works row by row skips the keys outside a row's range, and where the
+range is solid (a causal, windowed, document or prefix-LM mask) it needs no
+``mask_mod`` evaluation for that row at all.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from polyattn._interop import concrete_values
-from polyattn._validation import check_nonnegative_int
+from polyattn._validation import check_mod_args, check_nonnegative_int
 from polyattn.rules import user as _user
 
 #: The kinds of a tile.
@@ -30,7 +36,10 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """The tiles of a ``mask_mod`` (:func:`block_mask`): ``kinds``, ``(B…|1, H|1, nq, nk)``, of
-    :data:`EMPTY`, :data:`PARTIAL`, :data:`FULL`, for tiles of ``block`` = (rows, keys)."""
+    :data:`EMPTY`, :data:`PARTIAL`, :data:`FULL`, for tiles of ``block`` = (rows, keys);
+    ``rows``, ``(B…|1, H|1, Tq, 3)`` int64, per query row ``(lo, hi, solid)``: its first
+    visible key and one past its last (``0, 0``: none), and 1 where every key of
+    ``[lo, hi)`` is visible, else 0 (``None``: not known, the tiles alone count)."""
 
     mask_mod: Callable[..., Any]
     mod_args: tuple[Any, ...]
@@ -38,6 +47,7 @@ class BlockMask:
     block: tuple[int, int]
     tq: int
     tk: int
+    rows: np.ndarray | None = None
 
     def tile(self, q0: int, q1: int, k0: int, k1: int) -> int:
         """The kind of the rectangle ``[q0, q1) × [k0, k1)`` over every batch row and head:
@@ -101,6 +111,7 @@ def block_mask(mask_mod: Callable[..., Any], batch_shape: tuple[int, ...] | None
     if not callable(mask_mod):
         raise TypeError(f"`mask_mod` must be a function mask_mod(b, h, q_idx, kv_idx, "
                         f"*mod_args); got {type(mask_mod).__name__}")
+    mod_args = tuple(check_mod_args(None, mask_mod, mod_args))
     tq, tk = check_nonnegative_int("tq", tq), check_nonnegative_int("tk", tk)
     if (not isinstance(block, tuple) or len(block) != 2
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in block)):
@@ -118,6 +129,7 @@ def block_mask(mask_mod: Callable[..., Any], batch_shape: tuple[int, ...] | None
     nq, nk = -(-tq // bq), -(-tk // bk)
     lead = batch or (1,)
     kinds = np.zeros((math.prod(lead), heads, nq, nk), dtype=np.int8)
+    rows = np.zeros((math.prod(lead), heads, tq, 3), dtype=np.int64)
     rules = _user.UserRules(mask_mod=mask_mod, mod_args=tuple(mod_args))
     for iq in range(nq):
         q0, q1 = iq * bq, min((iq + 1) * bq, tq)
@@ -137,6 +149,24 @@ def block_mask(mask_mod: Callable[..., Any], batch_shape: tuple[int, ...] | None
         seen = np.asarray(padded_seen.reshape(*ok.shape[:3], nk, bk).any(axis=(2, 4)))
         every = np.asarray(padded_every.reshape(*ok.shape[:3], nk, bk).all(axis=(2, 4)))
         kinds[:, :, iq] = np.where(every, FULL, np.where(seen, PARTIAL, EMPTY))
+        rows[:, :, q0:q1] = _row_ranges(ok)
     kinds = kinds.reshape(*lead, heads, nq, nk) if batch else kinds.reshape(heads, nq, nk)
+    rows = rows.reshape(*lead, heads, tq, 3) if batch else rows.reshape(heads, tq, 3)
     return BlockMask(mask_mod=mask_mod, mod_args=tuple(mod_args), kinds=kinds, block=block,
-                     tq=tq, tk=tk)
+                     tq=tq, tk=tk, rows=rows)
+
+
+def _row_ranges(ok: np.ndarray) -> np.ndarray:
+    """``(lo, hi, solid)`` per row of ``ok`` (…, rows, Tk): the first visible key, one past
+    the last (``0, 0`` where none is), and 1 where every key between them is visible."""
+    tk = ok.shape[-1]
+    out = np.zeros((*ok.shape[:-1], 3), dtype=np.int64)
+    if tk == 0:
+        out[..., 2] = 1
+        return out
+    seen = ok.any(axis=-1)
+    lo = np.where(seen, ok.argmax(axis=-1), 0)
+    hi = np.where(seen, tk - ok[..., ::-1].argmax(axis=-1), 0)
+    out[..., 0], out[..., 1] = lo, hi
+    out[..., 2] = np.count_nonzero(ok, axis=-1) == hi - lo
+    return out

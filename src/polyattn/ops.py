@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 __all__ = ["abs", "cast", "cos", "exp", "log", "logical_and", "logical_not", "logical_or",
            "maximum", "minimum", "sin", "sqrt", "tanh", "where"]
 
@@ -130,13 +132,13 @@ def _parts(v: Any) -> tuple[Any, Any]:
 
 def _xp(*values: Any) -> Any:
     """The array namespace of the arrays among ``values`` (NumPy for Python numbers)."""
-    from polyattn._interop import namespace_of
-
     arrays = [v for v in values if hasattr(v, "shape") and hasattr(v, "dtype")]
-    if not arrays:
+    if all(type(a) is np.ndarray for a in arrays):   # none, or NumPy's only: no look-up
         import array_api_compat.numpy as np_xp
 
         return np_xp
+    from polyattn._interop import namespace_of
+
     return namespace_of({f"argument {i}": a for i, a in enumerate(arrays)})
 
 

@@ -173,24 +173,37 @@ def _tables(user: UserRules, xp: Any) -> list[Table]:
 def modified(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int, xp: Any,
              device: Any) -> Array:
     """``score_mod`` of a tile ``s`` (B…, Hkv, G, bq, bk), in its dtype and shape."""
-    assert user.score_mod is not None
     *batch, hkv, g, _, _ = s.shape
-    idx = indices(tuple(batch), hkv, g, q0, q1, k0, k1, xp, device)
-    out = _call(user.score_mod, "score_mod", s, *idx, *_tables(user, xp))
-    return _like(out, s, xp)
+    return score_at(user, s, indices(tuple(batch), hkv, g, q0, q1, k0, k1, xp, device), xp)
 
 
 def modified_grad(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int, xp: Any,
                   device: Any) -> Array:
     """d score_mod / d score at the tile ``s``, in its dtype and shape."""
-    assert user.score_mod is not None
     *batch, hkv, g, _, _ = s.shape
     idx = indices(tuple(batch), hkv, g, q0, q1, k0, k1, xp, device)
+    return score_and_grad_at(user, s, idx, xp, device)[1]
+
+
+def score_at(user: UserRules, s: Array, idx: tuple[Array, ...], xp: Any) -> Array:
+    """``score_mod`` of the scores ``s`` at the index arrays ``idx`` = ``(b, h, q_idx,
+    kv_idx)``, which broadcast to ``s``: an array of ``s``'s dtype and shape (a read-only
+    view where the rule returns something smaller, such as a number)."""
+    assert user.score_mod is not None
+    out = _call(user.score_mod, "score_mod", s, *idx, *_tables(user, xp))
+    return _like(out, s, xp)
+
+
+def score_and_grad_at(user: UserRules, s: Array, idx: tuple[Array, ...], xp: Any,
+                      device: Any) -> tuple[Array, Array]:
+    """``score_mod`` of ``s`` at ``idx`` (as :func:`score_at`) and its derivative with
+    respect to the score, from one evaluation on values that carry it (:class:`Dual`)."""
+    assert user.score_mod is not None
     one = xp.ones(tuple(s.shape), dtype=s.dtype, device=device)
     out = _call(user.score_mod, "score_mod", Dual(s, one), *idx, *_tables(user, xp))
     if not isinstance(out, Dual):              # a score_mod that ignores the score
-        return xp.zeros(tuple(s.shape), dtype=s.dtype, device=device)
-    return _like(out.d, s, xp)
+        return _like(out, s, xp), xp.zeros(tuple(s.shape), dtype=s.dtype, device=device)
+    return _like(out.x, s, xp), _like(out.d, s, xp)
 
 
 class _Seeded(Table):
@@ -248,8 +261,13 @@ def table_partials(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int
 def visible(user: UserRules, batch: tuple[int, ...], hkv: int, g: int, q0: int, q1: int,
             k0: int, k1: int, xp: Any, device: Any) -> Array:
     """``mask_mod`` of a tile: bool, broadcasting to (B…, Hkv, G, bq, bk)."""
+    return visible_at(user, indices(batch, hkv, g, q0, q1, k0, k1, xp, device), xp, device)
+
+
+def visible_at(user: UserRules, idx: tuple[Array, ...], xp: Any, device: Any) -> Array:
+    """``mask_mod`` at the index arrays ``idx`` = ``(b, h, q_idx, kv_idx)``: bool,
+    broadcasting with them."""
     assert user.mask_mod is not None
-    idx = indices(batch, hkv, g, q0, q1, k0, k1, xp, device)
     ok = _call(user.mask_mod, "mask_mod", *idx, *_tables(user, xp))
     if isinstance(ok, bool):                     # every key (True) or none (False)
         ok = xp.asarray(ok, device=device)

@@ -648,3 +648,36 @@ def test_query_whose_scores_are_all_minus_inf_is_nan(dtype, bad):
                       enable_gqa=True, return_lse=True)
     assert np.isnan(out1[1, 2, 0]).all() and np.isnan(lse1[1, 2, 0])
     assert np.isfinite(out1[0]).all() and np.isfinite(out1[1, [0, 1, 3]]).all()
+
+
+# --- block masks -----------------------------------------------------------------------
+
+def test_the_rows_of_a_block_mask_decide_where_the_mask_mod_runs():
+    """The kernel leaves the mask_mod out of a row that its block mask calls solid (every
+    key of the row's range visible) and skips the keys outside the range: a block mask
+    whose rows say "causal, solid" gives the causal result for a mask_mod with holes;
+    with its own rows, the holes are hidden."""
+    import dataclasses
+
+    from polyattn import ops
+
+    def holes(b, h, q_idx, kv_idx):
+        return ops.logical_and(q_idx >= kv_idx, (q_idx - kv_idx) % 3 != 1)
+
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, 80, 16)) for _ in range(3))
+    bm = polyattn.block_mask(holes, None, None, 80, 80, block=(16, 16))
+    assert not bm.rows[0, 2:, 2].any()                   # every row from the third has holes
+    causal_rows = np.stack([np.zeros(80, np.int64), np.arange(1, 81), np.ones(80, np.int64)],
+                           axis=-1)[None]
+    solid = dataclasses.replace(bm, rows=causal_rows)
+    out = sdpa(q, k, v, block_mask=solid, implementation="numba_cpu")
+    assert_close(out, sdpa(q, k, v, is_causal=True, implementation="reference"), "float64")
+    out = sdpa(q, k, v, block_mask=bm, implementation="numba_cpu")
+    assert_close(out, sdpa(q, k, v, mask_mod=holes, implementation="reference"), "float64")
+    narrow = np.stack([np.maximum(np.arange(80) - 4, 0), np.arange(1, 81),
+                       np.ones(80, np.int64)], axis=-1)[None]   # a window of 5 keys
+    out = sdpa(q, k, v, block_mask=dataclasses.replace(bm, rows=narrow),
+               implementation="numba_cpu")
+    assert_close(out, sdpa(q, k, v, is_causal=True, window=(4, 0), implementation="reference"),
+                 "float64")

@@ -94,7 +94,8 @@ def as_pointer(typingctx: Any, address: Any, like: Any) -> Any:
 # (0 none, 1 float, 2 boolean), 4 ALiBi, 5 soft-capping, 6 keys per block, 7 dropout,
 # 8 its threshold, 9/10 its key words, 11 query heads, 12 query rows per item, 13 segment
 # ids, 14 scores keep a derivative (soft-capping or a score_mod), 15 a score_mod, 16 a
-# mask_mod, 17/18 its block mask's tile (rows, keys). ``user``: .user_rules.lower.
+# mask_mod, 17/18 its block mask's tile (rows, keys), 19 query rows per entry of its key
+# ranges. ``user``: .user_rules.lower.
 # Float parameters (``fparams``): scale, softcap, 0, 1, -inf, the dropout keep scale.
 
 @njit(nogil=True, cache=True, inline="always")
@@ -144,8 +145,8 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
     """For each column ``c`` of the panel of query rows ``[c0, c0 + W)`` of an item (row
     ``r`` is query ``q0 + r mod bq`` of its ``r div bq``-th head): its head, its query, and
     the keys ``[first, last)`` of the block ``[k0, k0 + n)`` its row may see (causal,
-    window, its segment's keys ``segments[b, i]`` with sorted segment ids, the key
-    blocks a block mask leaves to its query block; none for padding columns, nor, with
+    window, its segment's keys ``segments[b, i]`` with sorted segment ids, the keys a
+    block mask leaves to its row or query block; none for padding columns, nor, with
     ``seen_only``, for rows whose ``lse`` is ``-inf``). Returns ``(lo, hi)``, the keys
     some column sees (``lo >= hi``: none)."""
     ranges = user[7]
@@ -171,7 +172,7 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
             j_lo, j_hi = max(j_lo, segments[b, i, 0]), min(j_hi, segments[b, i, 1])
         if iparams[16]:
             rh = h if ranges.shape[1] > 1 else 0
-            qb = min(i // iparams[17], ranges.shape[2] - 1)
+            qb = min(i // iparams[19], ranges.shape[2] - 1)
             j_lo, j_hi = max(j_lo, ranges[rb, rh, qb, 0]), min(j_hi, ranges[rb, rh, qb, 1])
         j0 = min(n, max(0, j_lo - k0))
         j1 = max(j0, j_hi - k0)
@@ -274,12 +275,22 @@ def user_mask(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any, qrow
               k0: int, b: int, iparams: Any, user: Any, ninf: Any) -> None:
     """The ``mask_mod`` on the panel ``st[lo:hi]``, tile by tile of its block mask: per
     column, -inf on an empty tile, the compiled mask on a partial one (for the columns
-    whose tile is partial, together), nothing on a full one."""
-    kinds = user[6]
-    rows, keys = iparams[17], iparams[18]
+    whose tile is partial, together), nothing on a full one, nor on any tile of a row
+    whose keys ``[first, last)`` the block mask knows to be every one visible."""
+    kinds, ranges = user[6], user[7]
+    rows, keys, per = iparams[17], iparams[18], iparams[19]
     kb_ = b if kinds.shape[0] > 1 else 0
+    rb = b if ranges.shape[0] > 1 else 0
     ld, size = st.shape[1], st.itemsize
     on = np.zeros(ld, np.int64)
+    solid = np.zeros(ld, np.bool_)
+    every = True
+    for c in range(ld):
+        rh = heads[c] if ranges.shape[1] > 1 else 0
+        solid[c] = ranges[rb, rh, min(qrow[c] // per, ranges.shape[2] - 1), 2] != 0
+        every = every and (solid[c] or first[c] >= last[c])
+    if every:
+        return
     qs, hs = as_pointer(qrow.ctypes.data, qrow), as_pointer(heads.ctypes.data, heads)
     flags = as_pointer(on.ctypes.data, on)
     fb, ib, meta = user_buffers(user)
@@ -292,7 +303,7 @@ def user_mask(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any, qrow
         for c in range(ld):
             on[c] = 0
             j0, j1 = max(j, first[c]), min(end, last[c])
-            if j0 >= j1:
+            if j0 >= j1 or solid[c]:
                 continue
             kh = heads[c] if kinds.shape[1] > 1 else 0
             kind = kinds[kb_, kh, min(qrow[c] // rows, kinds.shape[2] - 1), kt]
@@ -350,6 +361,19 @@ def pack_columns(x: Any, xb: int, hk: int, g_heads: int, q0: int, bq: int, rows:
                 dst[r // width, f, r % width] = xh[q0 + i, f]
 
 
+@njit(nogil=True, cache=True, inline="always")
+def finite_columns(xt: Any, rows: int) -> Any:
+    """Per item row ``r`` of the panels ``xt`` (:func:`pack_columns`), whether its every
+    feature is finite (vector operations along the panels' rows)."""
+    panels, feats, width = xt.shape
+    ok = np.ones(panels * width, np.bool_)
+    for p in range(panels):
+        for f in range(feats):
+            for c in range(width):
+                ok[p * width + c] &= np.isfinite(xt[p, f, c])
+    return ok
+
+
 # --- the forward pass ----------------------------------------------------------------------
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
@@ -359,7 +383,13 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
     """One work item: the G heads of key/value head ``hk`` of batch row ``b``, query rows
     ``[q0, q1)``, keys ``[k_lo, k_hi)``, in panels of W query rows; per block of keys and
     panel, ``Sᵀ = scale·K·Qᵀ`` for the keys the panel sees, their transform, the online
-    softmax column by column (:func:`softmax_step`), dropout, and ``Oᵀ += Vᵀ·Pᵀ``."""
+    softmax column by column (:func:`softmax_step`), dropout, and ``Oᵀ += Vᵀ·Pᵀ``.
+
+    A row whose query holds a NaN or an inf gives NaN (out and lse), whatever the scores
+    made of it: inf times keys all negative makes every score -inf (it would read as
+    fully masked: 0, lse -inf), and soft-capping saturates an infinite score to a finite
+    one; NaN never disappears (docs/semantics.rst, "Non-finite inputs"), as on the other
+    paths."""
     b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
@@ -409,12 +439,17 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                                          keep, zero)
             tile_product(v_ptr + lo * ldv * size, 1, ldv, ev, s_lo, width,
                          acc[p].ctypes.data, width, hi - lo, one, True, size)
+    nan = lse.dtype.type(np.nan)
+    finite = finite_columns(qt, rows)
     for r in range(rows):
         g = r // bq
         i = q0 + r - g * bq
         h = hk * g_heads + g
         orow, ap, c = out[b, h, i], acc[r // width], r % width
-        if l[r] == zero:
+        if not finite[r]:
+            orow[:] = nan
+            lse[b, h, i] = nan
+        elif l[r] == zero:
             orow[:] = zero
             lse[b, h, i] = ninf
         else:

@@ -89,19 +89,7 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, rules: Rules, scale: floa
     if items.size:
         threads.run(compiler.kernels()["forward"], *call.common(), items, call.fparams,
                     call.iparams, out, lse)
-    _keep_non_finite_rows(call, out, lse)
     return out.reshape((*call.batch, h, tq, call.ev)), lse.reshape((*call.batch, h, tq))
-
-
-def _keep_non_finite_rows(call: Call, out: np.ndarray, lse: np.ndarray) -> None:
-    """NaN in the rows whose query holds a NaN or an inf, whatever the kernel made of them:
-    inf times keys all negative there makes every score -inf (reported as fully masked:
-    0, lse -inf), and soft-capping saturates an infinite score to a finite one; NaN never
-    disappears (docs/semantics.rst, "Non-finite inputs"), as on the other paths."""
-    lost = ~np.isfinite(call.q4).all(axis=-1)[call.qmap]          # (B, H, Tq)
-    if lost.any():
-        out[lost] = np.nan
-        lse[lost] = np.nan
 
 
 def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,

@@ -14,8 +14,9 @@ a query row sees (:data:`~polyattn.rules.lowering.UNBOUNDED`: every key), 3 the 
 14 scores keep their derivative for the backward pass, 15 a score rule after scaling
 (soft-capping, ALiBi, a ``score_mod``: one compiled function,
 :func:`.user_rules.score_rule`), 16 a ``mask_mod``, 17/18 its block mask's tile (rows,
-keys); the compiled functions, their tables (``mod_args``, the soft-cap, the slopes and
-position offsets) and the block mask travel as the tuple ``user``
+keys), 19 query rows per entry of its key ranges (1: a range per row); the compiled
+functions, their tables (``mod_args``, the soft-cap, the slopes and position offsets)
+and the block mask travel as the tuple ``user``
 (:func:`.user_rules.lower`).
 The entries of ``fparams`` (the compute dtype): the scale, the soft-cap (1 without),
 0, 1, -inf, the factor of kept weights under dropout (1 without).
@@ -40,7 +41,8 @@ from polyattn.rules.visibility import Rules
 class Lowered:
     """The rules of one call as the kernels take them."""
 
-    #: (19,) int64: flags, reaches, block size, dropout's counters' key, heads, rows, segments
+    #: (20,) int64: flags, reaches, block size, dropout's counters' key, heads, rows, segments,
+    #: the block mask's tiles
     iparams: np.ndarray
     #: (6,) compute dtype: scale, soft-cap, constants, dropout's factor
     fparams: np.ndarray
@@ -94,8 +96,8 @@ def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype:
     else:
         segments = np.zeros((1, 1, 2), dtype=np.int64)
     key0, key1 = key_words(int(rules.dropout_seed)) if rules.dropout else (0, 0)
-    user, (tile_rows, tile_keys) = user_rules.lower(rules, batch, heads, dtype, offsets,
-                                                    slopes)
+    user, (tile_rows, tile_keys, range_rows) = user_rules.lower(rules, batch, heads, dtype,
+                                                                offsets, slopes)
     has_score = user_rules.score_rule(rules) is not None
     has_mask = rules.user is not None and rules.user.mask_mod is not None
     iparams = np.array([
@@ -103,7 +105,7 @@ def lower(rules: Rules, *, batch: tuple[int, ...], heads: int, rows: int, dtype:
         int(rules.softcap is not None), block_k, int(rules.dropout),
         threshold(rules.dropout_p) if rules.dropout else 0, key0, key1, heads, rows,
         int(rules.segment_keys is not None), int(has_score), int(has_score), int(has_mask),
-        tile_rows, tile_keys,
+        tile_rows, tile_keys, range_rows,
     ], dtype=np.int64)
     return Lowered(iparams=iparams, fparams=fparams, lengths=lengths, offsets=offsets,
                    slopes=slopes, segments=segments, user=user)

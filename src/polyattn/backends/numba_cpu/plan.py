@@ -79,39 +79,67 @@ class Call:
         self.segments = low.segments
         self.user = low.user
         self.tile = (int(low.iparams[17]), int(low.iparams[18]))
+        #: query rows per entry of the block mask's key ranges
+        self.range_rows = int(low.iparams[19])
         self.fparams, self.iparams = low.fparams, low.iparams
 
     def query_items(self) -> np.ndarray:
         """(b, hk, q0, q1, k_lo, k_hi) per item, the largest first."""
-        items = []
+        q0 = np.arange(0, self.tq, self.rows, dtype=np.int64)
+        q1 = np.minimum(q0 + self.rows, self.tq)
+        lo, hi = self._reach_keys(q0, q1)                         # (B, nq) each
+        k_lo, k_hi = self._blocks_keys(q0)                        # (B|1, Hkv|1, nq) each
+        shape = (self.n_batch, len(q0), self.hkv)
+        item_lo = np.maximum(lo[:, :, None], np.swapaxes(k_lo, 1, 2))
+        item_hi = np.maximum(item_lo, np.minimum(hi[:, :, None], np.swapaxes(k_hi, 1, 2)))
+        grid = np.indices(shape)
+        items = np.stack([grid[0], grid[2], q0[grid[1]], q1[grid[1]],
+                          np.broadcast_to(item_lo, shape), np.broadcast_to(item_hi, shape)],
+                         axis=-1)
+        return _largest_first(items.reshape(-1, 6))
+
+    def _reach_keys(self, q0: np.ndarray, q1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The keys ``[lo, hi)`` each batch row's query blocks ``[q0, q1)`` may see by the
+        built-in rules (reach, key lengths, segments): (B, nq) each."""
+        lo = np.empty((self.n_batch, len(q0)), dtype=np.int64)
+        hi = np.empty_like(lo)
+        by_offset: dict[int, tuple[list[int], list[int]]] = {}
         for b in range(self.n_batch):
             off = int(self.offsets[b])
-            for q0 in range(0, self.tq, self.rows):
-                q1 = min(q0 + self.rows, self.tq)
-                lo, hi = self.rules.key_range(q0, q1, (off, off))
-                hi = min(hi, int(self.lengths[b]))
-                if self.rules.segment_keys is not None:        # this row's segments
-                    lo = max(lo, int(self.segments[b, q0, 0]))
-                    hi = min(hi, int(self.segments[b, q1 - 1, 1]))
-                for hk in range(self.hkv):
-                    k_lo, k_hi = self._blocks_keys(b, hk, q0, q1)
-                    item_lo, item_hi = max(lo, k_lo), min(hi, k_hi)
-                    items.append((b, hk, q0, q1, item_lo, max(item_lo, item_hi)))
-        return _largest_first(items)
+            if off not in by_offset:
+                reach = [self.rules.key_range(int(a), int(z), (off, off))
+                         for a, z in zip(q0, q1, strict=True)]
+                by_offset[off] = ([r[0] for r in reach], [r[1] for r in reach])
+            lo[b], hi[b] = by_offset[off]
+        hi = np.minimum(hi, self.lengths[:, None])
+        if self.rules.segment_keys is not None:                # each row's segments
+            lo = np.maximum(lo, self.segments[:, q0, 0])
+            hi = np.minimum(hi, self.segments[:, q1 - 1, 1])
+        return lo, hi
 
-    def _blocks_keys(self, b: int, hk: int, q0: int, q1: int) -> tuple[int, int]:
-        """The keys ``[lo, hi)`` a ``mask_mod``'s block mask leaves to query rows ``[q0, q1)``
-        of the heads of key/value head ``hk`` (every key without one)."""
-        ranges = self.user[7]                                   # (B|1, H|1, nq, 2)
-        rows, _ = self.tile
-        g = self.h // self.hkv
-        heads = slice(hk * g, (hk + 1) * g) if ranges.shape[1] > 1 else slice(0, 1)
-        sub = ranges[b if ranges.shape[0] > 1 else 0, heads,
-                     min(q0 // rows, ranges.shape[2] - 1):(q1 - 1) // rows + 1]
-        seen = sub[..., 0] < sub[..., 1]
-        if not seen.any():
-            return 0, 0
-        return int(sub[..., 0][seen].min()), int(sub[..., 1][seen].max())
+    def _blocks_keys(self, q0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The keys ``[lo, hi)`` a ``mask_mod``'s block mask leaves to the query blocks
+        starting at ``q0`` of the heads of each key/value head: (B|1, Hkv|1, nq) each
+        (every key without one; ``0, 0`` where it leaves none)."""
+        if not self.iparams[16]:
+            whole = np.array([[[0, self.tk]]], dtype=np.int64)
+            return (np.broadcast_to(whole[..., :1], (1, 1, len(q0))),
+                    np.broadcast_to(whole[..., 1:], (1, 1, len(q0))))
+        ranges = self.user[7]                                   # (B|1, H|1, nr, 3)
+        rows = np.minimum(np.arange(self.tq) // self.range_rows, ranges.shape[2] - 1)
+        per_row = ranges[:, :, rows] if ranges.shape[2] != self.tq else ranges
+        seen = per_row[..., 0] < per_row[..., 1]                # (B|1, H|1, Tq)
+        far = np.iinfo(np.int64).max
+        first = np.where(seen, per_row[..., 0], far)
+        last = np.where(seen, per_row[..., 1], 0)
+        if ranges.shape[1] > 1:                                 # the G heads of a group
+            g = self.h // self.hkv
+            first = first.reshape(first.shape[0], self.hkv, g, -1).min(axis=2)
+            last = last.reshape(last.shape[0], self.hkv, g, -1).max(axis=2)
+        first = np.minimum.reduceat(first, q0, axis=-1)
+        last = np.maximum.reduceat(last, q0, axis=-1)
+        none = first == far
+        return np.where(none, 0, first), np.where(none, 0, last)
 
     def key_items(self) -> np.ndarray:
         """(b, hk, k0, k1, 0, Tq) per block of keys below each batch row's length."""

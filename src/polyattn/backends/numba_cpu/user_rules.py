@@ -9,9 +9,10 @@ dtype: a rule written again, or called with other arrays, reuses them. The kerne
 them as first-class function arguments, so they are compiled once for every rule (and
 kept in Numba's cache on disk like the rest). :func:`lower` builds the tuple the
 kernels take (:func:`user_type` types it): the three functions (no-ops where the call
-has no such rule), the ``mod_args`` buffers, and the block mask's tile kinds and each
-query block's key range (tiles of one block of every key visible where no block mask
-was built).
+has no such rule), the ``mod_args`` buffers, and the block mask's tile kinds and key
+ranges: per query row ``(lo, hi, solid)`` from its ``rows`` (a solid row takes no
+``mask_mod``), else per query block from its tiles (one tile of every key, partial,
+where no block mask was built).
 """
 
 from __future__ import annotations
@@ -222,35 +223,42 @@ def check(rules: Any) -> str | None:
 
 
 def lower(rules: Any, batch: tuple[int, ...], heads: int, dtype: Any, offsets: np.ndarray,
-          slopes: np.ndarray) -> tuple[tuple[Any, ...], tuple[int, int]]:
+          slopes: np.ndarray) -> tuple[tuple[Any, ...], tuple[int, int, int]]:
     """The tuple of :func:`user_type` for a call (its built-in score rules read each batch
     row's position ``offsets`` and the ALiBi ``slopes`` as lowered by
-    :func:`.parameters.lower`), and the block mask's tile (rows, keys)."""
+    :func:`.parameters.lower`), and the block mask's tile (rows, keys) and the query rows
+    per entry of its key ranges (1 where the block mask knows each row's keys)."""
     user = rules.user
     arrays = (() if user is None else _arrays(user.mod_args)) + builtin_tables(
         rules, dtype, offsets, slopes)
     width = 1 + 2 * max([a.ndim for a in arrays], default=0)
     score, grad, mask = functions(rules, dtype, arrays, width)
     fb, ib, meta = scalar.pack(arrays, dtype, width)
-    n_batch = math.prod(batch)
     blocks = rules.blocks
     if blocks is None or user is None or user.mask_mod is None:
         kinds = np.full((1, 1, 1, 1), PARTIAL, dtype=np.int8)
-        ranges = np.array([0, WHOLE], dtype=np.int64).reshape(1, 1, 1, 2)
-        return (score, grad, mask, fb, ib, meta, kinds, ranges), (WHOLE, WHOLE)
-    kinds = np.asarray(blocks.kinds, dtype=np.int8)            # (B…|1, H|1, nq, nk)
-    lead = kinds.shape[:-3]
-    if lead:
-        kinds = np.broadcast_to(kinds, (*batch, *kinds.shape[-3:])).reshape(
-            n_batch, *kinds.shape[-3:])
-    else:
-        kinds = kinds.reshape(1, *kinds.shape)
-    kinds = np.ascontiguousarray(kinds)
-    _, bk = blocks.block
+        ranges = np.array([0, WHOLE, 0], dtype=np.int64).reshape(1, 1, 1, 3)
+        return (score, grad, mask, fb, ib, meta, kinds, ranges), (WHOLE, WHOLE, WHOLE)
+    kinds = _per_batch_row(np.asarray(blocks.kinds, dtype=np.int8), batch)
+    bq, bk = blocks.block
+    if blocks.rows is not None:
+        ranges = _per_batch_row(np.asarray(blocks.rows, dtype=np.int64), batch)
+        return (score, grad, mask, fb, ib, meta, kinds, ranges), (bq, bk, 1)
     seen = kinds != EMPTY                                       # (B|1, H|1, nq, nk)
     nk = kinds.shape[-1]
     any_seen = seen.any(axis=-1)
     first = np.where(any_seen, seen.argmax(axis=-1), 0) * bk
     last = np.where(any_seen, (nk - seen[..., ::-1].argmax(axis=-1)) * bk, 0)
-    ranges = np.ascontiguousarray(np.stack([first, last], axis=-1).astype(np.int64))
-    return (score, grad, mask, fb, ib, meta, kinds, ranges), tuple(blocks.block)
+    ranges = np.stack([first, last, np.zeros_like(first)], axis=-1).astype(np.int64)
+    return (score, grad, mask, fb, ib, meta, kinds, np.ascontiguousarray(ranges)), (bq, bk, bq)
+
+
+def _per_batch_row(x: np.ndarray, batch: tuple[int, ...]) -> np.ndarray:
+    """A block mask's array ``(B…|1, H|1, n, m)`` as ``(prod(B…)|1, H|1, n, m)``, C-contiguous."""
+    lead = x.shape[:-3]
+    if lead:
+        x = np.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(math.prod(batch),
+                                                                 *x.shape[-3:])
+    else:
+        x = x.reshape(1, *x.shape)
+    return np.ascontiguousarray(x)

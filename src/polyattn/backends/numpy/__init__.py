@@ -24,21 +24,21 @@ class FastPath:
     HOST = True
     #: The score rules it handles (named one by one: see polyattn.backends.Backend).
     RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
-                       "segment_ids"})
+                       "segment_ids", "score_mod", "mask_mod"})
     MODULE = f"{__name__}.forward"
 
     def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
         """Why the NumPy fast path cannot run this call (``None``: it can)."""
-        rules = problem.rules
-        if rules.segments is not None and rules.segment_keys is None:
-            return ("it lowers segment ids sorted in every row (packed sequences) as key "
-                    "ranges, and these are not sorted")
         lib = library_name(problem.xp)
         if lib == "numpy":
             return None
         if not problem.torch_cpu:
             return (f"it takes NumPy arrays and torch CPU tensors (as NumPy views); these are "
                     f"{lib} arrays")
+        if problem.rules.user is not None:
+            return ("it calls score_mod and mask_mod on NumPy arrays, and on torch tensors "
+                    "they are called on torch tensors (where autograd differentiates them "
+                    "and their mod_args)")
         constant = problem.constant_needing_grad if "autograd" in needs else None
         if constant is not None:
             return (f"`{constant}` requires a gradient, which the NumPy fast path "
@@ -59,7 +59,30 @@ class FastPath:
         where = ("on torch CPU tensors it runs the multi-threaded blocked NumPy path "
                  "(numpy_chunked) over NumPy views of them" if problem.torch_cpu else
                  "on NumPy arrays it runs the multi-threaded blocked path (numpy_chunked)")
-        return {"module": self.MODULE, "reason": where}
+        lines = {"module": self.MODULE, "reason": where}
+        user = problem.rules.user
+        if user is not None:
+            lines["numpy_chunked rules"] = _user_rules(problem.rules)
+        return lines
+
+
+def _user_rules(rules: Any) -> str:
+    """How the NumPy fast path applies a call's ``score_mod`` and ``mask_mod`` (for explain())."""
+    parts = []
+    if rules.user.score_mod is not None:
+        parts.append("score_mod called on each tile of scores it computes (NumPy index "
+                     "arrays broadcast to the tile)")
+    if rules.user.mask_mod is not None:
+        blocks = rules.blocks
+        if blocks is None:
+            parts.append("mask_mod called on every tile (no block mask)")
+        else:
+            c = blocks.counts
+            parts.append(f"mask_mod called on the partial tiles of its block mask only "
+                         f"({c['partial']} partial of {sum(c.values())} tiles of "
+                         f"{tuple(blocks.block)}); its {c['empty']} empty tiles are not "
+                         f"computed and its {c['full']} full ones not masked")
+    return "; ".join(parts)
 
 
 #: The protocol object of this family.

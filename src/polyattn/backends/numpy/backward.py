@@ -8,9 +8,13 @@ With ``P = exp(s - lse)`` (the softmax before dropout, recomputed from ``q``,
     dQ = scale·dS K       dK = scale·dSᵀ Q
 
 with ``dS`` times the soft-cap's derivative ``1 - tanh²(scale·q·k / c)``
-where a cap applies. ``dK`` and ``dV`` are summed over the ``G`` query heads
-that share a key/value head. ALiBi slopes and float masks are constants: they
-receive no gradient. Rows that see no key (``lse = -inf``) get zero gradients.
+where a cap applies, and times a ``score_mod``'s derivative with respect to the
+score (from the same call of it that gives the scores, on values that carry a
+derivative). The gradients of floating ``mod_args`` are not this module's: one
+pass of the Array-API paths gives them, whichever implementation ran. ``dK`` and
+``dV`` are summed over the ``G`` query heads that share a key/value head. ALiBi
+slopes and float masks are constants: they receive no gradient. Rows that see no
+key (``lse = -inf``) get zero gradients.
 
 The machinery is the forward pass's: the same scores in the order of
 docs/semantics.rst (:func:`.scores._scores`, :func:`.scores._hide`), the same plan
@@ -151,12 +155,12 @@ def _key_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: int,
     dv_acc = p.buffer("dv", (k1 - k0, p.ev))
     dk_acc.fill(0.0)
     dv_acc.fill(0.0)
-    _, lo, hi = p.key_ranges(b, 0, p.tq)
-    first = int(np.searchsorted(hi, k0, side="right"))     # first row with hi > k0
-    stop = int(np.searchsorted(lo, k1, side="left"))       # first row with lo >= k1
+    _, lo, hi = p.key_ranges(b, 0, p.tq, hk)
+    seen = np.flatnonzero((hi > lo) & (lo < k1) & (hi > k0))   # the rows that see the block
+    first, stop = (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, 0)
     for q0 in range(first, stop, p.bq):
         it = _Item(p, b, hk, q0)
-        for r0, r1, c0, c1 in _band_tiles(it.lo, it.hi, k1 - k0, k0, k1):
+        for r0, r1, c0, c1 in _band_tiles(it.lo, it.hi, k1 - k0, k0, k1, it.sees):
             qt = _rows(p, "qt", h.qe, q0 + r0, q0 + r1)    # (G, r, E + 1)
             dt = _rows(p, "dt", h.de, q0 + r0, q0 + r1)    # (G, r, Ev + 1)
             pz, ds = _tile(p, h, it, qt, dt, r0, r1, c0, c1)
@@ -182,7 +186,7 @@ def _query_item(p: _Problem, heads: dict[Any, _Head], b: tuple[int, ...], hk: in
     acc.fill(0.0)
     qt = _rows(p, "qt", h.qe, q0, it.q1)                   # (G, bq, E + 1)
     dt = _rows(p, "dt", h.de, q0, it.q1)                   # (G, bq, Ev + 1)
-    for r0, r1, k0, k1 in _band_tiles(it.lo, it.hi, p.key_block(bq)):
+    for r0, r1, k0, k1 in _band_tiles(it.lo, it.hi, p.key_block(bq), sees=it.sees):
         _, ds = _tile(p, h, it, qt[:, r0:r1], dt[:, r0:r1], r0, r1, k0, k1)
         part = p.buffer("part", (p.g, r1 - r0, p.e))
         np.matmul(_flat(ds), h.ke[k0:k1, :p.e], out=_flat(part))  # (G·r, E)
@@ -276,23 +280,22 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     # (cost, job): the area of scores each job computes, so that the largest start first
     one_pass = fused(len(pairs))
     costed: list[tuple[int, Callable[[], Any]]] = []
-    for b in np.ndindex(*p.batch):
-        _, lo, hi = p.key_ranges(b, 0, p.tq)
+    for b, hk in pairs:
+        _, lo, hi = p.key_ranges(b, 0, p.tq, hk)
         seen = np.maximum(hi - lo, 0)                    # keys each query row sees
         starts = range(0, p.tk, p.block_k)
         areas = [] if one_pass else [
             int(np.maximum(np.clip(hi, k0, k0 + p.block_k) - np.clip(lo, k0, k0 + p.block_k),
                            0).sum()) for k0 in starts]
-        for hk in range(p.hkv):
-            if one_pass:
-                costed.append((int(seen.sum()),
-                               partial(_quiet, _head_item, p, heads, b, hk, dq, dk, dv)))
-                continue
-            costed += [(area, partial(_quiet, _key_item, p, heads, b, hk, k0, dk, dv))
-                       for k0, area in zip(starts, areas, strict=True)]
-            costed += [(int(seen[q0:q0 + p.bq].sum()),
-                        partial(_quiet, _query_item, p, heads, b, hk, q0, dq))
-                       for q0 in range(0, p.tq, p.bq)]
+        if one_pass:
+            costed.append((int(seen.sum()),
+                           partial(_quiet, _head_item, p, heads, b, hk, dq, dk, dv)))
+            continue
+        costed += [(area, partial(_quiet, _key_item, p, heads, b, hk, k0, dk, dv))
+                   for k0, area in zip(starts, areas, strict=True)]
+        costed += [(int(seen[q0:q0 + p.bq].sum()),
+                    partial(_quiet, _query_item, p, heads, b, hk, q0, dq))
+                   for q0 in range(0, p.tq, p.bq)]
     costed.sort(key=lambda job: -job[0])                 # stable: ties keep their order
     jobs = [job for _, job in costed]
     n = min(num_threads(), len(jobs))

@@ -32,12 +32,16 @@ that the CPU is used well:
   memory follow the visible band: T·window under a sliding window, not T².
   Only tiles that straddle an edge of the band write a mask, and only its
   triangles; on the cheap path after the exponential (as zeros): NumPy's
-  float64 ``exp`` is about 3× slower per element on -inf.
+  float64 ``exp`` is about 3× slower per element on -inf. A ``mask_mod``'s block
+  mask narrows each row's keys to its query block's non-empty key blocks, and
+  the ``mask_mod`` runs on its partial tiles only (:mod:`.tile_rules`).
 - **Scores in the order of docs/semantics.rst.** Soft-capping ``c·tanh(s/c)`` cannot take the
   shift inside the product, so with it the queries' extra column stays 0 and
   ``m`` is subtracted after the cap. ALiBi's ``-slope_h·|p_i - j|`` (the slope
   of each query head of the item) and a float mask are added to the shifted
-  scores. Key lengths and slopes are read as NumPy arrays.
+  scores. A ``score_mod`` sees the scores themselves (after the cap and ALiBi):
+  with one, the column stays 0 and ``m`` is subtracted from what it returns. Key
+  lengths and slopes are read as NumPy arrays.
 - **Cores busy, one BLAS thread per worker.** NumPy releases the GIL inside
   BLAS and ufunc loops, so a thread pool runs the items concurrently, each
   writing its own slice of the output, with BLAS on one thread in each worker
@@ -155,7 +159,7 @@ def _online_softmax(p: _Problem, b: tuple[int, ...], hk: int, q0: int, out: np.n
     acc.fill(0.0)
     dropout = p.rules.dropout
 
-    tiles = list(_band_tiles(it.lo, it.hi, bk))
+    tiles = list(_band_tiles(it.lo, it.hi, bk, sees=it.sees))
     if tiles:                                        # (none where no row sees a key)
         ke = p.extended_keys(b, hk)                  # (Tk, E + 1)
         vb = p.v[(*b, hk)]                           # (Tk, Ev)
@@ -256,7 +260,8 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, rules: Rules, scale: floa
     may be strided views (no copy is made of ``q`` or ``k``, nor of ``v`` where its rows
     are contiguous), and ``out`` follows the memory order of ``q`` (:func:`_output`).
     ``rules`` are the call's rules (causal, windows, key lengths, soft-capping, ALiBi,
-    dropout); their key lengths and slopes are read as NumPy arrays. ``threads``
+    dropout, segment ids, ``score_mod`` and ``mask_mod`` with a block mask); their key
+    lengths and slopes are read as NumPy arrays. ``threads``
     caps the worker threads of this call (default :func:`num_threads`; 1 runs inline);
     ``lse_dtype`` (e.g. float64 for float32 inputs) is the dtype of ``lse`` = ``m + log l``,
     summed in it, so that partial results with large scores merge exactly enough.

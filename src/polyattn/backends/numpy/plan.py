@@ -10,9 +10,12 @@ visible band, and :func:`_hide_band` the entries of a tile outside it: the
 causal mask, the window and key lengths are lowered here (as that band) and
 nowhere else in the family, and so are sorted segment ids (each row's keys narrowed
 to its segment's, :attr:`~polyattn.rules.visibility.Rules.segment_keys`; a tile's
-keys outside them hidden per run of rows in one segment). The rules that change the
-scores themselves
-(soft-capping, ALiBi's bias, dropout) are lowered in :mod:`.scores`.
+keys outside them hidden per run of rows in one segment). A block mask narrows each
+row's keys to those of its query block's non-empty key blocks
+(:meth:`.tile_rules.TileRules.key_ranges`); such bounds need not grow with the row, and
+:func:`_band_tiles` then cuts a key block's rows into runs. The rules that change the
+scores themselves (soft-capping, ALiBi's bias, a ``score_mod``, dropout) are lowered in
+:mod:`.scores`, the ``mask_mod`` and unsorted segment ids in :mod:`.tile_rules`.
 :mod:`.forward` and :mod:`.backward` both run on this plan.
 """
 
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from polyattn.backends.numpy.tile_rules import TileRules
 from polyattn.rules.element import position
 from polyattn.rules.lowering import UNBOUNDED, reach
 from polyattn.rules.visibility import Rules
@@ -91,6 +96,16 @@ class _Problem:
         self.right = None if right == UNBOUNDED else right
         # sorted segment ids: (lo, hi) keys of each query's segment, (B…|1, Tq) each
         self.segments = self.rules.segment_keys
+        # unsorted ones: (query ids, key ids), compared in each tile
+        self.segment_ids = (None if rules.segments is None or self.segments is not None
+                            else (np.asarray(rules.segments[0]), np.asarray(rules.segments[1])))
+        # the user's score_mod, mask_mod and block mask (None without them)
+        self.user = (None if rules.user is None
+                     else TileRules(rules, self.batch, self.g, self.tk))
+        self.score_mod = self.user is not None and self.user.scores
+        #: whether the shift -m rides in the product [q·scale | -m] @ [k | 1]ᵀ: not where
+        #: soft-capping or a score_mod must see the scores themselves
+        self.shift_in_product = rules.softcap is None and not self.score_mod
         self.banded = self.left is not None or self.right is not None
         self.lengths = (None if self.rules.key_lengths is None
                         else np.asarray(self.rules.key_lengths))     # (B…|1 …), integers
@@ -117,25 +132,43 @@ class _Problem:
         block of scores keeps the cache-sized area; under a causal mask or a window,
         narrower blocks waste less outside the visible band.
         """
-        if self.banded or self.segments is not None:
+        if self.banded or self.segments is not None or self.narrowed:
             return self.block_k
         return max(self.block_k, self.block_elems // (self.g * rows))
 
-    def key_ranges(self, b: tuple[int, ...], q0: int, q1: int,
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Positions ``p_i`` and visible keys ``[lo_i, hi_i)`` of queries q0:q1 in batch row b.
+    @property
+    def narrowed(self) -> bool:
+        """Whether a block mask narrows the rows' keys (:meth:`key_ranges`)."""
+        return self.user is not None and self.user.blocks is not None
 
-        Three int64 arrays (q1 - q0,). Key ``j`` is visible to query ``i`` (by key
-        length, causal mask, window and segment; ``attn_mask`` aside) iff
-        ``lo_i <= j < hi_i``.
-        Both bounds are non-decreasing in ``i``, so the rows that see some key
-        (``hi > lo``) are one run, and so are those that see any given key.
+    def key_ranges(self, b: tuple[int, ...], q0: int, q1: int, hk: int = 0,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Positions ``p_i`` and visible keys ``[lo_i, hi_i)`` of queries q0:q1 in batch row b
+        (and key/value head ``hk``, which a block mask may tell apart).
+
+        Three int64 arrays (q1 - q0,). Key ``j`` may be visible to query ``i`` (by key
+        length, causal mask, window, segment and block mask; ``attn_mask`` and the
+        ``mask_mod`` inside a tile aside) only if ``lo_i <= j < hi_i``. Both bounds are
+        non-decreasing in ``i`` (so the rows that see some key are one run, and so are
+        those that see any given key) except where a block mask narrows them.
         """
         pos, lo, hi = self.band_ranges(b, q0, q1)
         if self.segments is not None:          # sorted ids: bounds that grow with i too
             first, last = (_row(s, b)[q0:q1] for s in self.segments)
             lo, hi = np.maximum(lo, first), np.minimum(hi, last)
+        blocks = None if self.user is None else self.user.key_ranges(b, hk, q0, q1)
+        if blocks is not None:
+            lo, hi = np.maximum(lo, blocks[0]), np.minimum(hi, blocks[1])
         return pos, lo, hi
+
+    def rows_seeing(self, b: tuple[int, ...], hk: int, q0: int, q1: int,
+                    ) -> Callable[[int, int], np.ndarray] | None:
+        """With a block mask whose query blocks' non-empty key blocks are not one run each,
+        which of rows q0:q1 of (b, hk) have a non-empty tile among keys k0:k1, as a function
+        of (k0, k1) for :func:`_band_tiles`; else ``None`` (:meth:`key_ranges` says it all)."""
+        if self.user is None or not self.narrowed or self.user.gapless(b, hk):
+            return None
+        return partial(self.user.sees, b, hk, q0, q1)
 
     def band_ranges(self, b: tuple[int, ...], q0: int, q1: int,
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -240,17 +273,20 @@ class _Item:
     (:meth:`_Problem.key_ranges`) and the negated ALiBi slopes of its G heads.
     """
 
-    __slots__ = ("b", "band", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1", "segments")
+    __slots__ = ("b", "band", "hi", "hk", "lo", "neg_slopes", "pos", "q0", "q1", "sees",
+                 "segments")
 
     def __init__(self, p: _Problem, b: tuple[int, ...], hk: int, q0: int) -> None:
         self.b, self.hk, self.q0 = b, hk, q0
         self.q1 = min(q0 + p.bq, p.tq)
-        self.pos, self.lo, self.hi = p.key_ranges(b, q0, self.q1)
+        self.pos, self.lo, self.hi = p.key_ranges(b, q0, self.q1, hk)
         #: the (lo, hi) of the band alone, and of each row's segment, where there are segments
         self.band, self.segments = (self.lo, self.hi), None
-        if p.segments is not None:
+        if p.segments is not None or p.narrowed:
             self.band = p.band_ranges(b, q0, self.q1)[1:]
+        if p.segments is not None:
             self.segments = tuple(_row(s, b)[q0:self.q1] for s in p.segments)
+        self.sees = p.rows_seeing(b, hk, q0, self.q1)
         self.neg_slopes = p.neg_slopes(b, hk)
 
 
@@ -316,29 +352,46 @@ def _flat(x: np.ndarray) -> np.ndarray:
 
 
 def _band_tiles(lo: np.ndarray, hi: np.ndarray, bk: int, start: int = 0,
-                stop: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+                stop: int | None = None, sees: Callable[[int, int], np.ndarray] | None = None,
+                ) -> Iterator[tuple[int, int, int, int]]:
     """The (r0, r1, k0, k1) rectangles of scores that rows with visible keys [lo, hi) need.
 
     Keys come in blocks of ``bk`` from the first key any row sees to the last (within
     ``[start, stop)`` where given); each block covers only the rows that see some of
-    it (a run, as both bounds grow with the row). Rows that see no key at all are in
-    no rectangle.
+    it: a run where both bounds grow with the row, else each run of such rows (bounds
+    that a block mask narrowed, whose ``sees(k0, k1)`` also leaves out the rows whose
+    block-mask tiles there are all empty). Rows that see no key at all are in no
+    rectangle.
     """
     seen = np.flatnonzero(hi > lo)
     if seen.size == 0:
         return
-    k_start, k_stop = max(start, int(lo[seen[0]])), int(hi[seen[-1]])
+    k_start, k_stop = max(start, int(lo[seen].min())), int(hi[seen].max())
     if stop is not None:
         k_stop = min(k_stop, stop)
+    growing = sees is None and bool((lo[1:] >= lo[:-1]).all() and (hi[1:] >= hi[:-1]).all())
     for k0 in range(k_start, k_stop, bk):
         k1 = min(k0 + bk, k_stop)
-        r0 = int(np.searchsorted(hi, k0, side="right"))   # first row with hi > k0
-        r1 = int(np.searchsorted(lo, k1, side="left"))    # first row with lo >= k1
-        if r0 < r1:
+        if growing:
+            r0 = int(np.searchsorted(hi, k0, side="right"))   # first row with hi > k0
+            r1 = int(np.searchsorted(lo, k1, side="left"))    # first row with lo >= k1
+            if r0 < r1:
+                yield r0, r1, k0, k1
+            continue
+        rows = (hi > lo) & (lo < k1) & (hi > k0)
+        if sees is not None:
+            rows &= sees(k0, k1)
+        for r0, r1 in _runs(rows):
             yield r0, r1, k0, k1
 
 
-def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (),
+def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """The runs ``[r0, r1)`` of True in the bool vector ``rows``."""
+    edges = np.flatnonzero(np.diff(rows.astype(np.int8), prepend=0, append=0))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (), hk: int = 0,
            ) -> Iterator[tuple[int, int, int, int]]:
     """The (r0, r1, k0, k1) rectangles of scores that rows q0:q1 of batch row ``b`` need.
 
@@ -347,10 +400,11 @@ def _tiles(p: _Problem, q0: int, q1: int, bk: int, b: tuple[int, ...] = (),
     the item's last row sees, and each block starts at the first row that sees
     any of it; a window also drops the rows that see only keys after the block,
     and the blocks before the first key any row sees; key lengths end the blocks
-    at the batch row's last key. ``b`` is needed only with key lengths.
+    at the batch row's last key. ``b`` is needed only with key lengths (and ``hk`` only
+    with a block mask that tells heads apart).
     """
-    _, lo, hi = p.key_ranges(b, q0, q1)
-    return _band_tiles(lo, hi, bk)
+    _, lo, hi = p.key_ranges(b, q0, q1, hk)
+    return _band_tiles(lo, hi, bk, sees=p.rows_seeing(b, hk, q0, q1))
 
 
 def _output(q: np.ndarray, ev: int) -> np.ndarray:
