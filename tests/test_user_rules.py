@@ -698,10 +698,12 @@ def test_cuda_kernels_skip_empty_tiles_and_the_mask_inside_full_ones(name, monke
                         implementation="reference")
     assert_close(out, ref, dtype)
     assert_lse_close(lse, ref_lse, dtype)
+    if name == "numba_cuda-tc":
+        return                       # its gradients are the register-tiled kernels' (above)
     _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True,
                                          implementation=implementation, **user)
     _, reference = polyattn.attention_vjp(q64, k64, v64, enable_gqa=True, attn_mask=honest,
                                           implementation="reference")
     go = rng.standard_normal((1, 2, tq, 5))
     for a, b in zip(pullback(go.astype(dtype))[:3], reference(go), strict=True):
-        assert rel_error(a, b) <= (1e-12 if dtype == "float64" else 1e-4)
+        assert rel_error(a, b) <= 1e-12
