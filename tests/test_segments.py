@@ -5,18 +5,17 @@ with every other rule. Checked on every backend and implementation against the
 same call with the equivalent boolean ``attn_mask`` (and a float64 oracle),
 forward, log-sum-exp and gradients; the key ranges that the blocked paths visit
 (packed documents cost the sum of their squared lengths where the ids are at
-hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. The
-families that do not lower segment ids yet (``numba_cuda``)
-refuse them by name, which is checked, and ``"auto"`` passes them over; ``numba_cpu``
-lowers sorted ids as key ranges and refuses unsorted ones; the NumPy fast path lowers
-sorted ids as key ranges and compares unsorted ones in each tile.
+hand and sorted); ``jax.jit`` with traced ids; Dask laziness; errors. ``numba_cpu``
+and ``numba_cuda`` lower sorted ids as key ranges and refuse unsorted ones by name,
+which is checked, and ``"auto"`` passes them over; the NumPy fast path lowers sorted
+ids as key ranges and compares unsorted ones in each tile.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from _support import CASES, NUMPY_SESSION_ONLY, rounded, use_implementation
+from _support import CASES, NUMPY_SESSION_ONLY, cuda_family_ran, rounded, use_implementation
 from helpers import (
     Backend,
     assert_close,
@@ -32,9 +31,9 @@ from polyattn._problem import prepare
 
 sdpa = polyattn.scaled_dot_product_attention
 #: Implementations that refuse segment ids by name (they do not lower them yet).
-REFUSING = ("numba_cuda",)
+REFUSING: tuple[str, ...] = ()
 #: Implementations that lower sorted ids only (as key ranges), refusing unsorted ones by name.
-SORTED_ONLY = ("numba_cpu",)
+SORTED_ONLY = ("numba_cpu", "numba_cuda")
 
 
 @pytest.fixture(params=CASES)
@@ -244,6 +243,41 @@ def test_packed_documents_cost_the_sum_of_their_squared_lengths():
                        scale=None, enable_gqa=False, segment_ids=ids[:, ::-1] % 3)
     assert unsorted.rules.segment_keys is None and _visited(unsorted, 32) == 1024 * 1024
     assert "skipped" in polyattn.explain(q, q, q, segment_ids=ids).features["segment_ids"]
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("name", ["numba_cuda-rows", "numba_cuda-tiled", "numba_cuda-tc"])
+def test_every_cuda_kernel_family(name, monkeypatch):
+    """Each CUDA kernel family (20 query rows: the register-tiled and tensor-core ones
+    take the call; the latter's gradients are the register-tiled ones', checked once),
+    forward, lse and gradients against the reference: documents that span kernel tiles
+    (of 4 or 64 rows, 32 or 64 keys) and end inside them, with causality and a document
+    without keys, so that some rows see nothing (0, lse -inf, no gradient) and some
+    keys are seen by no row."""
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
+    dtype = "float32" if name == "numba_cuda-tc" else "float64"
+    rng = np.random.default_rng(39)
+    q, k, v = (rng.standard_normal(s).astype(dtype)
+               for s in ((1, 2, 20, 8), (1, 1, 40, 8), (1, 1, 40, 5)))
+    q_ids = np.array([[0] * 6 + [1] * 8 + [2] * 3 + [3] * 3])
+    k_ids = np.array([[0] * 10 + [1] * 14 + [3] * 16])
+    options = {"segment_ids": (q_ids, k_ids), "is_causal": True, "enable_gqa": True}
+    cuda_family_ran(name, polyattn.explain(q, k, v, implementation=implementation, **options))
+    out, lse = sdpa(q, k, v, return_lse=True, implementation=implementation, **options)
+    seen = same_segment(q_ids, k_ids) & (np.arange(40)[None, :] <= np.arange(20)[:, None])
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    ref, ref_lse, _ = ref_attention(q64, k64, v64, mask=seen, enable_gqa=True)
+    assert np.isneginf(np.asarray(lse)[0, :, 7]).all()      # id 1 from key 10: row 7 sees none
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    if name == "numba_cuda-tc":
+        return                       # its gradients are the register-tiled kernels' (above)
+    _, pullback = polyattn.attention_vjp(q, k, v, implementation=implementation, **options)
+    _, reference = polyattn.attention_vjp(q64, k64, v64, implementation="reference",
+                                          attn_mask=seen, enable_gqa=True)
+    go = rng.standard_normal((1, 2, 20, 5))
+    for a, b in zip(pullback(go.astype(dtype)), reference(go), strict=True):
+        assert rel_error(a, b) <= 1e-12
 
 
 # --------------------------------------------------------------------------- #

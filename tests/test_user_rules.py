@@ -660,3 +660,50 @@ def test_long_families_t5_table_and_rows_seeing_nothing(name, monkeypatch):
     go = rng.standard_normal((1, 2, 20, 5))
     for a, b in zip(pullback(go.astype(dtype))[:3], reference(go)[:3], strict=True):
         assert rel_error(a, b) <= (1e-12 if dtype == "float64" else 1e-4)
+
+
+@NUMPY_SESSION_ONLY
+@pytest.mark.parametrize("name", ["numba_cuda-rows", *LONG_FAMILIES])
+def test_cuda_kernels_skip_empty_tiles_and_the_mask_inside_full_ones(name, monkeypatch):
+    """Each CUDA kernel family reads the block mask: built for one table of a mask_mod
+    (keys 0-63 full, 64-127 empty, 128-139 partial, in blocks of 12 rows × 16 keys,
+    unlike any kernel's tiles), it is passed with another table that shows every key
+    of the empty blocks and hides some of the full ones. Kernels that never compute
+    an empty tile and never evaluate the mask_mod in a full one give the first table's
+    result, forward, lse and gradients; tiles that touch a partial block evaluate it
+    (the tables agree there)."""
+    implementation = use_implementation(name, Backend.NUMPY, monkeypatch)
+    dtype = _long_dtype(name)
+    rng = np.random.default_rng(52)
+    tq, tk = 20, 140
+    q, k, v = (rng.standard_normal(s).astype(dtype)
+               for s in ((1, 2, tq, 8), (1, 1, tk, 8), (1, 1, tk, 5)))
+    i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
+    honest = (j < 64) | ((j >= 128) & (j <= i + 128))
+    other = (honest | ((j >= 64) & (j < 128))) & ~((j < 64) & ((i + j) % 3 == 0))
+
+    def by_table(b, h, q_idx, kv_idx, table):
+        return table[q_idx, kv_idx] > 0
+
+    bm = polyattn.block_mask(by_table, None, None, tq, tk, mod_args=(honest.astype(np.int64),),
+                             block=(12, 16))
+    assert all(bm.counts.values())                     # empty, partial and full blocks
+    user = {"mask_mod": by_table, "mod_args": (other.astype(np.int64),), "block_mask": bm}
+    cuda_family_ran(name, polyattn.explain(q, k, v, enable_gqa=True,
+                                           implementation=implementation, **user))
+    out, lse = sdpa(q, k, v, enable_gqa=True, return_lse=True, implementation=implementation,
+                    **user)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    ref, ref_lse = sdpa(q64, k64, v64, enable_gqa=True, return_lse=True, attn_mask=honest,
+                        implementation="reference")
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    if name == "numba_cuda-tc":
+        return                       # its gradients are the register-tiled kernels' (above)
+    _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True,
+                                         implementation=implementation, **user)
+    _, reference = polyattn.attention_vjp(q64, k64, v64, enable_gqa=True, attn_mask=honest,
+                                          implementation="reference")
+    go = rng.standard_normal((1, 2, tq, 5))
+    for a, b in zip(pullback(go.astype(dtype))[:3], reference(go), strict=True):
+        assert rel_error(a, b) <= 1e-12

@@ -143,7 +143,8 @@ def _auto_rule(name: str, problem: Problem, budget: _Budget) -> str | None:
 def _refusal(name: str, why: str, problem: Problem, needs: frozenset[str]) -> Exception:
     """The error for implementation ``name``, asked for by name, that objects ``why``."""
     gradient = backends.AUTOGRAD in needs and problem.constant_needing_grad is not None
-    if name == "numba_cuda" and not gradient and not why.startswith("it does not apply"):
+    # "it does not apply …", "it lowers …": the call's rules, not the arrays or the machine
+    if name == "numba_cuda" and not gradient and not why.startswith("it "):
         return RuntimeError(
             "implementation='numba_cuda' needs CUDA arrays (CuPy or torch CUDA tensors), a "
             "CUDA GPU and numba-cuda, or the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) for NumPy "

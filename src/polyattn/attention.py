@@ -182,10 +182,10 @@ def scaled_dot_product_attention(
         skipped, so packed documents cost the sum of their squared lengths;
         otherwise they act as a mask. Positions (causal, window, ALiBi) stay
         those of the packed row. Runs on ``"reference"``, ``"chunked"``,
-        ``"numba_cpu"`` (sorted ids: the NumPy fast path and the kernel lower
-        them as each query's key range), ``"distributed"`` and ``"native"``
-        (as a dense mask); the CUDA kernels do not take them yet, and
-        :func:`explain` says so.
+        ``"numba_cpu"`` and ``"numba_cuda"`` (sorted ids: the NumPy fast path
+        and the kernels lower them as each query's key range; unsorted ones
+        are refused, and :func:`explain` says so), ``"distributed"`` and
+        ``"native"`` (as a dense mask).
     score_mod : function, optional
         A rule of yours on the scores: ``score_mod(score, b, h, q_idx,
         kv_idx, *mod_args) -> score``, applied after soft-capping and ALiBi

@@ -571,7 +571,8 @@ def test_dependent_run_finds_the_row_kernels_serial_dot_product():
 def _user_rule_specs() -> list[tuple[object, object, object]]:
     """The one-thread-per-row and register-tiled forward, dQ and dK/dV kernels and the
     3xTF32 tensor-core forward at float32, head size 64, with the sample user rule of
-    :func:`polyattn.backends.cuda.user_rules.sample_key` (and their launch bounds)."""
+    :func:`polyattn.backends.cuda.user_rules.sample_key` (and their launch bounds); the
+    two forward kernels also reading segment ids and a block mask (:mod:`.blocks`)."""
     from polyattn.backends.cuda.user_rules import sample_key
 
     user = sample_key("float32")
@@ -591,7 +592,13 @@ def _user_rule_specs() -> list[tuple[object, object, object]]:
              tiled_bw._signature("float32", "none", 2),
              tiled_bw.launch_bounds("float32", tiled_bw.dkdv_threads(64))),
             (numba_cuda_tc.make_kernel_function("3xtf32", 64, "none", False, user=user),
-             numba_cuda_tc._signature("none"), None)]
+             numba_cuda_tc._signature("none"), None),
+            (numba_cuda.make_kernel_function("float32", 64, "none", False, user=user,
+                                             masks=(True, True)),
+             numba_cuda._signature("float32", "none"), None),
+            (tiled.make_kernel_function("float32", 64, "none", False, user=user,
+                                        masks=(True, True)),
+             tiled._signature("float32", "none"), tiled.launch_bounds("float32", 64))]
 
 
 USER_RULES = _user_rule_specs()

@@ -22,7 +22,7 @@ HOST = True
 #: The score rules it handles (named one by one: a rule added to polyattn is not
 #: given to it until it is listed here).
 RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropout",
-                   "score_mod", "mask_mod"})
+                   "segment_ids", "score_mod", "mask_mod"})
 #: The kernels that apply ``score_mod`` and ``mask_mod`` (the others refuse them by name).
 USER_RULE_KERNELS = ("one-thread-per-row", "register-tiled", "tensor-core")
 
@@ -55,7 +55,9 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     """Why the kernels cannot run this call (``None``: they can). Under torch autograd
     (``"autograd"`` in ``needs``) a mask or slopes that require a gradient rule them out."""
     usable, why = _availability(problem)
-    user = _user_rules_refused(problem)
+    from polyattn.backends.cuda import blocks
+
+    user = blocks.refusal(problem.rules) or _user_rules_refused(problem)
     if user is not None:
         return user if usable else f"{user} (besides: {why})"
     constant = problem.constant_needing_grad if "autograd" in needs else None
@@ -142,5 +144,11 @@ def describe(problem: Any) -> dict[str, str]:
         how += "; the one-thread-per-row kernel (POLYATTN_CUDA_KERNEL=rows)"
     else:
         how += "; the one-thread-per-row kernel (decoding shapes)"
-    return {"module": module.__name__, "numba_cuda kernel": f"usable ({why})",
-            "arithmetic": how}
+    lines = {"module": module.__name__, "numba_cuda kernel": f"usable ({why})",
+             "arithmetic": how}
+    from polyattn.backends.cuda import blocks
+
+    masks = blocks.describe(problem.rules)
+    if masks is not None:
+        lines["numba_cuda masks"] = masks
+    return lines

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from polyattn.backends.cuda import blocks
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, _Device
 from polyattn.backends.cuda.user_rules import user_key
 from polyattn.rules.lowering import kernel_parameters, modifies
@@ -84,6 +85,9 @@ class KernelInputs:
     specialisation key of the call's ``score_mod`` and ``mask_mod``
     (:func:`.user_rules.user_key`; ``None`` without them), ``buffers``: the device
     views of its ``mod_args`` buffers ``(fb, ib, meta)`` (placeholders without them).
+    ``masks``: the specialisation key of its segment ids and block mask
+    (:func:`.blocks.mask_key`; ``None`` without them), ``tables``: the kernels' last
+    arguments ``(segments, kinds, bq, bk)`` (:func:`.blocks.tables`; placeholders).
     """
 
     mask_kind: str
@@ -93,6 +97,8 @@ class KernelInputs:
     vector_loads: bool = False
     user: Any = None
     buffers: tuple[Any, ...] = ()
+    masks: Any = None
+    tables: tuple[Any, ...] = ()
 
 
 def _mask_kind(mask: Array | None, dtype: str) -> str:
@@ -131,8 +137,11 @@ def kernel_inputs(q: Array, k: Array, v: Array, mask: Array | None, rules: Rules
     sources = (q4, k4, v4) if dev.simulated else arrays[:3]
     user, host_buffers = user_key(rules, dtype)
     buffers = tuple(dev.view(dev.from_numpy(a)) for a in host_buffers)
+    masks, (segments, kinds, bq, bk) = blocks.tables(rules, batch)
+    tables = (dev.view(dev.from_numpy(segments)), dev.view(dev.from_numpy(kinds)), bq, bk)
     return KernelInputs(mask_kind, modifies(rules), arrays, parameters,
-                        vector_loads_fit(*(memory_of(x) for x in sources)), user, buffers)
+                        vector_loads_fit(*(memory_of(x) for x in sources)), user, buffers,
+                        masks, tables)
 
 
 def _mask_layout(mask: Array, batch: tuple[int, ...], full: tuple[int, int, int],

@@ -158,9 +158,11 @@ def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None, rules: Rul
     tensor-core and register-tiled kernels. ``kernel_for(mask_kind, mods)`` gives the
     compiled kernel; with ``vector_flag`` it takes one more scalar, 1 where q, k and v
     may be read by vector loads (:func:`.inputs.vector_loads_fit`), else 0. With
-    ``user_rules`` the kernel applies ``score_mod`` and ``mask_mod``:
-    ``kernel_for(mask_kind, mods, user)`` (``user``: :func:`.user_rules.user_key`'s
-    key) and the kernel takes the ``mod_args`` buffers ``(fb, ib, meta)`` last."""
+    ``user_rules`` the kernel applies ``score_mod`` and ``mask_mod``, segment ids and
+    block masks: ``kernel_for(mask_kind, mods, user, masks)`` (``user``:
+    :func:`.user_rules.user_key`'s key, ``masks``: :func:`.blocks.mask_key`'s) and the
+    kernel takes the ``mod_args`` buffers ``(fb, ib, meta)`` and then the tables of
+    :func:`.blocks.tables` last."""
     *batch, n_heads, tq, _ = q.shape
     ev = v.shape[-1]
     dev = _Device(q)
@@ -170,7 +172,7 @@ def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None, rules: Rul
     if n_batch * n_heads * tq > 0:
         inputs = kernel_inputs(q, k, v, mask, rules, scale, xp, dev)
         if user_rules:
-            kernel = kernel_for(inputs.mask_kind, inputs.mods, inputs.user)
+            kernel = kernel_for(inputs.mask_kind, inputs.mods, inputs.user, inputs.masks)
         else:
             kernel = kernel_for(inputs.mask_kind, inputs.mods)
         n_blocks = n_batch * n_heads * -(-tq // rows)
@@ -178,7 +180,7 @@ def launch_tiles(q: Array, k: Array, v: Array, *, mask: Array | None, rules: Rul
         out_d, lse_d = dev.view(out), dev.view(lse)
         with launching(dev) as stream:
             flag = (np.int64(inputs.vector_loads),) if vector_flag else ()
-            buffers = inputs.buffers if user_rules else ()
+            buffers = (*inputs.buffers, *inputs.tables) if user_rules else ()
             kernel[n_blocks, threads, stream](*inputs.arrays, out_d, lse_d,
                                               *inputs.parameters, *flag, *buffers)
         if dev.simulated:

@@ -68,7 +68,12 @@ neither in their inner loop. Causality, windows, key lengths, positions,
 dropout, the lane layout and the number of splits are run-time values, not
 specialisations: the rules' come in one tuple argument
 (:func:`polyattn.rules.lowering.kernel_parameters`) that only the functions of
-:mod:`polyattn.rules.element` read. The merge kernel has one specialisation per dtype.
+:mod:`polyattn.rules.element` read. A user's ``score_mod`` and ``mask_mod``
+(:mod:`.user_rules`), and whether segment ids and a block mask are read
+(:mod:`.blocks`: the block's keys narrowed to its rows' segments and to the
+block mask's non-empty blocks, empty key tiles skipped, no ``mask_mod`` in full
+ones), are specialisations too; kernels without them compile to the code they
+had before. The merge kernel has one specialisation per dtype.
 
 Limits and costs
 ----------------
@@ -94,6 +99,7 @@ from typing import Any
 
 import numpy as np
 
+from polyattn.backends.cuda import blocks
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda, _Device
 from polyattn.backends.cuda.inputs import common_dtype, head_bucket, kernel_inputs
 from polyattn.backends.cuda.launch import check_grid, empty_like_layout, launch_plan, launching
@@ -145,6 +151,7 @@ def _signature(dtype: str, mask_kind: str) -> Any:
         t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
         i64, i64, i64,  # rows per block, lanes per row, splits
         *buffer_types(dtype),  # mod_args buffers fb, ib, meta (.user_rules)
+        *blocks.table_types(),  # segments, block-mask kinds, its block (.blocks)
     )
 
 
@@ -159,9 +166,11 @@ def _merge_signature(dtype: str) -> Any:
 
 @functools.cache
 def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                         block_k: int | None = None, user: UserKey | None = None) -> Any:
+                         block_k: int | None = None, user: UserKey | None = None,
+                         masks: blocks.MaskKey | None = None) -> Any:
     """The Python kernel function for one specialisation (not yet compiled); ``user``:
-    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`)."""
+    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`); ``masks``:
+    whether it reads segment ids and a block mask (:func:`.blocks.mask_key`)."""
     global cuda
     cuda = _cuda()
     from numba import types
@@ -178,6 +187,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     USER_SCORE = user is not None and user[0] is not None
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
+    SEGMENTS, BLOCKS = masks or (False, False)
+    segment_of, segment_span, blocks_keys, _, tile_kind, _ = blocks.device_functions()
 
     keep_word = philox_function()  # Philox4x32-10's first word for a weight's index
     # The score element (positions, visibility, key ranges, modifiers, dropout), in np_t.
@@ -189,7 +200,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
             element.dropout_key, element.kept, element.kept_scale))
 
     def attention_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, o_part,
-                         lse_part, scale, rules, rows, lanes, n_splits, fb, ib, meta):
+                         lse_part, scale, rules, rows, lanes, n_splits, fb, ib, meta, segments,
+                         kinds, bq, bk):
         """Out and lse (or one split's partial) for one query tile of one (batch, head)."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -217,6 +229,11 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         first_row = qt * rows
         last_row = min(first_row + rows, tq) - 1
         lo, hi = block_keys(first_row, last_row, pos_offset, rules, tk, len_b)
+        if SEGMENTS:  # the keys of the rows' segments; this row's, [s_lo, s_hi)
+            lo, hi = segment_span(segments, b, first_row, last_row, lo, hi)
+            s_lo, s_hi = segment_of(segments, b, min(i, tq - 1))
+        if BLOCKS:  # the key blocks the block mask leaves to the rows
+            lo, hi = blocks_keys(kinds, b, h, first_row, last_row, bq, bk, lo, hi)
         n_tiles_all = max(0, (hi - lo + BK - 1) // BK)
         per_split = (n_tiles_all + n_splits - 1) // n_splits * BK
         k_start = lo + split * per_split
@@ -259,6 +276,12 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 
         for kt in range(n_ktiles):
             j0 = k_start + kt * BK
+            if BLOCKS:  # the same for every thread: skip an empty tile; a full one
+                # needs no mask_mod
+                kind = tile_kind(kinds, b, h, first_row, last_row, j0,
+                                 min(j0 + BK, k_end) - 1, bq, bk)
+                if kind == 0:
+                    continue
 
             # Load one K tile and one V tile into shared memory; keys past
             # k_end (and padding features) are zeros, never read.
@@ -291,7 +314,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         x, _ = score_element(x, b, h, i, j, fb, ib, meta)
                     if not visible(j, p, rules, k_end):
                         x = NEG_INF
-                    elif USER_MASK and not mask_element(b, h, i, j, fb, ib, meta):
+                    elif SEGMENTS and (j < s_lo or j >= s_hi):
+                        x = NEG_INF
+                    elif USER_MASK and not (BLOCKS and kind == 2) and not mask_element(
+                            b, h, i, j, fb, ib, meta):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi, j * mj_step]:
@@ -385,7 +411,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 lse_part[split, b, h, i] = lse_i
 
     mods_name = "_mods" if mods else ""
-    name = f"attention_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}{suffix(user)}"
+    name = (f"attention_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}{suffix(user)}"
+            f"{blocks.suffix(masks)}")
     attention_kernel.__name__ = attention_kernel.__qualname__ = name
     return attention_kernel
 
@@ -440,13 +467,14 @@ def make_merge_function(dtype: str) -> Any:
 
 @functools.cache
 def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                    block_k: int | None = None, user: UserKey | None = None) -> Any:
+                    block_k: int | None = None, user: UserKey | None = None,
+                    masks: blocks.MaskKey | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached.
 
     It is compiled for exactly one signature, so a launch skips type dispatch:
     the launcher checks dtypes, and allocates the scratch contiguous.
     """
-    fn = make_kernel_function(dtype, bucket, mask_kind, mods, block_k, user)
+    fn = make_kernel_function(dtype, bucket, mask_kind, mods, block_k, user, masks)
     return _cuda().jit(_signature(dtype, mask_kind))(fn)
 
 
@@ -499,7 +527,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
         rows, lanes, splits = launch_plan(tq, tk, n_batch * n_heads, bq, bk, decode=decode,
                                           num_splits=num_splits)
         kernel = compiled_kernel(dtype, bucket, inputs.mask_kind, inputs.mods,
-                                 None if block_k is None else bk, inputs.user)
+                                 None if block_k is None else bk, inputs.user, inputs.masks)
         n_blocks = n_batch * n_heads * -(-tq // rows) * splits
         check_grid(n_blocks, f"B·H·ceil(Tq/{rows})·{splits}", q)
         # Split-K scratch in the compute dtype (a placeholder without splits).
@@ -509,7 +537,7 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
         lse_part = dev.view(dev.empty(scratch_shape, q.dtype))  # (S, B, H, Tq)
         out_d, lse_d = dev.view(out), dev.view(lse)
         args = [*inputs.arrays, out_d, lse_d, o_part, lse_part, *inputs.parameters, rows,
-                lanes, splits, *inputs.buffers]
+                lanes, splits, *inputs.buffers, *inputs.tables]
         with launching(dev) as stream:
             kernel[n_blocks, rows * lanes, stream](*args)
             if splits > 1:

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from polyattn.backends.cuda import environment
+from polyattn.backends.cuda import blocks, environment
 from polyattn.backends.cuda import rows as fwd
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS
 from polyattn.backends.cuda.launch import check_grid, launch_backward
@@ -95,12 +95,14 @@ def _signature(dtype: str, mask_kind: str, outputs: int) -> Any:
         *([strided] * outputs),  # dq, or dk and dv
         t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
         *buffer_types(dtype),  # mod_args buffers fb, ib, meta (.user_rules)
+        *blocks.table_types(),  # segments, block-mask kinds, its block (.blocks)
     )
 
 
 @functools.cache
 def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                     block_k: int | None = None, user: UserKey | None = None) -> Any:
+                     block_k: int | None = None, user: UserKey | None = None,
+                     masks: blocks.MaskKey | None = None) -> Any:
     """The Python dQ kernel function for one specialisation (not yet compiled)."""
     _cuda()
     from numba import types
@@ -115,6 +117,8 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     USER_SCORE = user is not None and user[0] is not None
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
+    SEGMENTS, BLOCKS = masks or (False, False)
+    segment_of, segment_span, blocks_keys, _, tile_kind, _ = blocks.device_functions()
     keep_word = philox_function()
     (row_position, key_length, visible, block_keys, head_modifiers, mask_steps,
      modify_and_grad, drops, dropout_key, kept, kept_scale) = (
@@ -124,7 +128,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             element.drops, element.dropout_key, element.kept, element.kept_scale))
 
     def dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq, scale,
-                  rules, fb, ib, meta):
+                  rules, fb, ib, meta, segments, kinds, bq, bk):
         """dq of one query tile of one (batch, head) pair; one thread per query row."""
         n_batch, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -148,6 +152,11 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
         first_row = qt * rows
         last_row = min(first_row + rows, tq) - 1
         lo, hi = block_keys(first_row, last_row, pos_offset, rules, tk, len_b)
+        if SEGMENTS:  # the keys of the rows' segments; this row's, [s_lo, s_hi)
+            lo, hi = segment_span(segments, b, first_row, last_row, lo, hi)
+            s_lo, s_hi = segment_of(segments, b, min(i, tq - 1))
+        if BLOCKS:  # the key blocks the block mask leaves to the rows
+            lo, hi = blocks_keys(kinds, b, h, first_row, last_row, bq, bk, lo, hi)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         # Where this thread reads the mask: size-1 axes broadcast at index 0.
@@ -188,6 +197,11 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
+            if BLOCKS:  # the forward's tiles: an empty one skipped, a full one unmasked
+                kind = tile_kind(kinds, b, h, first_row, last_row, j0, min(j0 + BK, hi) - 1,
+                                 bq, bk)
+                if kind == 0:
+                    continue
 
             # Load one K tile and one V tile; keys past hi (and padding) are zeros.
             for idx in range(cuda.threadIdx.x, BK * HEAD, rows):
@@ -208,7 +222,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             if live:
                 for jj in range(BK):
                     j = j0 + jj
-                    if visible(j, p, rules, hi):
+                    if visible(j, p, rules, hi) and not (SEGMENTS and (j < s_lo or j >= s_hi)):
                         # The score, as in the forward.
                         raw = ZERO
                         for d in range(HEAD):
@@ -225,7 +239,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                             seen = mask[mb, mh, mi, j * mj_step]
                         elif FLOAT_MASK:
                             x += mask[mb, mh, mi, j * mj_step]
-                        if USER_MASK and seen:
+                        if USER_MASK and seen and not (BLOCKS and kind == 2):
                             seen = mask_element(b, h, i, j, fb, ib, meta)
                         weight = ZERO
                         if seen:
@@ -253,14 +267,16 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                     dq[b, h, i, d] = dq_row[d] * scale
 
     mods_name = "_mods" if mods else ""
-    name = f"attention_dq_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}{suffix(user)}"
+    name = (f"attention_dq_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}{suffix(user)}"
+            f"{blocks.suffix(masks)}")
     dq_kernel.__name__ = dq_kernel.__qualname__ = name
     return dq_kernel
 
 
 @functools.cache
 def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                       block_k: int | None = None, user: UserKey | None = None) -> Any:
+                       block_k: int | None = None, user: UserKey | None = None,
+                       masks: blocks.MaskKey | None = None) -> Any:
     """The Python dK/dV kernel function for one specialisation (not yet compiled);
     ``block_k`` is the number of query rows per shared tile."""
     _cuda()
@@ -276,6 +292,8 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     USER_SCORE = user is not None and user[0] is not None
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
+    SEGMENTS, BLOCKS = masks or (False, False)
+    segment_of, segment_span, _, blocks_queries, tile_kind, _ = blocks.device_functions()
     keep_word = philox_function()
     (row_position, key_length, visible, block_queries, head_modifiers, modify_and_grad, drops,
      dropout_key, kept, kept_scale) = (
@@ -285,7 +303,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             element.dropout_key, element.kept, element.kept_scale))
 
     def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
-                    scale, rules, fb, ib, meta):
+                    scale, rules, fb, ib, meta, segments, kinds, bq, bk):
         """dk and dv of one key tile of one (batch, key/value head) pair, summed over
         the query heads of its group; one thread per key row."""
         n_batch, n_heads, tq, e = q.shape
@@ -308,9 +326,16 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
         last_key = min(first_key + cols, tk, len_b) - 1
         pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
         q_lo, q_hi = block_queries(first_key, last_key, pos_offset, rules, tq)
+        if SEGMENTS:  # the queries of the keys' segments; this key's, [s_lo, s_hi)
+            if last_key >= first_key:
+                q_lo, q_hi = segment_span(segments, b, tq + first_key, tq + last_key, q_lo,
+                                          q_hi)
+            s_lo, s_hi = segment_of(segments, b, tq + min(j, tk - 1))
         n_qtiles = 0
         if last_key >= first_key:
             n_qtiles = max(0, (q_hi - q_lo + BT - 1) // BT)
+        if BLOCKS:
+            q_all_lo, q_all_hi = q_lo, q_hi
 
         mb = 0
         mj = 0
@@ -350,9 +375,20 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                     mh = h
             cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b, h, ONE)
             row0 = (b * n_heads + h) * tq  # flat index of row 0 in (B, H, Tq)
+            if BLOCKS:  # the query blocks the block mask leaves to this head's keys
+                q_lo, q_hi = blocks_queries(kinds, b, h, h, first_key,
+                                            max(first_key, last_key), bq, bk, q_all_lo,
+                                            q_all_hi)
+                if last_key >= first_key:
+                    n_qtiles = (q_hi - q_lo + BT - 1) // BT
 
             for qt in range(n_qtiles):
                 i0 = q_lo + qt * BT
+                if BLOCKS:  # the forward's tiles: an empty one skipped, a full one unmasked
+                    kind = tile_kind(kinds, b, h, i0, min(i0 + BT, q_hi) - 1, first_key,
+                                     last_key, bq, bk)
+                    if kind == 0:
+                        continue
 
                 # Load the Q and dO tiles, lse and D; rows past q_hi get lse = -inf.
                 for idx in range(cuda.threadIdx.x, BT * HEAD, cols):
@@ -384,7 +420,8 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                         i = i0 + ii
                         p = i + pos_offset
                         lse_i = lse_tile[ii]
-                        if lse_i != NEG_INF and visible(j, p, rules, len_b):
+                        if lse_i != NEG_INF and visible(j, p, rules, len_b) and not (
+                                SEGMENTS and (i < s_lo or i >= s_hi)):
                             # The score, as in the forward.
                             raw = ZERO
                             for d in range(HEAD):
@@ -405,7 +442,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                                     seen = mask[mb, mh, mi, mj]
                                 else:
                                     x += mask[mb, mh, mi, mj]
-                            if USER_MASK and seen:
+                            if USER_MASK and seen and not (BLOCKS and kind == 2):
                                 seen = mask_element(b, h, i, j, fb, ib, meta)
                             weight = ZERO
                             if seen:
@@ -440,24 +477,26 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
 
     mods_name = "_mods" if mods else ""
     name = (f"attention_dkdv_{dtype}_head{bucket}_{mask_kind}{mods_name}_k{block_k}"
-            f"{suffix(user)}")
+            f"{suffix(user)}{blocks.suffix(masks)}")
     dkdv_kernel.__name__ = dkdv_kernel.__qualname__ = name
     return dkdv_kernel
 
 
 @functools.cache
 def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                block_k: int | None = None, user: UserKey | None = None) -> Any:
+                block_k: int | None = None, user: UserKey | None = None,
+                masks: blocks.MaskKey | None = None) -> Any:
     """The dQ kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dq_function(dtype, bucket, mask_kind, mods, block_k, user)
+    fn = make_dq_function(dtype, bucket, mask_kind, mods, block_k, user, masks)
     return _cuda().jit(_signature(dtype, mask_kind, 1))(fn)
 
 
 @functools.cache
 def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                  block_k: int | None = None, user: UserKey | None = None) -> Any:
+                  block_k: int | None = None, user: UserKey | None = None,
+                  masks: blocks.MaskKey | None = None) -> Any:
     """The dK/dV kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, block_k, user)
+    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, block_k, user, masks)
     return _cuda().jit(_signature(dtype, mask_kind, 2))(fn)
 
 
@@ -511,12 +550,13 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         kv_blocks = n_batch * n_kv_heads * -(-tk // rows)
         check_grid(dq_blocks, f"B·H·ceil(Tq/{rows})", q)
         check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{rows})", q)
-        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile, inputs.user)[
-            dq_blocks, rows, stream](*inputs.arrays, *arrays, dq_d, *inputs.parameters,
-                                     *inputs.buffers)
-        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile, inputs.user)[
-            kv_blocks, rows, stream](*inputs.arrays, *arrays, *dkdv_d, *inputs.parameters,
-                                     *inputs.buffers)
+        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, tile, inputs.user,
+                    inputs.masks)[dq_blocks, rows, stream](
+            *inputs.arrays, *arrays, dq_d, *inputs.parameters, *inputs.buffers, *inputs.tables)
+        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, tile, inputs.user,
+                      inputs.masks)[kv_blocks, rows, stream](
+            *inputs.arrays, *arrays, *dkdv_d, *inputs.parameters, *inputs.buffers,
+            *inputs.tables)
 
     return launch_backward(q, k, v, out, lse, grad_out, mask=mask, rules=rules, scale=scale,
                            xp=xp, grad_lse=grad_lse, launch=launch)

@@ -38,7 +38,8 @@ The rules are those of :mod:`.rows` (docs/semantics.rst), applied to each
 element of S by the functions of :mod:`polyattn.rules.element`: scale,
 soft-capping, ALiBi, the mask (read through its strides), causality, windows
 and key lengths as visibility, dropout by Philox counters on the weight's flat
-index. Blocks load only the key tiles their rows can see.
+index. Blocks load only the key tiles their rows can see (segment ids and
+block masks included: :mod:`.blocks`).
 Rows that see no key give 0 and ``lse = -inf``; a NaN score makes its row NaN.
 
 Limits
@@ -71,6 +72,7 @@ from typing import Any
 import numpy as np
 
 from polyattn._interop import simulator_enabled
+from polyattn.backends.cuda import blocks
 from polyattn.backends.cuda import mma as _mma
 from polyattn.backends.cuda.environment import MASK_KINDS, _cuda, kernel_choice
 from polyattn.backends.cuda.inputs import common_dtype
@@ -138,14 +140,17 @@ def _signature(mask_kind: str) -> Any:
         strided, types.Array(t, 3, "A"),  # out, lse
         t, parameter_types("float32"),  # scale, the rules (lowering.kernel_parameters)
         *buffer_types("float32"),  # mod_args buffers fb, ib, meta (.user_rules)
+        *blocks.table_types(),  # segments, block-mask kinds, its block (.blocks)
     )
 
 
 @functools.cache
 def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
-                         mods: bool = False, user: UserKey | None = None) -> Any:
+                         mods: bool = False, user: UserKey | None = None,
+                         masks: blocks.MaskKey | None = None) -> Any:
     """The Python kernel function for one specialisation (not yet compiled); ``user``:
-    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`)."""
+    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`); ``masks``:
+    whether it reads segment ids and a block mask (:func:`.blocks.mask_key`)."""
     global cuda
     cuda = _cuda()
     from numba import types
@@ -179,6 +184,8 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
     USER_SCORE = user is not None and user[0] is not None
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, "float32")
+    SEGMENTS, BLOCKS = masks or (False, False)
+    segment_of, segment_span, blocks_keys, _, tile_kind, _ = blocks.device_functions()
     if HALF_OPERANDS:
         KS = HEAD // 16  # 16-feature steps of Q Kᵀ
         HP, BP = HEAD // 2, BK // 2  # words per K row / per transposed V row
@@ -193,7 +200,7 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         Q_WORDS = KS * 4
 
     def tc_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules, fb, ib,
-                  meta):
+                  meta, segments, kinds, bq, bk):
         """Out and lse of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -222,6 +229,13 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
         first_row = qt * BQ
         lo, hi = block_keys(first_row, min(first_row + BQ, tq) - 1, pos_offset, rules, tk,
                             len_b)
+        if SEGMENTS:  # the keys of the rows' segments; the lane's two rows'
+            lo, hi = segment_span(segments, b, first_row, min(first_row + BQ, tq) - 1, lo, hi)
+            s_lo0, s_hi0 = segment_of(segments, b, min(row0, tq - 1))
+            s_lo1, s_hi1 = segment_of(segments, b, min(row1, tq - 1))
+        if BLOCKS:  # the key blocks the block mask leaves to the rows
+            lo, hi = blocks_keys(kinds, b, h, first_row, min(first_row + BQ, tq) - 1, bq, bk,
+                                 lo, hi)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
@@ -274,6 +288,12 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
+            if BLOCKS:  # the same for every thread: skip an empty tile; a full one
+                # needs no mask_mod
+                kind = tile_kind(kinds, b, h, first_row, min(first_row + BQ, tq) - 1, j0,
+                                 min(j0 + BK, hi) - 1, bq, bk)
+                if kind == 0:
+                    continue
             # Tiles: K (BK, HEAD) and V, zero past hi and past the head sizes.
             if HALF_OPERANDS:
                 for idx in range(tid, BK * HP, NTHREADS):
@@ -395,7 +415,11 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                         x, _ = score_element(x, b, h, row, j, fb, ib, meta)
                     if row >= tq or not visible(j, p, rules, hi):
                         x = NEG_INF
-                    elif USER_MASK and not mask_element(b, h, row, j, fb, ib, meta):
+                    elif SEGMENTS and (j < (s_lo0 if upper else s_lo1)
+                                       or j >= (s_hi0 if upper else s_hi1)):
+                        x = NEG_INF
+                    elif USER_MASK and not (BLOCKS and kind == 2) and not mask_element(
+                            b, h, row, j, fb, ib, meta):
                         x = NEG_INF
                     elif BOOL_MASK:
                         if not mask[mb, mh, mi0 if upper else mi1, j * mj_step]:
@@ -530,16 +554,17 @@ def make_kernel_function(arithmetic: str, bucket: int, mask_kind: str,
                     lse[b, h, row] = lse_i
 
     mods_name = "_mods" if mods else ""
-    name = f"tc_{arithmetic}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}"
+    name = (f"tc_{arithmetic}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}"
+            f"{blocks.suffix(masks)}")
     tc_kernel.__name__ = tc_kernel.__qualname__ = name
     return tc_kernel
 
 
 @functools.cache
 def compiled_kernel(arithmetic: str, bucket: int, mask_kind: str, mods: bool = False,
-                    user: UserKey | None = None) -> Any:
+                    user: UserKey | None = None, masks: blocks.MaskKey | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached."""
-    fn = make_kernel_function(arithmetic, bucket, mask_kind, mods, user)
+    fn = make_kernel_function(arithmetic, bucket, mask_kind, mods, user, masks)
     return _cuda().jit(_signature(mask_kind))(fn)
 
 
@@ -594,8 +619,8 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
     assert bucket is not None
     return launch_tiles(
         q, k, v, mask=mask, rules=rules, scale=scale, xp=xp,
-        kernel_for=lambda mask_kind, mods, user: compiled_kernel(arithmetic, bucket, mask_kind,
-                                                                 mods, user),
+        kernel_for=lambda mask_kind, mods, user, masks: compiled_kernel(
+            arithmetic, bucket, mask_kind, mods, user, masks),
         rows=BLOCK_Q, threads=THREADS, user_rules=True)
 
 

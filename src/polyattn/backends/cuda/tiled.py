@@ -52,8 +52,10 @@ Every rule of :mod:`.rows` is applied in the kernel, per score, by the functions
 :mod:`polyattn.rules.element` (compiled in with the compute type): scale,
 soft-capping, ALiBi, the mask (read through its strides), causality, windows
 and key lengths as visibility, dropout by Philox counters on the weight's
-flat index; key tiles no row of the block can see are never loaded; rows with
-no visible key give 0 and ``lse = -inf``; NaN propagates.
+flat index; key tiles no row of the block can see are never loaded (segment
+ids and block masks narrow them further, and a tile a block mask leaves empty
+is skipped: :mod:`.blocks`); rows with no visible key give 0 and
+``lse = -inf``; NaN propagates.
 
 Limits: query tiles of fewer than ``DECODE_MAX_TQ`` + 1 rows (decoding) go to
 the one-thread-per-row kernel of :mod:`.rows`, whose key lanes and
@@ -71,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from polyattn._interop import simulator_enabled
+from polyattn.backends.cuda import blocks
 from polyattn.backends.cuda import mma as _mma
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda
 from polyattn.backends.cuda.inputs import common_dtype, head_bucket
@@ -165,14 +168,17 @@ def _signature(dtype: str, mask_kind: str) -> Any:
         t, parameter_types(dtype),  # scale, the rules (lowering.kernel_parameters)
         types.int64,  # 1: q, k and v may be read by vector loads (inputs.vector_loads_fit)
         *buffer_types(dtype),  # mod_args buffers fb, ib, meta (.user_rules)
+        *blocks.table_types(),  # segments, block-mask kinds, its block (.blocks)
     )
 
 
 @functools.cache
 def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                         user: UserKey | None = None) -> Any:
+                         user: UserKey | None = None,
+                         masks: blocks.MaskKey | None = None) -> Any:
     """The Python kernel function for one specialisation (not yet compiled); ``user``:
-    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`)."""
+    the call's ``score_mod`` and ``mask_mod`` (:func:`.user_rules.user_key`); ``masks``:
+    whether it reads segment ids and a block mask (:func:`.blocks.mask_key`)."""
     global cuda
     cuda = _cuda()
     from numba import types
@@ -208,6 +214,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     USER_SCORE = user is not None and user[0] is not None
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
+    SEGMENTS, BLOCKS = masks or (False, False)
+    segment_of, segment_span, blocks_keys, _, tile_kind, _ = blocks.device_functions()
     # The whole-tile pass (all threads, key fastest) applies the mask and the user
     # rules, with the modifiers before them.
     TILE_PASS = MASKED or USER_SCORE or USER_MASK
@@ -225,7 +233,7 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     V_SHAPE, P_SHAPE = (VK, HEAD + 4), (BK, BQ + 4)
 
     def tiled_kernel(q, k, v, mask, mask_batch, lengths, slopes, out, lse, scale, rules, vec,
-                     fb, ib, meta):
+                     fb, ib, meta, segments, kinds, bq, bk):
         """Out and lse of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -248,6 +256,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
         len_b = key_length(lengths, b)
         pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
         lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, rules, tk, len_b)
+        if SEGMENTS:  # the keys of the rows' segments
+            lo, hi = segment_span(segments, b, q0, min(q0 + BQ, tq) - 1, lo, hi)
+        if BLOCKS:  # the key blocks the block mask leaves to the rows
+            lo, hi = blocks_keys(kinds, b, h, q0, min(q0 + BQ, tq) - 1, bq, bk, lo, hi)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
 
         dropping = drops(rules)
@@ -288,6 +300,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
+            if BLOCKS:  # the same for every thread: an empty tile is skipped
+                if tile_kind(kinds, b, h, q0, min(q0 + BQ, tq) - 1, j0, min(j0 + BK, hi) - 1,
+                             bq, bk) == 0:
+                    continue
 
             # S = (scale·Q) Kᵀ, through shared memory D_CHUNK features at a time.
             for n in unroll(S_LEN):
@@ -397,6 +413,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 # the modifiers before it; its parameters are read per tile.
                 cuda.syncthreads()
                 mb, mh, mi_step, mj_step = mask_steps(MASKED, mask, mask_batch, b + z, h)
+                if BLOCKS:  # a full tile needs no mask_mod (its kind read again here:
+                    # held from the loop's start, it would take registers)
+                    kind = tile_kind(kinds, b + z, h, q0, min(q0 + BQ, tq) - 1, j0,
+                                     min(j0 + BK, hi) - 1, bq, bk)
                 for idx in range(tid + z, BQ * BK, NTHREADS):
                     jj = idx % BK
                     r = idx // BK
@@ -409,7 +429,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                             # the rule takes and gives natural-log scores
                             x, _ = score_element(x * LN2, b, h, row, j0 + jj, fb, ib, meta)
                             x *= LOG2E
-                        if USER_MASK and not mask_element(b, h, row, j0 + jj, fb, ib, meta):
+                        if USER_MASK and not (BLOCKS and kind == 2) and not mask_element(
+                                b, h, row, j0 + jj, fb, ib, meta):
                             x = NEG_INF
                         elif BOOL_MASK:
                             if not mask[mb, mh, row * mi_step, (j0 + jj) * mj_step]:
@@ -424,6 +445,10 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                 p = row + pos_offset
                 # Keys of the tile row i sees: [vis_lo, vis_hi) relative to j0.
                 vis_lo, vis_hi = row_keys(p, rules, j0, hi)
+                if SEGMENTS:  # and of its segment
+                    s_lo, s_hi = segment_of(segments, b, min(row, tq - 1))
+                    vis_lo = max(vis_lo, s_lo)
+                    vis_hi = min(vis_hi, s_hi)
                 vis_lo -= j0
                 vis_hi -= j0
                 if row >= tq:
@@ -538,15 +563,16 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
     kernel = unrolled(tiled_kernel, {**globals(), **locals()})
     mods_name = "_mods" if mods else ""
     kernel.__name__ = kernel.__qualname__ = (
-        f"tiled_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}")
+        f"tiled_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}"
+        f"{blocks.suffix(masks)}")
     return kernel
 
 
 @functools.cache
 def compiled_kernel(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                    user: UserKey | None = None) -> Any:
+                    user: UserKey | None = None, masks: blocks.MaskKey | None = None) -> Any:
     """The kernel for one specialisation, compiled on first use and cached."""
-    fn = make_kernel_function(dtype, bucket, mask_kind, mods, user)
+    fn = make_kernel_function(dtype, bucket, mask_kind, mods, user, masks)
     if simulator_enabled():
         return _cuda().jit(_signature(dtype, mask_kind))(fn)
     return _cuda().jit(_signature(dtype, mask_kind),
@@ -580,6 +606,6 @@ def attention(q: Array, k: Array, v: Array, /, *, mask: Array | None, rules: Rul
     dtype = common_dtype(query=q, key=k, value=v)
     return launch_tiles(
         q, k, v, mask=mask, rules=rules, scale=scale, xp=xp,
-        kernel_for=lambda mask_kind, mods, user: compiled_kernel(dtype, bucket, mask_kind, mods,
-                                                                 user),
+        kernel_for=lambda mask_kind, mods, user, masks: compiled_kernel(
+            dtype, bucket, mask_kind, mods, user, masks),
         rows=BLOCK_Q, threads=threads(bucket), vector_flag=True, user_rules=True)

@@ -78,6 +78,7 @@ from typing import Any
 import numpy as np
 
 from polyattn._interop import simulator_enabled
+from polyattn.backends.cuda import blocks
 from polyattn.backends.cuda import mma as _mma
 from polyattn.backends.cuda import rows_backward as numba_cuda_backward
 from polyattn.backends.cuda.environment import DTYPES, HEAD_DIM_BUCKETS, MASK_KINDS, _cuda
@@ -198,7 +199,7 @@ def _constants(dtype: str, bucket: int, rows: int) -> dict[str, Any]:
 
 @functools.cache
 def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                     user: UserKey | None = None) -> Any:
+                     user: UserKey | None = None, masks: blocks.MaskKey | None = None) -> Any:
     """The Python dQ kernel function for one specialisation (not yet compiled)."""
     global cuda
     cuda = _cuda()
@@ -215,6 +216,8 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     USER_SCORE = user is not None and user[0] is not None
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
+    SEGMENTS, BLOCKS = masks or (False, False)
+    _, segment_span, blocks_keys, _, tile_kind, segment_hides = blocks.device_functions()
     BQ = BLOCK_Q
     consts = _constants(dtype, bucket, dq_rows_per_thread(bucket))
     (row_position, key_length, visible, head_modifiers, mask_steps, modify_and_grad, drops,
@@ -229,7 +232,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                             "P_SHAPE"))
 
     def tiled_dq_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dq,
-                        scale, rules, fb, ib, meta, vec):
+                        scale, rules, fb, ib, meta, segments, kinds, bq, bk, vec):
         """dq of 64 query rows of one (batch, head) pair."""
         _, n_heads, tq, e = q.shape
         tk = k.shape[2]
@@ -250,6 +253,10 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
         len_b = key_length(lengths, b)
         pos_offset = row_position(0, rules, len_b)  # row i is at i + pos_offset
         lo, hi = block_keys(q0, min(q0 + BQ, tq) - 1, pos_offset, rules, tk, len_b)
+        if SEGMENTS:  # the keys of the rows' segments
+            lo, hi = segment_span(segments, b, q0, min(q0 + BQ, tq) - 1, lo, hi)
+        if BLOCKS:  # the key blocks the block mask leaves to the rows
+            lo, hi = blocks_keys(kinds, b, h, q0, min(q0 + BQ, tq) - 1, bq, bk, lo, hi)
         n_ktiles = max(0, (hi - lo + BK - 1) // BK)
         dropping = drops(rules)
 
@@ -275,6 +282,10 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
 
         for kt in range(n_ktiles):
             j0 = lo + kt * BK
+            if BLOCKS:  # the forward's tiles: an empty one is skipped
+                if tile_kind(kinds, b, h, q0, min(q0 + BQ, tq) - 1, j0, min(j0 + BK, hi) - 1,
+                             bq, bk) == 0:
+                    continue
 
             # Phase 0: S = (scale·Q) Kᵀ; phase 1: dP = dO Vᵀ; each to its shared tile.
             for ph in unroll(2):
@@ -355,6 +366,9 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
             mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
                                                   b + z, h)
             cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, ONE)
+            if BLOCKS:  # a full tile needs no mask_mod (read here, not held across the tile)
+                kind = tile_kind(kinds, b + z, h, q0, min(q0 + BQ, tq) - 1, j0,
+                                 min(j0 + BK, hi) - 1, bq, bk)
             # weight (b, h, i, j) has the flat index ((b·H + h)·Tq + i)·Tk + j
             pair_n = ((b + z) * n_heads + h) * tq
             for n in range(S_LEN):
@@ -365,7 +379,8 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                 p = row + pos_offset
                 lse_i = row_lse[ii]
                 ds = ZERO
-                if row < tq and visible(j, p, rules, hi) and lse_i != NEG_INF:
+                if row < tq and visible(j, p, rules, hi) and lse_i != NEG_INF and not (
+                        SEGMENTS and segment_hides(segments, b, row, j)):
                     raw = s_tile[jj, ii]
                     x = raw
                     grad = ONE  # d(x) / d(raw)
@@ -379,7 +394,7 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
                         seen = mask[mb, mh, row * mi_step, j * mj_step]
                     elif FLOAT_MASK:
                         x += mask[mb, mh, row * mi_step, j * mj_step]
-                    if USER_MASK and seen:
+                    if USER_MASK and seen and not (BLOCKS and kind == 2):
                         seen = mask_element(b, h, row, j, fb, ib, meta)
                     w = ZERO
                     if seen:
@@ -444,13 +459,15 @@ def make_dq_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False
     kernel = unrolled(tiled_dq_kernel, {**globals(), **locals()})
     mods_name = "_mods" if mods else ""
     kernel.__name__ = kernel.__qualname__ = (
-        f"tiled_dq_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}")
+        f"tiled_dq_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}"
+        f"{blocks.suffix(masks)}")
     return kernel
 
 
 @functools.cache
 def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                       user: UserKey | None = None) -> Any:
+                       user: UserKey | None = None,
+                       masks: blocks.MaskKey | None = None) -> Any:
     """The Python dK/dV kernel function for one specialisation (not yet compiled)."""
     global cuda
     cuda = _cuda()
@@ -467,6 +484,8 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     USER_SCORE = user is not None and user[0] is not None
     USER_MASK = user is not None and user[1] is not None
     score_element, mask_element = device_functions(user, dtype)
+    SEGMENTS, BLOCKS = masks or (False, False)
+    _, segment_span, _, blocks_queries, tile_kind, segment_hides = blocks.device_functions()
     BKV = BLOCK_KV
     consts = _constants(dtype, bucket, dkdv_rows_per_thread(bucket))
     (row_position, key_length, visible, head_modifiers, mask_steps, modify_and_grad, drops,
@@ -481,7 +500,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                             "P_SHAPE"))
 
     def tiled_dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,
-                          scale, rules, fb, ib, meta, vec):
+                          scale, rules, fb, ib, meta, segments, kinds, bq, bk, vec):
         """dk and dv of 64 keys of one (batch, key/value head) pair, summed over the
         query heads of its group."""
         _, n_heads, tq, e = q.shape
@@ -505,6 +524,11 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
         hi = min(tk, len_b)
         last_key = min(k0 + BKV, hi) - 1
         q_lo, q_hi = block_queries(k0, last_key, pos_offset, rules, tq)
+        if SEGMENTS and last_key >= k0:  # the queries of the keys' segments
+            q_lo, q_hi = segment_span(segments, b, tq + k0, tq + last_key, q_lo, q_hi)
+        if BLOCKS and last_key >= k0:  # the query blocks it leaves to some head's keys
+            q_lo, q_hi = blocks_queries(kinds, b, hk * group, hk * group + group - 1, k0,
+                                        last_key, bq, bk, q_lo, q_hi)
         n_qtiles = 0
         if last_key >= k0:
             n_qtiles = max(0, (q_hi - q_lo + BQT - 1) // BQT)
@@ -527,6 +551,10 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
             h = hk * group + g
             for qt in range(n_qtiles):
                 i0 = q_lo + qt * BQT
+                if BLOCKS:  # the forward's tiles: an empty one (for this head) is skipped
+                    if tile_kind(kinds, b, h, i0, min(i0 + BQT, q_hi) - 1, k0, last_key, bq,
+                                 bk) == 0:
+                        continue
                 # lse and D of the tile's rows (read after the first chunk's barrier;
                 # the previous tile's reads are behind its own barriers).
                 for r in range(tid, BQT, NTHREADS):
@@ -617,6 +645,9 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                 mb, mh, mi_step, mj_step = mask_steps(BOOL_MASK or FLOAT_MASK, mask, mask_batch,
                                                       b + z, h)
                 cap, inv_cap, slope = head_modifiers(MODS, rules, slopes, b + z, h + z, ONE)
+                if BLOCKS:  # a full tile needs no mask_mod (read here, not held)
+                    kind = tile_kind(kinds, b + z, h, i0, min(i0 + BQT, q_hi) - 1, k0,
+                                     last_key, bq, bk)
                 pair_n = ((b + z) * n_heads + h) * tq
                 for n in range(S_LEN):
                     ii = 32 * (n // RS) + 4 * kg_s + n % 4
@@ -627,7 +658,8 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                     lse_i = row_lse[ii]
                     pz = ZERO
                     ds = ZERO
-                    if visible(j, p, rules, hi) and lse_i != NEG_INF:
+                    if visible(j, p, rules, hi) and lse_i != NEG_INF and not (
+                            SEGMENTS and segment_hides(segments, b, tq + j, i)):
                         raw = p_tile[ii, jj]
                         x = raw
                         grad = ONE  # d(x) / d(raw)
@@ -641,7 +673,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                             seen = mask[mb, mh, i * mi_step, j * mj_step]
                         elif FLOAT_MASK:
                             x += mask[mb, mh, i * mi_step, j * mj_step]
-                        if USER_MASK and seen:
+                        if USER_MASK and seen and not (BLOCKS and kind == 2):
                             seen = mask_element(b, h, i, j, fb, ib, meta)
                         w = ZERO
                         if seen:
@@ -726,15 +758,16 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
     kernel = unrolled(tiled_dkdv_kernel, {**globals(), **locals()})
     mods_name = "_mods" if mods else ""
     kernel.__name__ = kernel.__qualname__ = (
-        f"tiled_dkdv_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}")
+        f"tiled_dkdv_{dtype}_head{bucket}_{mask_kind}{mods_name}{suffix(user)}"
+        f"{blocks.suffix(masks)}")
     return kernel
 
 
 @functools.cache
 def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                user: UserKey | None = None) -> Any:
+                user: UserKey | None = None, masks: blocks.MaskKey | None = None) -> Any:
     """The dQ kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dq_function(dtype, bucket, mask_kind, mods, user)
+    fn = make_dq_function(dtype, bucket, mask_kind, mods, user, masks)
     sig = _signature(dtype, mask_kind, 1)
     if simulator_enabled():
         return _cuda().jit(sig)(fn)
@@ -744,9 +777,9 @@ def compiled_dq(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
 
 @functools.cache
 def compiled_dkdv(dtype: str, bucket: int, mask_kind: str, mods: bool = False,
-                  user: UserKey | None = None) -> Any:
+                  user: UserKey | None = None, masks: blocks.MaskKey | None = None) -> Any:
     """The dK/dV kernel for one specialisation, compiled on first use and cached."""
-    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, user)
+    fn = make_dkdv_function(dtype, bucket, mask_kind, mods, user, masks)
     sig = _signature(dtype, mask_kind, 2)
     if simulator_enabled():
         return _cuda().jit(sig)(fn)
@@ -796,12 +829,14 @@ def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Arr
         check_grid(dq_blocks, f"B·H·ceil(Tq/{BLOCK_Q})", q)
         check_grid(kv_blocks, f"B·Hkv·ceil(Tk/{BLOCK_KV})", q)
         vec = np.int64(inputs.vector_loads)
-        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, inputs.user)[
+        compiled_dq(dtype, bucket, inputs.mask_kind, inputs.mods, inputs.user, inputs.masks)[
             dq_blocks, dq_threads(bucket), stream](*inputs.arrays, *arrays, dq_d,
-                                                   *inputs.parameters, *inputs.buffers, vec)
-        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, inputs.user)[
-            kv_blocks, dkdv_threads(bucket), stream](*inputs.arrays, *arrays, *dkdv_d,
-                                                     *inputs.parameters, *inputs.buffers, vec)
+                                                   *inputs.parameters, *inputs.buffers,
+                                                   *inputs.tables, vec)
+        compiled_dkdv(dtype, bucket, inputs.mask_kind, inputs.mods, inputs.user,
+                      inputs.masks)[kv_blocks, dkdv_threads(bucket), stream](
+            *inputs.arrays, *arrays, *dkdv_d, *inputs.parameters, *inputs.buffers,
+            *inputs.tables, vec)
 
     return launch_backward(
         q, k, v, out, lse, grad_out, mask=mask, rules=rules, scale=scale, xp=xp,
