@@ -90,8 +90,9 @@ def _announce_compile(what: str, wanted: list[tuple[Any, Any]]) -> None:
         where = next(path for hit, path in found if hit is False)
         logger.warning(
             "polyattn: compiling the numba_cpu %s kernel (float32 and float64), which "
-            "Numba's cache (%s) does not hold yet: this call waits for it (tens of seconds, "
-            "once per machine); `python -m polyattn warmup` compiles it ahead", what, where)
+            "Numba's cache (%s) does not hold yet: this call waits for it (about 25 s forward "
+            "and a minute backward of CPU time, more under load; once per machine); "
+            "`python -m polyattn warmup` compiles it ahead", what, where)
 
 
 def kernels(*, announce: bool = True) -> dict[str, Any]:
@@ -181,8 +182,10 @@ def cache_state_on_disk() -> str:
         return f"compiled kernels (forward and backward) cached in {where}"
     if all(found[:2]):
         return (f"forward kernel cached in {where}; the backward kernel compiles on the first "
-                "attention_vjp (about 30 s) unless `python -m polyattn warmup` ran")
-    return (f"not cached yet (cache: {where}): the first call compiles it, about 10-30 s; "
+                "attention_vjp (about a minute of CPU time for float32 and float64) unless "
+                "`python -m polyattn warmup` ran")
+    return (f"not cached yet (cache: {where}): the first call compiles it (about 25 s of "
+            "CPU time, the backward kernel about a minute more at the first attention_vjp); "
             "`python -m polyattn warmup` compiles it ahead")
 
 
