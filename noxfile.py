@@ -182,9 +182,9 @@ def kernel_sim(session: nox.Session) -> None:
 @nox.session(venv_backend="none", tags=["kernel"])
 def kernel_ptx(session: nox.Session) -> None:
     """Compile the kernels to PTX and assemble it for sm_80 and sm_90 (no GPU needed):
-    every forward specialisation but the register-tiled float64 and head-256 ones, a
-    sample of the backward ones (kernel_ptx_all: every one); ptxas and cuobjdump
-    (NVIDIA's wheels) check registers, spills and the SASS."""
+    every specialisation at head size 64 and the register-tiled float32 ones up to head
+    size 128, a rotating sample of the others (kernel_ptx_all: every one); ptxas and
+    cuobjdump (NVIDIA's wheels) check registers, spills and the SASS."""
     bin_dir = shared_venv(session, "kernel")
     args = session.posargs or ["-q", "-s", "-p", "no:cacheprovider", *PARALLEL,
                                *required_paths(*PTX_TESTS)]
@@ -193,9 +193,8 @@ def kernel_ptx(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False, tags=["kernel"])
 def kernel_ptx_all(session: nox.Session) -> None:
-    """kernel_ptx with every specialisation of the register-tiled kernels, forward and
-    backward, rather than kernel_ptx's sample of those ptxas has no budget for
-    (about 45 minutes on 2 cores)."""
+    """kernel_ptx with every specialisation of every kernel family, rather than
+    kernel_ptx's sample (about 45 minutes on 2 cores)."""
     bin_dir = shared_venv(session, "kernel")
     session.env["POLYATTN_PTX_SWEEP"] = "all"
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",

@@ -1,17 +1,19 @@
-"""Compile every kernel specialisation for sm_80 and sm_90, without a GPU, and read
+"""Compile the kernel specialisations for sm_80 and sm_90, without a GPU, and read
 what ptxas makes of it.
 
-Every one-thread-per-row forward kernel (dtype × head bucket × mask kind ×
-plain or with score modifiers) and split merge, every tensor-core kernel
-(float16, bfloat16, 3xTF32); the register-tiled forward kernels for every
-float32 specialisation up to head size 128 (the ones with a register
-budget), and the register-tiled dQ and
-dK/dV kernels for every float32 specialisation at head sizes 64 and 128,
+Of the one-thread-per-row forward kernels and the tensor-core kernels (float16,
+bfloat16, 3xTF32): every one at head size 64 (dtype or arithmetic × mask kind ×
+plain or with score modifiers), each other head size once per dtype or
+arithmetic with a rotating mask kind and modifier setting, and the split
+merges; the register-tiled forward kernels for every float32 specialisation up
+to head size 128 (the ones with a register budget), and the register-tiled dQ
+and dK/dV kernels for every float32 specialisation at head sizes 64 and 128,
 each other (dtype, head size) once with a rotating mask kind and modifier
-setting (``POLYATTN_PTX_SWEEP=all``, the ``kernel_ptx_all`` session, compiles
-every one: about 45 minutes on 2 cores); the one-thread-per-row backward
-kernels (which only decoding shapes use) at head size 64 in full and once per
-other head size.
+setting; the one-thread-per-row backward kernels (which only decoding shapes
+use) at head size 64 in full and once per other head size; a sample of user
+rules, segment ids and block masks. ``POLYATTN_PTX_SWEEP=all`` (the
+``kernel_ptx_all`` session) compiles every specialisation of every family:
+about 45 minutes on 2 cores.
 
 Numba's NVVM emits the same PTX for sm_80 and sm_90 but for its ``.target``
 line (checked on a sample of every family: ``test_one_ptx_serves_both``), so
@@ -195,7 +197,32 @@ def _normalised(ptx: str) -> str:
 # The one-thread-per-row kernels (0.1), forward and split merge: every one
 # --------------------------------------------------------------------------- #
 
-ROWS = list(numba_cuda.specializations())
+#: ``POLYATTN_PTX_SWEEP=all`` (the ``kernel_ptx_all`` session): every specialisation of
+#: every family; by default a sample of those a family has many of.
+SWEEP_ALL = os.environ.get("POLYATTN_PTX_SWEEP", "") == "all"
+
+
+def _rotating(buckets, full_bucket, make, signature, dtypes):
+    """The full product (dtype × mask kind × modifiers) at ``full_bucket``, and each other
+    (dtype, head bucket) once with a rotating mask kind and modifier setting."""
+    specs = []
+    n = 0
+    for dtype in dtypes:
+        for bucket in buckets(dtype):
+            for mask_kind in numba_cuda.MASK_KINDS:
+                for mods in (False, True):
+                    if SWEEP_ALL or bucket == full_bucket or (
+                            mask_kind == numba_cuda.MASK_KINDS[n % 3] and mods == (n % 2 == 1)):
+                        specs.append((make(dtype, bucket, mask_kind, mods),
+                                      signature(dtype, mask_kind)))
+            n += bucket != full_bucket
+    return specs
+
+
+ROWS = _rotating(lambda dtype: numba_cuda.HEAD_DIM_BUCKETS, 64, numba_cuda.make_kernel_function,
+                 numba_cuda._signature, numba_cuda.DTYPES) + [
+    (numba_cuda.make_merge_function(dtype), numba_cuda._merge_signature(dtype))
+    for dtype in numba_cuda.DTYPES]
 
 
 @pytest.mark.parametrize("index", range(len(ROWS)),
@@ -210,11 +237,14 @@ def test_row_kernel(index):
             print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores {usage(report)}")
 
 
-def test_every_row_kernel_is_compiled():
-    names = {fn.__name__ for fn, _ in ROWS}
-    assert any(name.startswith("merge_splits_") for name in names)
-    assert sum("_mods" in name for name in names) == sum(
-        name.startswith("attention_") and "_mods" not in name for name in names)
+def test_row_sample_covers_every_axis():
+    names = [fn.__name__ for fn, _ in ROWS]
+    assert len(set(names)) == len(names)
+    assert len(names) == (74 if SWEEP_ALL else 24)
+    assert sum(name.startswith("merge_splits_") for name in names) == len(numba_cuda.DTYPES)
+    for part in (*numba_cuda.DTYPES, *(f"_{m}" for m in numba_cuda.MASK_KINDS), "_mods",
+                 *(f"head{b}_" for b in numba_cuda.HEAD_DIM_BUCKETS)):
+        assert any(part in name for name in names), part
 
 
 # --------------------------------------------------------------------------- #
@@ -264,7 +294,11 @@ def test_row_backward_sample_covers_every_axis():
 # The tensor-core kernels: every one
 # --------------------------------------------------------------------------- #
 
-TC = numba_cuda_tc.specializations()
+TC = _rotating(lambda arith: [b for b in numba_cuda_tc.HEAD_DIM_BUCKETS
+                               if b <= numba_cuda_tc.MAX_HEAD[arith]], 64,
+               numba_cuda_tc.make_kernel_function,
+               lambda arith, mask_kind: numba_cuda_tc._signature(mask_kind),
+               numba_cuda_tc.ARITHMETICS)
 MMA_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
            "bf16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
            "3xtf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"}
@@ -391,11 +425,6 @@ def test_dependent_run_counts_back_to_back_chains():
     rewritten = ["FFMA R1, R2, R3, R1 ;", "FADD R1, R2, R3 ;", "FFMA R1, R4, R3, R1 ;"]
     assert longest_dependent_run("\n".join(rewritten)) == 1
 
-
-
-#: ``POLYATTN_PTX_SWEEP=all`` (the ``kernel_ptx_all`` session): every specialisation of
-#: the register-tiled kernels, forward and backward (about 45 minutes on 2 cores).
-SWEEP_ALL = os.environ.get("POLYATTN_PTX_SWEEP", "") == "all"
 
 
 def _rotating_sample(kernels, full, extremes=()) -> list[tuple]:
