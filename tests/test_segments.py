@@ -104,6 +104,28 @@ def test_against_the_equivalent_mask(xp, device, dtype_name, implementation, cal
         assert_lse_close(lse, ref_lse, dtype_name)
 
 
+@pytest.mark.parametrize("ids", [[[0, 1, 0, 1, 2, 0], [5, 5, 0, 0, 0, 0]],
+                                 [[0, 0, 1, 1, 2, 2], [0, 3, 3, 3, 3, 3]]],
+                         ids=["unsorted", "sorted"])
+def test_unsigned_ids(xp, device, dtype_name, implementation, ids):
+    """uint8 ids, which a difference of neighbours would wrap: unsorted ones are told from
+    sorted ones (then they act as a mask, where the implementation takes them)."""
+    rng = np.random.default_rng(33)
+    q, k, v = (rng.standard_normal((2, 2, 6, 4)) for _ in range(3))
+    ids = np.array(ids, dtype=np.uint8)
+    args = [to_xp(a, xp, dtype=dtype_name, device=device) for a in (q, k, v)]
+    seg = to_xp(ids, xp, device=device)
+    unsorted = bool((ids[:, 1:] < ids[:, :-1]).any())
+    if unsorted and implementation in SORTED_ONLY:
+        with pytest.raises(ValueError, match="these are not sorted"):
+            sdpa(*args, segment_ids=seg, implementation=implementation)
+        implementation = "auto"                 # which passes it over
+    out = sdpa(*args, segment_ids=seg, implementation=implementation)
+    ref, _, _ = ref_attention(*(rounded(a, dtype_name) for a in (q, k, v)),
+                              mask=same_segment(ids, ids))
+    assert_close(out, ref, dtype_name)
+
+
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
 def test_a_pair_for_queries_and_keys(xp, device, dtype_name, implementation, order):
     """Cross-attention over packed keys: Tq != Tk, one id array each; ids need not be

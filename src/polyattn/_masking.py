@@ -72,11 +72,13 @@ def call_segments(q_ids: Any, k_ids: Any, pair: bool, batch: tuple[int, ...], tq
     lead = np.broadcast_shapes(qv.shape[:-1], kv.shape[:-1])
     qv, kv = (np.broadcast_to(qv, (*lead, tq)).reshape(-1, tq),
               np.broadcast_to(kv, (*lead, tk)).reshape(-1, tk))
-    steps = np.diff(qv, axis=-1)
-    if qv.shape[0] == 0 or (steps < 0).any() or (pair and (np.diff(kv, axis=-1) < 0).any()):
+    def descends(ids: Any) -> bool:          # compared, not subtracted: unsigned ids wrap
+        return bool((ids[:, 1:] < ids[:, :-1]).any())
+
+    if qv.shape[0] == 0 or descends(qv) or (pair and descends(kv)):
         return (q_ids, k_ids), None                         # unsorted: masks only, no skipping
     if not pair:                  # one array: each query's segment is the run holding it
-        lo, hi = _runs(steps != 0)
+        lo, hi = _runs(qv[:, 1:] != qv[:, :-1])
         return (q_ids, k_ids), (lo.reshape(*lead, tq), hi.reshape(*lead, tq))
     lo, hi = (np.stack([np.searchsorted(kr, qr, side=side) for qr, kr in zip(qv, kv, strict=True)
                         ]).reshape(*lead, tq) for side in ("left", "right"))
