@@ -111,7 +111,12 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
         return fn(*args)
     except Exception as exc:
         text = str(exc)
-        if "Dual" in text or "ufunc" in text or "real number" in text:
+        if "Expected Array or Python scalar" in text and "Dual" in text:
+            text = (f"{text} (array-api-strict's arrays refuse an operand that carries a "
+                    "derivative: put the score, or a value computed from it or from a "
+                    "floating mod_args table, on the left of the operator, as in "
+                    "`score * (q_idx - kv_idx)`)")
+        elif "Dual" in text or "ufunc" in text or "real number" in text:
             text = (f"{text} (a math or NumPy function on a rule's argument cannot carry "
                     "its derivative: use the functions of polyattn.ops)")
         elif any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
@@ -247,13 +252,15 @@ def table_partials(user: UserRules, s: Array, q0: int, q1: int, k0: int, k1: int
         log: dict[str, Any] = {"count": 0, "target": target, "tables": [], "flat": None}
         tables = [_Seeded(a, xp, n, log) if n in floating else Table(a, xp)
                   for n, a in enumerate(user.mod_args)]
-        return _call(rule, "score_mod", s, *idx, *tables), log
+        # the score carries a zero derivative, so that `score * table[h]` takes Dual's
+        # operator even where the library's arrays refuse other operands
+        return _call(rule, "score_mod", Dual(s, s * 0), *idx, *tables), log
 
     _, census = run(-1)
     found = []
     for target, number in enumerate(census["tables"]):
         out, log = run(target)
-        if isinstance(out, Dual):                # the load reaches the result
+        if isinstance(out, Dual) and log["flat"] is not None:   # the load was made
             found.append((number, log["flat"], out.d))
     return found
 
