@@ -173,6 +173,10 @@ PORTABLE = [
          lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=polyattn.block_mask(
              lambda b, h, i, j: i >= j, None, None, 8, 8, xp=xp, device=dev)),
          ValueError, ("`block_mask` was built for Tq = 8, Tk = 8", "Tq = 4, Tk = 6")),
+    Case("block_mask given an int as batch_shape", "block_mask",
+         lambda xp, dev: polyattn.block_mask(lambda b, h, i, j: i >= j, 2, None, 4, 6, xp=xp,
+                                             device=dev),
+         TypeError, ("`batch_shape` must be a tuple of ints", "write (2,)")),
     Case("a block mask of another batch", "block_mask",
          lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=polyattn.block_mask(
              lambda b, h, i, j: i >= j, (5,), None, 4, 6, xp=xp, device=dev)),

@@ -384,8 +384,12 @@ def test_explain_says_native_cannot_and_shows_the_sinks(backend, xp, device):
 @NUMPY_SESSION_ONLY
 def test_errors_name_the_argument():
     q = np.zeros((2, 4, 3, 8))
-    with pytest.raises(ValueError, match=r"`sinks` must be \(H,\) or \(B…, H\).*\(2, 4\).*\(3,\)"):
+    with pytest.raises(ValueError, match=r"`sinks` must be one value, \(H,\) or \(B…, H\)"
+                                         r".*\(2, 4\).*\(3,\)"):
         sdpa(q, q, q, sinks=np.zeros(3))
+    # one sink logit for every head: the same as that value per head
+    np.testing.assert_array_equal(sdpa(q, q, q, sinks=np.array(0.5)),
+                                  sdpa(q, q, q, sinks=np.full(4, 0.5)))
     with pytest.raises(TypeError, match="sinks"):
         sdpa(q, q, q, sinks=np.zeros(4, dtype=np.int64))
     with pytest.raises(TypeError, match="explain"):

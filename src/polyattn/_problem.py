@@ -419,11 +419,11 @@ def _per_head(name: str, values: Array | None, batch: tuple[int, ...], h: int, d
         return None
     check_floating(name, values, xp)
     target = (*batch, h)
-    ok = 1 <= values.ndim <= len(target) and all(
+    ok = values.ndim <= len(target) and all(
         s in (1, t) for s, t in zip(reversed(values.shape), reversed(target), strict=False))
     if not ok:
         raise ValueError(
-            f"`{name}` must be (H,) or (B…, H), broadcastable to (B…, H) = {target} "
+            f"`{name}` must be one value, (H,) or (B…, H), broadcastable to (B…, H) = {target} "
             f"({what}); got shape {shape_str(values)}")
     values = xp.reshape(values, (1,) * (len(target) - values.ndim) + tuple(values.shape))
     return values if values.dtype == dtype else xp.astype(values, dtype)

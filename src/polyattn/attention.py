@@ -142,7 +142,7 @@ def scaled_dot_product_attention(
     softcap : float, optional
         Logit soft-capping (Gemma 2): scaled scores ``s`` become
         ``softcap · tanh(s / softcap)`` before ALiBi and masks.
-    alibi_slopes : array (H,) or (B…, H), optional
+    alibi_slopes : array (H,) or (B…, H) (or one value for every head), optional
         ALiBi: adds ``-slope_h · |p_i - j|`` to the scores of head ``h``
         (:func:`polyattn.alibi_slopes` gives the paper's slopes).
     key_lengths : integer array (B…,) or int, optional
@@ -181,11 +181,12 @@ def scaled_dot_product_attention(
         sorted in every row, key blocks outside a query block's segments are
         skipped, so packed documents cost the sum of their squared lengths;
         otherwise they act as a mask. Positions (causal, window, ALiBi) stay
-        those of the packed row. Runs on ``"reference"``, ``"chunked"``,
-        ``"numba_cpu"`` and ``"numba_cuda"`` (sorted ids: the NumPy fast path
-        and the kernels lower them as each query's key range; unsorted ones
-        are refused, and :func:`explain` says so), ``"distributed"`` and
-        ``"native"`` (as a dense mask).
+        those of the packed row. Runs on ``"reference"``, ``"chunked"`` (the
+        NumPy fast path lowers sorted ids as each query's key range and
+        compares unsorted ones per tile), ``"numba_cpu"`` and ``"numba_cuda"``
+        (sorted ids, as each query's key range; unsorted ones are refused,
+        :func:`explain` says so and ``"auto"`` runs them elsewhere),
+        ``"distributed"`` and ``"native"`` (as a dense mask).
     score_mod : function, optional
         A rule of yours on the scores: ``score_mod(score, b, h, q_idx,
         kv_idx, *mod_args) -> score``, applied after soft-capping and ALiBi

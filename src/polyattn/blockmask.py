@@ -35,9 +35,10 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 @dataclass(frozen=True, eq=False)
 class BlockMask:
-    """The tiles of a ``mask_mod`` (:func:`block_mask`): ``kinds``, ``(B…|1, H|1, nq, nk)``, of
-    :data:`EMPTY`, :data:`PARTIAL`, :data:`FULL`, for tiles of ``block`` = (rows, keys);
-    ``rows``, ``(B…|1, H|1, Tq, 3)`` int64, per query row ``(lo, hi, solid)``: its first
+    """The tiles of a ``mask_mod`` (:func:`block_mask`): ``kinds``, ``(B…, H|1, nq, nk)``
+    (``(H|1, nq, nk)`` when built with ``batch_shape=None``), of :data:`EMPTY`,
+    :data:`PARTIAL`, :data:`FULL`, for tiles of ``block`` = (rows, keys); ``rows``,
+    ``(B…|1, H|1, Tq, 3)`` int64, per query row ``(lo, hi, solid)``: its first
     visible key and one past its last (``0, 0``: none), and 1 where every key of
     ``[lo, hi)`` is visible, else 0 (``None``: not known, the tiles alone count)."""
 
@@ -116,6 +117,10 @@ def block_mask(mask_mod: Callable[..., Any], batch_shape: tuple[int, ...] | None
     if (not isinstance(block, tuple) or len(block) != 2
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in block)):
         raise ValueError(f"`block` must be (rows, keys), two positive ints; got {block!r}")
+    if batch_shape is not None and not isinstance(batch_shape, (tuple, list)):
+        raise TypeError("`batch_shape` must be a tuple of ints (the batch dimensions B…) or "
+                        f"None; got {type(batch_shape).__name__} {batch_shape!r}"
+                        + (f" (write ({batch_shape},))" if isinstance(batch_shape, int) else ""))
     batch = () if batch_shape is None else tuple(
         check_nonnegative_int("batch_shape", n) for n in batch_shape)
     heads = 1 if num_heads is None else check_nonnegative_int("num_heads", num_heads, minimum=1)
