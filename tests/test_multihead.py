@@ -360,7 +360,10 @@ def test_new_keywords_pass_through(xp, device):
 
 
 @pytest.mark.parametrize(("case", "dtype_name"), [
-    ("rotary", "float64"), ("rotary_alibi_window", "float64"), ("rotary_alibi_window", "float32"),
+    # rotary alone and float32 take the paths of rotary_alibi_window in float64
+    pytest.param("rotary", "float64", marks=pytest.mark.exhaustive),
+    ("rotary_alibi_window", "float64"),
+    pytest.param("rotary_alibi_window", "float32", marks=pytest.mark.exhaustive),
     ("plain_mqa", "float64")])
 def test_cached_decoding_equals_full_causal_call(xp, device, dtype_name, case):
     hkv = 1 if case == "plain_mqa" else 2
@@ -405,8 +408,9 @@ def test_cached_ragged_prompts_then_decode(xp, device):
         assert_close(out, want, "float64")
 
 
-@pytest.mark.parametrize("extra", [{}, {"window": (2, 0), "alibi_slopes": "slopes"}],
-                         ids=["plain", "window+alibi"])
+@pytest.mark.parametrize("extra", [
+    pytest.param({}, marks=pytest.mark.exhaustive, id="plain"),   # window+alibi's paths
+    pytest.param({"window": (2, 0), "alibi_slopes": "slopes"}, id="window+alibi")])
 def test_cached_ragged_appends_with_the_default_alignment(xp, device, extra):
     """Ragged appends (key_lengths < Tq) into an empty, then a non-empty cache, bottom-right.
 
