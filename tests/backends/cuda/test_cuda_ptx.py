@@ -636,11 +636,23 @@ USER_RULES = _user_rule_specs()
 @pytest.mark.parametrize("index", range(len(USER_RULES)),
                          ids=[fn.__name__.removeprefix("attention_") for fn, _, _ in USER_RULES])
 def test_user_rule_kernel(index):
+    """float32 throughout and the dropout cipher; in the register-tiled kernels no local
+    memory in an innermost loop, and in their forward and dQ kernels, which spill
+    nothing without a rule, no spills with one either."""
     fn, sig, bounds = USER_RULES[index]
     name = fn.__name__
     assert "_user" in name
     ptx = compile_ptx(fn, sig, bounds)
     assert_ptx_basics(name, ptx, mods=False)  # float32 throughout, dropout's cipher
-    if HAVE_SASS_TOOLS:
-        for cc, (report, _) in assembled(ptx, sass=False).items():
-            print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores {usage(report)}")
+    if not HAVE_SASS_TOOLS:
+        return
+    tiled = name.startswith("tiled_")
+    for cc, (report, sass) in assembled(ptx, sass=tiled).items():
+        registers, stack, spills = usage(report)
+        print(f"{name} sm_{cc[0]}{cc[1]}: registers, stack, spill stores "
+              f"{(registers, stack, spills)}")
+        if tiled:
+            assert registers <= 128, (name, cc, report)
+            assert local_accesses_in_inner_loops(sass) == [], (name, cc)
+            if not name.startswith("tiled_dkdv_"):
+                assert (stack, spills) == (0, 0), (name, cc, report)

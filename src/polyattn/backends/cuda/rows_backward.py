@@ -299,7 +299,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
      dropout_key, kept, kept_scale) = (
         lower(f, "cuda", np_t) for f in (
             element.row_position, element.key_length, element.visible, element.block_queries,
-            element.head_modifiers, element.modify_and_grad, element.drops,
+            element.head_modifiers, element.modify_and_grad_branched, element.drops,
             element.dropout_key, element.kept, element.kept_scale))
 
     def dkdv_kernel(q, k, v, mask, mask_batch, lengths, slopes, do, lse, delta, dk, dv,

@@ -8,7 +8,8 @@ is a compile-time specialisation of the kernels that take them, which compile th
 texts as inlined device functions (:func:`device_functions`). ``mod_args`` travel
 as three flat buffers (:func:`polyattn.rules.scalar.pack`): the floating arrays in
 the compute dtype, the integer ones as int64, and each array's offset and (size,
-stride) per axis. Kernels without user rules take 1-element placeholders.
+stride) per axis, contiguous (:func:`buffer_types`). Kernels without user rules
+take 1-element placeholders.
 """
 
 from __future__ import annotations
@@ -53,11 +54,19 @@ def placeholders(dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def buffer_types(dtype: str) -> tuple[Any, Any, Any]:
-    """The Numba types of ``(fb, ib, meta)`` in a kernel signature."""
+    """The Numba types of ``(fb, ib, meta)`` in a kernel signature: contiguous 1-d
+    arrays (:func:`polyattn.rules.scalar.pack` and :func:`placeholders` make them so).
+
+    Contiguous, not any layout: an element's address is then the base plus a constant
+    times its index, and the ``meta`` entries a rule reads are immediate offsets from
+    one base register. With strides taken at run time each entry's address was held
+    in a register pair across the kernel: the register-tiled forward and dQ kernels
+    with a rule spilled 16-44 bytes (float32, head size 64), loads and stores of
+    local memory in the forward's innermost loops among them; contiguous, none."""
     from numba import types as nt
 
-    return (nt.Array(getattr(nt, dtype), 1, "A"), nt.Array(nt.int64, 1, "A"),
-            nt.Array(nt.int64, 1, "A"))
+    return (nt.Array(getattr(nt, dtype), 1, "C"), nt.Array(nt.int64, 1, "C"),
+            nt.Array(nt.int64, 1, "C"))
 
 
 def suffix(user: UserKey | None) -> str:
