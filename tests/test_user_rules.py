@@ -724,3 +724,53 @@ def test_cuda_kernels_skip_empty_tiles_and_the_mask_inside_full_ones(name, monke
     go = rng.standard_normal((1, 2, tq, 5))
     for a, b in zip(pullback(go.astype(dtype))[:3], reference(go), strict=True):
         assert rel_error(a, b) <= 1e-12
+
+
+#: The recipes of docs/rules.rst, each as (polyattn's score_mod, mask_mod, mod_args as NumPy
+#: arrays) and FlexAttention's (score_mod, mask_mod) over the same tables as torch tensors.
+def _recipes():
+    docs = np.array([[0] * 5 + [1] * 7, [0] * 8 + [1] * 4])
+    prefix, slopes = np.array([3, 6]), polyattn.alibi_slopes(4)
+    table = np.random.default_rng(53).standard_normal((4, 9))
+
+    def t5(s, b, h, i, j, tb):
+        return s + tb[h, ops.minimum(ops.maximum(i - j, -4), 4) + 4]
+
+    return {
+        "causal": (None, causal, (), None, lambda t: lambda b, h, i, j: i >= j),
+        "sliding_window": (None, lambda b, h, i, j: ops.logical_and(i >= j, i - j <= 3), (),
+                           None, lambda t: lambda b, h, i, j: (i >= j) & (i - j <= 3)),
+        "document": (None, lambda b, h, i, j, ids: ids[b, i] == ids[b, j], (docs,), None,
+                     lambda t: lambda b, h, i, j: t[0][b, i] == t[0][b, j]),
+        "prefix_lm": (None, lambda b, h, i, j, p: ops.logical_or(j < p[b], i >= j), (prefix,),
+                      None, lambda t: lambda b, h, i, j: (j < t[0][b]) | (i >= j)),
+        "softcap": (lambda s, b, h, i, j: 30.0 * ops.tanh(s / 30.0), None, (),
+                    lambda t: lambda s, b, h, i, j: 30.0 * (s / 30.0).tanh(), None),
+        "alibi": (lambda s, b, h, i, j, sl: s - sl[h] * ops.abs(i - j), None, (slopes,),
+                  lambda t: lambda s, b, h, i, j: s - t[0][h] * (i - j).abs(), None),
+        "t5": (t5, None, (table,),
+               lambda t: lambda s, b, h, i, j: s + t[0][h, (i - j).clamp(-4, 4) + 4], None),
+    }
+
+
+@pytest.mark.skipif(Backend.TORCH not in selected_backends(), reason="torch session")
+@pytest.mark.parametrize("recipe", sorted(_recipes()))
+def test_recipes_against_flex_attention(recipe):
+    """Each recipe of docs/rules.rst on torch tensors equals torch's own flex_attention
+    (eager, float64) with the same functions written in torch."""
+    torch = pytest.importorskip("torch")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    score_mod, mask_mod, mod_args, flex_score, flex_mask = _recipes()[recipe]
+    rng = np.random.default_rng(54)
+    q, k, v = (torch.tensor(rng.standard_normal((2, 4, 12, 8))) for _ in range(3))
+    tables = tuple(torch.tensor(a) for a in mod_args)
+    ours = sdpa(q, k, v, score_mod=score_mod, mask_mod=mask_mod, mod_args=tables)
+    block = None if flex_mask is None else flex.create_block_mask(
+        flex_mask(tables), 2, 4, 12, 12, device="cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        theirs = flex.flex_attention(q, k, v, score_mod=None if flex_score is None
+                                     else flex_score(tables), block_mask=block)
+    assert rel_error(ours.numpy(), theirs.numpy()) <= 1e-12
