@@ -91,7 +91,7 @@ def test_without_a_block_mask(tiles, score):  # noqa: F811
 
     q, k, v = problem(2, tq=TQ, tk=TK)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_problem, "_blocks", lambda *a, **kw: None)
+        patch.setattr(_problem, "call_block_mask", lambda *a, **kw: None)
         check(q, k, v, "float64", mod_args=MOD_ARGS, score_mod=SCORES[score],
               mask_mod=documents)
 
