@@ -658,7 +658,7 @@ def make_dkdv_function(dtype: str, bucket: int, mask_kind: str, mods: bool = Fal
                     lse_i = row_lse[ii]
                     pz = ZERO
                     ds = ZERO
-                    if lse_i != NEG_INF and visible(j, p, rules, hi) and not (
+                    if visible(j, p, rules, hi) and lse_i != NEG_INF and not (
                             SEGMENTS and segment_hides(segments, b, tq + j, i)):
                         raw = p_tile[ii, jj]
                         x = raw
