@@ -527,7 +527,7 @@ def _segment_keys(q_ids: Array, k_ids: Array) -> tuple[np.ndarray, np.ndarray] |
     lead = np.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
     qv = np.broadcast_to(q_ids, (*lead, tq)).reshape(-1, tq)
     kv = np.broadcast_to(k_ids, (*lead, tk)).reshape(-1, tk)
-    if qv.shape[0] == 0 or (np.diff(qv, axis=-1) < 0).any() or (np.diff(kv, axis=-1) < 0).any():
+    if qv.shape[0] == 0 or (qv[:, 1:] < qv[:, :-1]).any() or (kv[:, 1:] < kv[:, :-1]).any():
         return None
     lo, hi = (np.stack([np.searchsorted(kr, qr, side=side) for qr, kr in zip(qv, kv, strict=True)
                         ]).reshape(*lead, tq) for side in ("left", "right"))
