@@ -21,7 +21,7 @@ from helpers import Backend, rel_error
 
 import polyattn
 from polyattn import ops
-from polyattn.rules import scalar
+from polyattn.rules import scalar, tracing
 from polyattn.rules.user import UserRules, modified, modified_grad
 
 pytestmark = NUMPY_SESSION_ONLY
@@ -71,7 +71,7 @@ def _run_source(traced, form, scores, b, h, q, key0, arrays):
 @pytest.mark.parametrize("name", sorted(_rules()))
 def test_source_matches_the_rule_on_tiles_value_and_derivative(name):
     fn, arrays = _rules()[name]
-    traced = scalar.trace(fn, "score_mod", arrays)
+    traced = tracing.trace(fn, "score_mod", arrays)
     rng = np.random.default_rng(7)
     import array_api_compat.numpy as xp
 
@@ -90,7 +90,7 @@ def test_source_matches_the_rule_on_tiles_value_and_derivative(name):
 
 def test_mask_source_and_clamped_indices():
     allowed = np.array([True, False, True])
-    traced = scalar.trace(lambda b, h, q, kv, ok: ops.logical_and(ok[kv - 1], q >= kv),
+    traced = tracing.trace(lambda b, h, q, kv, ok: ops.logical_and(ok[kv - 1], q >= kv),
                           "mask_mod", (allowed,))
     got, _ = _run_source(traced, "mask", np.zeros(6), 0, 0, 3, 0, (allowed,))
     # kv - 1 = -1 reads from the end (True); 3, 4 clamp to the last entry; q >= kv hides 4, 5
@@ -113,7 +113,7 @@ def test_mask_source_and_clamped_indices():
 def test_constructs_that_cannot_be_compiled_are_named(fn, what, construct):
     with pytest.raises(TypeError, match=rf"{what} .*lambda.* cannot be compiled into a "
                                         rf"kernel: .*{construct}"):
-        scalar.trace(fn, what, (np.zeros((2, 3)),) if "t" in fn.__code__.co_varnames else ())
+        tracing.trace(fn, what, (np.zeros((2, 3)),) if "t" in fn.__code__.co_varnames else ())
 
 
 # --------------------------------------------------------------------------- #

@@ -140,12 +140,12 @@ def _expression(given: BlockMask, fn: Any) -> str | None:
     mask's ``mod_args`` (``None`` where it cannot be traced: nothing to compare)."""
     import numpy as np
 
-    from polyattn.rules import scalar
+    from polyattn.rules import scalar, tracing
 
     try:
         stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
                                           tuple(a.shape)) for a in given.mod_args)
-        return scalar.source(scalar.trace(fn, "mask_mod", stand_ins), "mask_element")
+        return scalar.source(tracing.trace(fn, "mask_mod", stand_ins), "mask_element")
     except Exception:  # a rule that cannot be traced: nothing to compare, no error
         return None
 

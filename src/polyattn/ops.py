@@ -144,7 +144,7 @@ def _xp(*values: Any) -> Any:
 
 def _traced(name: str, *args: Any) -> Any:
     """``ops.<name>(*args)`` recorded by a traced argument (one with ``_rule_op``: a rule
-    being compiled into a kernel, :mod:`polyattn.rules.scalar`), else ``None``."""
+    being compiled into a kernel, :mod:`polyattn.rules.tracing`), else ``None``."""
     for a in args:
         record = getattr(type(a), "_rule_op", None)
         if record is not None:

@@ -16,6 +16,7 @@ from helpers import Backend, assert_close, assert_lse_close, ref_attention, sele
 import polyattn
 from polyattn import scaled_dot_product_attention as sdpa
 from polyattn.backends.dask import plan as distributed
+from polyattn.backends.dask import tasks
 from polyattn.rules.visibility import Rules
 
 pytestmark = pytest.mark.skipif(
@@ -360,9 +361,9 @@ def test_tiles_of_other_libraries_run_the_blocked_path(shift):
                                                    lengths_shift=shift, window=(7, 0),
                                                    softcap=3.0))
     slopes = np.array([[0.5, 0.25, 0.125, 0.0625]])
-    got = distributed._tile(*(xps.asarray(x) for x in (q, k, v)), None,
-                            xps.asarray(lengths), xps.asarray(slopes), spec, 5, 8)
-    want = distributed._tile(q, k, v, None, lengths, slopes, spec, 5, 8)
+    got = tasks.tile(*(xps.asarray(x) for x in (q, k, v)), None,
+                     xps.asarray(lengths), xps.asarray(slopes), spec, 5, 8)
+    want = tasks.tile(q, k, v, None, lengths, slopes, spec, 5, 8)
     assert isinstance(got[0], type(xps.asarray(1.0)))
     for g, w in zip(got, want, strict=True):
         assert g.dtype == xps.asarray(w).dtype

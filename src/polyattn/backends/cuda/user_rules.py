@@ -1,6 +1,6 @@
 """The rules users write (``score_mod``, ``mask_mod``, ``mod_args``) in the CUDA kernels.
 
-A call's rules are traced once (:mod:`polyattn.rules.scalar`) and written as the
+A call's rules are traced once (:mod:`polyattn.rules.tracing`) and written as the
 one-score functions ``score_element(x, b, h, q, kv, fb, ib, meta) -> (score,
 derivative)`` and ``mask_element(b, h, q, kv, fb, ib, meta) -> visible``; the pair
 of their source texts (:func:`user_key`, ``None`` for a rule the call does not have)
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from polyattn._interop import to_numpy
-from polyattn.rules import scalar
+from polyattn.rules import scalar, tracing
 
 #: The specialisation key: (score_element source or None, mask_element source or None).
 UserKey = tuple[str | None, str | None]
@@ -40,10 +40,10 @@ def user_key(rules: Any, dtype: str) -> tuple[UserKey | None, tuple[np.ndarray, 
     width = 1 + 2 * max([a.ndim for a in arrays], default=0)
     score = mask = None
     if user.score_mod is not None:
-        traced = scalar.trace(user.score_mod, "score_mod", arrays)
+        traced = tracing.trace(user.score_mod, "score_mod", arrays)
         score = scalar.source(traced, "score_element", width)
     if user.mask_mod is not None:
-        traced = scalar.trace(user.mask_mod, "mask_mod", arrays)
+        traced = tracing.trace(user.mask_mod, "mask_mod", arrays)
         mask = scalar.source(traced, "mask_element", width)
     return (score, mask), scalar.pack(arrays, np.dtype(dtype), width)
 
@@ -124,5 +124,5 @@ def sample_key(dtype: str) -> UserKey:
 
     arrays = (np.zeros((2, 8), dtype=dtype), np.zeros(2, dtype=np.int64))
     width = 1 + 2 * 2
-    return (scalar.source(scalar.trace(score_mod, "score_mod", arrays), "score_element", width),
-            scalar.source(scalar.trace(mask_mod, "mask_mod", arrays), "mask_element", width))
+    return (scalar.source(tracing.trace(score_mod, "score_mod", arrays), "score_element", width),
+            scalar.source(tracing.trace(mask_mod, "mask_mod", arrays), "mask_element", width))

@@ -1,7 +1,7 @@
 """The family's lowering of the rules users write (``score_mod``, ``mask_mod``,
 ``mod_args``, ``block_mask``): compiled functions the kernels call through pointers.
 
-A rule is traced once (:mod:`polyattn.rules.scalar`) and its source compiled by Numba
+A rule is traced once (:mod:`polyattn.rules.tracing`) and its source compiled by Numba
 as C-callable functions over a panel of scores, keys by query rows, whose inner loop
 runs across the rows in SIMD vectors (``score``, ``score_grad``, ``mask``), about 0.1 s
 each, kept per process by their source and
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from polyattn import ops
-from polyattn.rules import scalar
+from polyattn.rules import scalar, tracing
 
 _lock = threading.Lock()
 #: Tile kinds (polyattn.blockmask): a tile no key of is visible, some are, every one is.
@@ -193,11 +193,11 @@ def functions(rules: Any, dtype: Any, arrays: tuple[np.ndarray, ...],
     user = rules.user
     with _lock:
         if rule is not None:
-            traced = scalar.trace(rule, "score_mod", arrays)
+            traced = tracing.trace(rule, "score_mod", arrays)
             score = _compiled(scalar.source(traced, "score", width), "score", name)
             grad = _compiled(scalar.source(traced, "score_grad", width), "score_grad", name)
         if user is not None and user.mask_mod is not None:
-            traced = scalar.trace(user.mask_mod, "mask_mod", arrays[:len(user.mod_args)])
+            traced = tracing.trace(user.mask_mod, "mask_mod", arrays[:len(user.mod_args)])
             mask = _compiled(scalar.source(traced, "mask", width), "mask", name)
     return score, grad, mask
 
@@ -216,7 +216,7 @@ def check(rules: Any) -> str | None:
         arrays = _arrays(user.mod_args)
         for fn, what in ((user.score_mod, "score_mod"), (user.mask_mod, "mask_mod")):
             if fn is not None:
-                scalar.trace(fn, what, arrays)
+                tracing.trace(fn, what, arrays)
     except TypeError as exc:
         return str(exc)
     return None
