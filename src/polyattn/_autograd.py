@@ -49,8 +49,14 @@ def numpy_bridge(backend: Backend, problem: Problem) -> tuple[Forward, Backward]
     """``backend``'s forward and backward passes over NumPy views of torch CPU tensors."""
     import array_api_compat.numpy as np_xp
 
-    rules = dataclasses.replace(problem.rules, key_lengths=_to_numpy(problem.rules.key_lengths),
-                                alibi=_to_numpy(problem.rules.alibi))
+    rules = problem.rules
+    user = rules.user
+    if user is not None:
+        user = dataclasses.replace(user, mod_args=tuple(_to_numpy(a) for a in user.mod_args))
+    segments = (None if rules.segments is None else
+                (_to_numpy(rules.segments[0]), _to_numpy(rules.segments[1])))
+    rules = dataclasses.replace(rules, key_lengths=_to_numpy(rules.key_lengths),
+                                alibi=_to_numpy(rules.alibi), segments=segments, user=user)
     viewed = dataclasses.replace(problem, xp=np_xp, mask=_to_numpy(problem.mask), rules=rules)
 
     def on(q: Array, k: Array, v: Array) -> Problem:
@@ -92,7 +98,34 @@ def passes(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
     it computes on NumPy arrays (:attr:`Backend.HOST`), else on the arrays themselves."""
     if backend.HOST and problem.torch_cpu:
         return numpy_bridge(backend, problem)
+    if backend.HOST and problem.jax_cpu:
+        return jax_bridge(backend, problem)
     return direct(backend, problem)
+
+
+def jax_bridge(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
+    """``backend``'s passes on JAX CPU arrays through :mod:`polyattn._jax_bridge`'s
+    primitives (host callbacks under ``jax.jit``), JAX differentiating them in both modes
+    with the chunked Array-API path (JAX operations) where the kernel has no pass."""
+    from polyattn import _jax_bridge
+    from polyattn.backends import family
+
+    generic = family("chunked")
+
+    def on(q: Array, k: Array, v: Array) -> Problem:
+        if q is problem.q and k is problem.k and v is problem.v:
+            return problem
+        return dataclasses.replace(problem, q=q, k=k, v=v)
+
+    def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+        return _jax_bridge.attention(backend, on(q, k, v), generic)
+
+    def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array,
+                 grad_lse: Array | None) -> tuple[Array, Array, Array]:
+        return _jax_bridge.backward(backend, on(q, k, v), generic, out, lse, grad_out,
+                                    grad_lse)
+
+    return forward, backward
 
 
 def differentiable(backend: Backend, problem: Problem, generic: Backend, *,

@@ -128,6 +128,25 @@ class Problem:
         return True
 
     @property
+    def jax_cpu(self) -> bool:
+        """Whether the inputs are JAX arrays on the CPU (traced ones: where JAX places
+        computations by default), which :mod:`polyattn._jax_bridge` hands to the paths
+        written for NumPy."""
+        if library_name(self.xp) != "jax":
+            return False
+        import jax
+
+        for x in (self.q, self.k, self.v, self.mask):
+            if x is None:
+                continue
+            devices = None if isinstance(x, jax.core.Tracer) else getattr(x, "devices", None)
+            platforms = ({d.platform for d in devices()} if devices is not None
+                         else {jax.default_backend()})
+            if platforms != {"cpu"}:
+                return False
+        return True
+
+    @property
     def constant_needing_grad(self) -> str | None:
         """The argument among ``attn_mask`` and ``alibi_slopes`` that torch records a
         gradient for (``None``: neither). The fused backward passes give gradients for

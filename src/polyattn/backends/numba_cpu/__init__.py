@@ -1,6 +1,8 @@
 """The fused SIMD register-tile CPU kernel (``"numba_cpu"``), forward and backward.
 
-On NumPy arrays. The entry points are in :mod:`.launch` (compiling and Numba's cache in
+On NumPy arrays, and on torch CPU tensors through NumPy views of them
+(:mod:`polyattn._autograd` makes the views and wires its backward pass into torch
+autograd). The entry points are in :mod:`.launch` (compiling and Numba's cache in
 :mod:`.compiler`); this module imports them (and so Numba) only inside its functions.
 Its backward pass is its own. The rules travel to it as one
 :class:`~polyattn.rules.visibility.Rules` (``Problem.arguments``).
@@ -24,9 +26,18 @@ RULES = frozenset({"causal", "window", "key_lengths", "softcap", "alibi", "dropo
 def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
     """Why the kernel cannot run this call (``None``: it can). With ``"compiled"`` in
     ``needs`` it compiles the kernel (or loads it from Numba's cache) now."""
-    if library_name(problem.xp) != "numpy":
-        return f"it takes NumPy arrays; these are {library_name(problem.xp)} arrays"
+    lib = library_name(problem.xp)
+    if lib != "numpy" and not problem.torch_cpu and not problem.jax_cpu:
+        where = (" on a GPU" if problem.on_cuda or lib in ("jax", "cupy") else
+                 " traced by torch.compile or a torch.func transform" if lib == "torch"
+                 else "")
+        return (f"it takes NumPy arrays, and torch and JAX arrays on the CPU; these are "
+                f"{lib} arrays{where}")
     rules = problem.rules
+    if lib == "torch":
+        why = _torch_gradients(problem, needs)
+        if why is not None:
+            return why
     if rules.segments is not None and rules.segment_keys is None:
         return ("it lowers segment ids sorted in every row (packed sequences) as key "
                 "ranges, and these are not sorted")
@@ -43,6 +54,22 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
         except compiler.KernelUnavailable as exc:
             return str(exc)
     return None if usable else why
+
+
+def _torch_gradients(problem: Any, needs: frozenset[str]) -> str | None:
+    """Why torch autograd cannot take this call's gradients from the kernel (``None``: it
+    can): the kernel gives those of query, key and value only."""
+    if "autograd" not in needs or not problem.requires_grad:
+        return None
+    constant = problem.constant_needing_grad
+    user = problem.rules.user
+    if constant is None and user is not None:
+        constant = next((f"mod_args[{n}]" for n, a in enumerate(user.mod_args)
+                         if getattr(a, "requires_grad", False)), None)
+    if constant is None:
+        return None
+    return (f"`{constant}` requires a gradient, and the kernel's backward pass gives those "
+            "of query, key and value only")
 
 
 def forward(problem: Any) -> tuple[Any, Any]:

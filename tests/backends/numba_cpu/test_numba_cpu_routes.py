@@ -1,0 +1,249 @@
+"""The numba_cpu kernel on torch CPU tensors and JAX CPU arrays: results and gradients equal
+the float64 oracle (polyattn's reference on NumPy arrays) for every rule and dtype, under
+torch autograd, and under ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.jvp``; and the
+kernel is what ran (its entry points are counted).
+
+Runs in the numba_cpu session (Numba, torch and JAX installed); skipped where one is missing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close, assert_lse_close
+
+import polyattn
+from polyattn import ops
+from polyattn import scaled_dot_product_attention as sdpa
+
+pytest.importorskip("numba", reason="the numba_cpu kernel needs Numba (pip install numba)")
+from polyattn.backends.numba_cpu import launch
+
+
+def _doc_mask(b, h, q, kv, doc):  # type: ignore[no-untyped-def]
+    return ops.logical_and(doc[q] == doc[kv], q >= kv)
+
+
+def _capped(s, b, h, q, kv, bias):  # type: ignore[no-untyped-def]
+    return 5.0 * ops.tanh(s / 5.0) + bias[h]
+
+
+#: Each rule as keywords over NumPy arrays: (B, H, Hkv, Tq, Tk) = (2, 4, 2, 9, 13).
+def _rules(rng: np.random.Generator) -> dict[str, dict]:
+    doc = np.repeat(np.arange(4), 4)[:13]
+    return {
+        "plain": {},
+        "causal": {"is_causal": True},
+        "bottom_right": {"is_causal": True, "causal_alignment": "bottom_right"},
+        "window": {"window": (3, 2)},
+        "softcap": {"softcap": 2.0, "is_causal": True},
+        "alibi": {"alibi_slopes": rng.uniform(0.1, 1.0, (4,))},
+        "key_lengths": {"key_lengths": np.array([13, 5])},
+        "mask": {"attn_mask": rng.uniform(size=(2, 1, 9, 13)) > 0.3},
+        "segment_ids": {"segment_ids": (np.repeat(np.arange(3), 3)[None].repeat(2, 0),
+                                        np.repeat(np.arange(3), 5)[None, :13].repeat(2, 0))},
+        "score_mod": {"score_mod": _capped, "mod_args": (rng.standard_normal(4),)},
+        "mask_mod": {"mask_mod": _doc_mask, "mod_args": (doc,)},
+        "block_mask": {"mask_mod": _doc_mask, "mod_args": (doc,),
+                       "block_mask": polyattn.block_mask(_doc_mask, None, None, 9, 13,
+                                                         mod_args=(doc,), block=(4, 4))},
+        "dropout": {"dropout_p": 0.25, "dropout_seed": 7, "is_causal": True},
+    }
+
+
+RULES = tuple(_rules(np.random.default_rng(0)))
+
+
+def _inputs(seed: int = 1):
+    rng = np.random.default_rng(seed)
+    shapes = ((2, 4, 9, 8), (2, 2, 13, 8), (2, 2, 13, 6))
+    return tuple(rng.standard_normal(s) for s in shapes), _rules(rng)
+
+
+def _oracle(q, k, v, kw, grad_out=None):
+    """(out, lse) and, with ``grad_out``, (dq, dk, dv) of the reference in float64."""
+    out, lse = sdpa(q, k, v, implementation="reference", return_lse=True, enable_gqa=True,
+                    **kw)
+    if grad_out is None:
+        return out, lse
+    _, pullback = polyattn.attention_vjp(q, k, v, implementation="reference",
+                                         enable_gqa=True, **kw)
+    return out, lse, pullback(grad_out)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many times the kernel's forward and backward entry points ran."""
+    calls = {"forward": 0, "backward": 0}
+    for name, entry in (("forward", "attention"), ("backward", "backward")):
+        original = getattr(launch, entry)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(launch, entry, spy)
+    return calls
+
+
+def _convert(kw, to):
+    """The keywords with their arrays converted by ``to`` (callables and numbers kept)."""
+    def one(x):
+        if isinstance(x, np.ndarray):
+            return to(x)
+        if isinstance(x, tuple):
+            return tuple(one(y) for y in x)
+        return x
+    return {name: one(value) for name, value in kw.items()}
+
+
+# --- torch ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rule", RULES)
+def test_torch_cpu_tensors_forward_and_autograd(rule, dtype, counted):
+    torch = pytest.importorskip("torch")
+    (q, k, v), rules = _inputs()
+    kw = rules[rule]
+    g = np.random.default_rng(2).standard_normal((2, 4, 9, 6))
+    want_out, want_lse, want_grads = _oracle(q, k, v, kw, g)
+    tdtype = getattr(torch, dtype)
+    def to(a):
+        return (torch.from_numpy(a) if a.dtype.kind in "biu"
+              else torch.from_numpy(a).to(tdtype))
+    tq, tk, tv = (to(x).requires_grad_() for x in (q, k, v))
+    tkw = _convert(kw, to)
+    out, lse = sdpa(tq, tk, tv, implementation="numba_cpu", return_lse=True,
+                    enable_gqa=True, **tkw)
+    assert counted["forward"] == 1
+    assert out.dtype == tdtype
+    assert_close(out.detach(), want_out, dtype)
+    assert_lse_close(lse.detach(), want_lse, dtype)
+    out = sdpa(tq, tk, tv, implementation="numba_cpu", enable_gqa=True, **tkw)
+    out.backward(torch.from_numpy(g).to(tdtype))
+    assert counted["backward"] == 1
+    for name, x, want in zip("qkv", (tq, tk, tv), want_grads[:3], strict=True):
+        assert_close(x.grad, np.asarray(want), dtype, what=f"d{name}")
+    # inputs untouched
+    assert np.array_equal(tq.detach().numpy(), q.astype(dtype))
+
+
+def test_torch_refuses_what_its_backward_pass_does_not_give():
+    torch = pytest.importorskip("torch")
+    (q, k, v), _ = _inputs()
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    slopes = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"alibi_slopes. requires a gradient"):
+        sdpa(tq, tk, tv, implementation="numba_cpu", enable_gqa=True, alibi_slopes=slopes)
+    bias = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"mod_args\[0\]. requires a gradient"):
+        sdpa(tq, tk, tv, implementation="numba_cpu", enable_gqa=True, score_mod=_capped,
+             mod_args=(bias,))
+    # "auto" takes another implementation that differentiates them
+    out = sdpa(tq, tk, tv, enable_gqa=True, score_mod=_capped, mod_args=(bias,))
+    out.sum().backward()
+    assert bias.grad is not None and torch.isfinite(bias.grad).all()
+
+
+# --- JAX ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    return jax
+
+
+def _jax_inputs(jax, dtype, rule):
+    import jax.numpy as jnp
+
+    (q, k, v), rules = _inputs()
+    kw = rules[rule]
+
+    def to(a):
+        return jnp.asarray(a) if a.dtype.kind in "biu" else jnp.asarray(a, dtype=dtype)
+
+    return (q, k, v), kw, tuple(to(x) for x in (q, k, v)), _convert(kw, to)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rule", RULES)
+def test_jax_cpu_arrays_eager_jit_and_grad(jax, rule, dtype, counted):
+    (q, k, v), kw, (jq, jk, jv), jkw = _jax_inputs(jax, dtype, rule)
+    g = np.random.default_rng(2).standard_normal((2, 4, 9, 6))
+    want_out, want_lse, want_grads = _oracle(q, k, v, kw, g)
+
+    def f(q, k, v):
+        return sdpa(q, k, v, implementation="numba_cpu", return_lse=True, enable_gqa=True,
+                    **jkw)
+
+    for run in (f, jax.jit(f)):
+        out, lse = run(jq, jk, jv)
+        assert str(out.dtype) == dtype
+        assert_close(out, want_out, dtype)
+        assert_lse_close(lse, want_lse, dtype)
+    assert counted["forward"] == 2
+
+    def loss(q, k, v):
+        return (f(q, k, v)[0] * g.astype(dtype)).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv)
+    assert counted["backward"] == 1
+    for name, got, want in zip("qkv", grads, want_grads[:3], strict=True):
+        assert_close(got, np.asarray(want), dtype, what=f"d{name}")
+
+
+@pytest.mark.parametrize("rule", ["causal", "key_lengths", "score_mod", "dropout", "mask"])
+def test_jax_vmap_jvp_and_second_derivatives(jax, rule, counted):
+    import jax.numpy as jnp
+
+    (q, k, v), kw, (jq, jk, jv), jkw = _jax_inputs(jax, "float64", rule)
+
+    def f(q, k, v, implementation="numba_cpu"):
+        return sdpa(q, k, v, implementation=implementation, enable_gqa=True, **jkw)
+
+    # vmap over the batch axis: each mapped call sees batch rows of its own (a user rule's
+    # b, dropout's counters count from 0 again)
+    def one(q, k, v, implementation="numba_cpu"):
+        sub = {n: (x[:1] if n in ("key_lengths", "attn_mask") else x) for n, x in jkw.items()}
+        return sdpa(q[None], k[None], v[None], implementation=implementation,
+                    enable_gqa=True, **sub)[0]
+
+    got = jax.jit(jax.vmap(one))(jq, jk, jv)
+    want = jax.vmap(lambda *a: one(*a, implementation="reference"))(jq, jk, jv)
+    assert counted["forward"] >= 1
+    assert_close(got, np.asarray(want), "float64")
+    # forward mode: the tangent of out
+    rng = np.random.default_rng(3)
+    tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in (jq, jk, jv))
+    _, got = jax.jvp(f, (jq, jk, jv), tangents)
+    _, want = jax.jvp(lambda *a: f(*a, implementation="reference"), (jq, jk, jv), tangents)
+    assert_close(got, np.asarray(want), "float64", what="tangent")
+    # a second derivative: the gradient of a function of the gradient
+    def curvature(q, implementation):
+        inner = jax.grad(lambda q: (f(q, jk, jv, implementation) ** 2).sum())
+        return (inner(q) ** 2).sum()
+
+    got = jax.grad(curvature)(jq, "numba_cpu")
+    want = jax.grad(curvature)(jq, "reference")
+    assert_close(got, np.asarray(want), "float64", what="d2")
+    # a rule's array differentiated (the slopes): the Array-API path gives it
+    slopes = jnp.asarray(np.linspace(0.2, 0.8, 4))
+    d = jax.grad(lambda s: sdpa(jq, jk, jv, implementation="numba_cpu", enable_gqa=True,
+                                alibi_slopes=s).sum())(slopes)
+    dr = jax.grad(lambda s: sdpa(jq, jk, jv, implementation="reference", enable_gqa=True,
+                                 alibi_slopes=s).sum())(slopes)
+    assert_close(d, np.asarray(dr), "float64", what="d slopes")
+    _ = q, k, v, kw
+
+
+def test_jax_attention_vjp_runs_the_kernels_backward(jax, counted):
+    (q, k, v), kw, (jq, jk, jv), _ = _jax_inputs(jax, "float64", "causal")
+    g = np.random.default_rng(4).standard_normal((2, 4, 9, 6))
+    _, _, want = _oracle(q, k, v, kw, g)
+    _out, pullback = polyattn.attention_vjp(jq, jk, jv, is_causal=True, enable_gqa=True,
+                                           implementation="numba_cpu")
+    grads = pullback(jax.numpy.asarray(g))
+    assert counted == {"forward": 1, "backward": 1}
+    for name, got, w in zip("qkv", grads, want, strict=True):
+        assert_close(got, np.asarray(w), "float64", what=f"d{name}")
