@@ -37,7 +37,7 @@ from _support import CPU_IMPLEMENTATIONS
 from helpers import Backend, assert_close, ref_attention, rel_error, selected_backends, to_numpy
 
 import polyattn
-from polyattn import _dispatch
+from polyattn import _dispatch, _preferences
 from polyattn.backends.array_api import blocked as chunked
 
 #: The implementation cases that take torch and JAX CPU arrays (``"native"`` where torch or
@@ -564,7 +564,7 @@ def test_torch_dispatch_sends_gradients_to_numba_cuda(torch, native, monkeypatch
 
     monkeypatch.setattr(cuda, "_availability", lambda problem: (True, "test"))
     monkeypatch.setattr(_dispatch, "preference",
-                        lambda problem: ("CUDA_PREFERENCE", _dispatch.CUDA_PREFERENCE))
+                        lambda problem: ("CUDA_PREFERENCE", _preferences.CUDA_PREFERENCE))
     if not native:
         monkeypatch.setattr(native_backend, "supports", lambda problem, needs: "switched off")
     q, k, v = _torch_qkv(torch, True)

@@ -17,7 +17,7 @@ from _support import NUMPY_SESSION_ONLY
 from helpers import assert_close, assert_lse_close, ref_attention
 
 import polyattn
-from polyattn import _dispatch
+from polyattn import _preferences
 from polyattn.backends.array_api import blocked as chunked
 from polyattn.backends.numpy import forward as numpy_chunked
 from polyattn.rules.visibility import Rules
@@ -89,7 +89,7 @@ def test_dispatch_uses_numpy_path(monkeypatch):
         assert "measured" not in text and "torch" not in text, text
     small = polyattn.explain(q[:, :, :8], q[:, :, :8], q[:, :, :8])
     assert small.implementation == "reference"
-    assert small.score_budget == _dispatch.NUMPY_SCORE_BUDGET_BYTES
+    assert small.score_budget == _preferences.NUMPY_SCORE_BUDGET_BYTES
 
 
 def test_dispatch_budget_override(monkeypatch):
