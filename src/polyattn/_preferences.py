@@ -40,12 +40,18 @@ CPU_PREFERENCE = ("native", "reference", "chunked")
 #: torch CPU tensors and JAX CPU arrays with Numba installed: the fused kernel first (on
 #: NumPy views of them) from the crossovers below, then as CPU_PREFERENCE.
 HOST_KERNEL_PREFERENCE = ("numba_cpu", *CPU_PREFERENCE)
-#: Smallest score matrix (elements, B·H·Tq·Tk) from which "auto" runs numba_cpu on torch CPU
-#: tensors ahead of torch's own attention, and the same on JAX CPU arrays ahead of
-#: ``jax.nn.dot_product_attention``: below them the library's call costs less than the
-#: kernel's fixed costs (benchmarks/results/routes-cpu-*.md, each naming its machine).
+#: Smallest score matrix (elements, B·H·Tq·Tk) from which "auto" runs numba_cpu on JAX CPU
+#: arrays ahead of ``jax.nn.dot_product_attention``, forward and ``jax.grad``: on an AMD
+#: EPYC Zen 4 (AVX-512, 2 cores) float32 under ``jax.jit``, the kernel took 0.93x (0.65x
+#: causal) JAX's time at 2**19 score elements, 1.2-1.6x at 2**17, and 0.17-0.57x from 2**21
+#: (benchmarks/results/routes-cpu-*.md).
+JAX_NUMBA_CPU_MIN_SCORES = 2**20
+#: The same on torch CPU tensors, where torch's own fused attention is close to the kernel:
+#: numba_cpu runs ahead of it only for calls it measured faster on, causal ones without
+#: autograd (0.6-0.8x torch's time at 2**21 score elements and more, 1.0x at 2**27; 1.4x at
+#: 2**19; without a causal mask 1.0-1.15x; forward and backward 1.0-1.45x), and calls whose
+#: rules torch would take as a dense mask or not at all.
 TORCH_NUMBA_CPU_MIN_SCORES = 2**21
-JAX_NUMBA_CPU_MIN_SCORES = 2**16
 #: Every implementation, in the order ``explain()`` lists those a preference list leaves out.
 IMPLEMENTATIONS = ("native", "numba_cuda", "distributed", "numba_cpu", "reference", "chunked")
 #: What "auto" runs where the backend it chose fails to compile (numba_cpu compiles on first use).
@@ -154,8 +160,16 @@ def host_kernel_rule(problem: Problem) -> str | None:
     """Why ``"auto"`` passes over numba_cpu on torch or JAX CPU arrays (``None``: it runs)."""
     lib = library_name(problem.xp)
     least = TORCH_NUMBA_CPU_MIN_SCORES if lib == "torch" else JAX_NUMBA_CPU_MIN_SCORES
-    if problem.score_elements >= least:
+    if problem.score_elements < least:
+        return (f"the score matrix has {problem.score_elements} elements, below the "
+                f"{least} ({lib.upper()}_NUMBA_CPU_MIN_SCORES) from which the kernel "
+                f"measured faster than {lib}'s own attention")
+    if lib != "torch" or not problem.rules.simple:
         return None
-    return (f"the score matrix has {problem.score_elements} elements, below the "
-            f"{least} ({lib.upper()}_NUMBA_CPU_MIN_SCORES) from which the kernel measured "
-            f"faster than {lib}'s own attention")
+    if problem.requires_grad:
+        return ("torch's own attention with its backward pass measured faster than the "
+                "kernel's for calls torch expresses exactly (TORCH_NUMBA_CPU_MIN_SCORES)")
+    if not problem.rules.causal:
+        return ("without a causal mask torch's own attention measured as fast as the kernel "
+                "or faster (TORCH_NUMBA_CPU_MIN_SCORES)")
+    return None

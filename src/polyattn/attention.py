@@ -123,9 +123,11 @@ def scaled_dot_product_attention(
         task graph with one task per (query chunk, key chunk), merged through
         the log-sum-exp, which runs on any Dask scheduler, a cluster included;
         the chunks are those of ``query`` and ``key`` along the sequence axis.
-        ``"numba_cpu"`` (NumPy arrays, ``pip install 'polyattn[numba]'``) is
-        the fused Numba CPU kernel, which ``"auto"`` picks for NumPy arrays
-        above the score budget when Numba is installed, unless the environment
+        ``"numba_cpu"`` (NumPy arrays, torch CPU tensors, JAX CPU arrays under
+        every transform; ``pip install 'polyattn[numba]'``) is the fused Numba
+        CPU kernel, which ``"auto"`` picks for NumPy arrays above the score
+        budget and for torch and JAX CPU arrays where it measured faster than
+        their own attention, when Numba is installed, unless the environment
         variable ``POLYATTN_NUMBA_CPU`` is ``0``/``false``/``off``/``no``;
         its first call compiles it unless ``python -m polyattn warmup`` has.
     layout : {"BHTE", "BTHE"}

@@ -74,8 +74,9 @@ def attention_vjp(
         the forward and backward pass alike; ``"auto"`` takes the CUDA kernel
         for CUDA arrays where it can run, else ``"reference"`` or
         ``"chunked"`` by the score budget (:func:`explain` tells which; on
-        NumPy arrays above the budget, the fused ``"numba_cpu"`` kernel where
-        Numba is installed, as for the forward pass).
+        NumPy arrays above the budget, and on torch and JAX CPU arrays from
+        its crossovers, the fused ``"numba_cpu"`` kernel where Numba is
+        installed, as for the forward pass).
         ``"native"`` is refused: the libraries' own functions neither return
         the log-sum-exp nor take a gradient from outside their autodiff.
 

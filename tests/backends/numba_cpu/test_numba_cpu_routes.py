@@ -247,3 +247,59 @@ def test_jax_attention_vjp_runs_the_kernels_backward(jax, counted):
     assert counted == {"forward": 1, "backward": 1}
     for name, got, w in zip("qkv", grads, want, strict=True):
         assert_close(got, np.asarray(w), "float64", what=f"d{name}")
+
+
+# --- what "auto" takes ----------------------------------------------------------------------
+
+def test_auto_on_torch_takes_the_kernel_where_it_measured_faster(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from polyattn import _preferences
+
+    monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
+    t = 512                                     # 8 · 512² = TORCH_NUMBA_CPU_MIN_SCORES
+    assert 8 * t * t == _preferences.TORCH_NUMBA_CPU_MIN_SCORES
+    x = torch.zeros((1, 8, t, 64))
+    small = torch.zeros((1, 8, t // 2, 64))
+    assert polyattn.explain(x, x, x, is_causal=True).implementation == "numba_cpu"
+    e = polyattn.explain(small, small, small, is_causal=True)
+    assert e.implementation == "native"
+    assert "TORCH_NUMBA_CPU_MIN_SCORES" in e.candidates["numba_cpu"]
+    e = polyattn.explain(x, x, x)
+    assert e.implementation == "native" and "causal" in e.candidates["numba_cpu"]
+    # rules torch takes only as a dense mask, or not at all: the kernel
+    assert polyattn.explain(x, x, x, window=(64, 0)).implementation == "numba_cpu"
+    assert polyattn.explain(x, x, x, softcap=20.0).implementation == "numba_cpu"
+    # with autograd, torch's own backward pass measured faster on calls it expresses
+    leaf = x.clone().requires_grad_()
+    e = polyattn.explain(leaf, x, x, is_causal=True)
+    assert e.implementation == "native" and "backward" in e.candidates["numba_cpu"]
+    assert polyattn.explain(leaf, x, x, softcap=20.0).implementation == "numba_cpu"
+    monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
+    assert polyattn.explain(x, x, x, is_causal=True).implementation == "native"
+
+
+def test_auto_on_jax_takes_the_kernel_from_its_crossover_under_jit_too(jax, monkeypatch):
+    import jax.numpy as jnp
+
+    from polyattn import _preferences
+
+    monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
+    t = 512
+    assert 4 * t * t == _preferences.JAX_NUMBA_CPU_MIN_SCORES
+    x = jnp.zeros((1, 4, t, 32), dtype=jnp.float32)
+    small = x[:, :, : t // 2]
+    e = polyattn.explain(x, x, x)
+    assert e.implementation == "numba_cpu", e
+    assert "JAX_NUMBA_CPU_MIN_SCORES" in e.reason
+    e = polyattn.explain(small, small, small)
+    assert e.implementation == "native"
+    assert "JAX_NUMBA_CPU_MIN_SCORES" in e.candidates["numba_cpu"]
+    seen = []
+
+    @jax.jit
+    def f(q):
+        seen.append(polyattn.explain(q, x, x, is_causal=True).implementation)
+        return polyattn.scaled_dot_product_attention(q, x, x, is_causal=True)
+
+    f(x + 1.0)
+    assert seen == ["numba_cpu"]
