@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _support import CASES, NUMPY_SESSION_ONLY, cuda_family_ran, rounded, use_implementation
+from _support import (
+    CASES,
+    NUMPY_SESSION_ONLY,
+    SIMULATOR,
+    cuda_family_ran,
+    rounded,
+    use_implementation,
+)
 from helpers import (
     Backend,
     assert_close,
@@ -628,6 +635,8 @@ def test_long_families_apply_user_rules(name, call, monkeypatch):
                         return_lse=True, implementation="reference", **built_in)
     assert_close(out, ref, dtype)
     assert_lse_close(lse, ref_lse, dtype)
+    if name == "numba_cuda-tc" and SIMULATOR:
+        return      # its backward pass is the register-tiled one, which numba_cuda-tiled runs
     _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True,
                                          implementation=implementation, **user)
     _, reference = polyattn.attention_vjp(*(a.astype(np.float64) for a in (q, k, v)),
@@ -669,6 +678,8 @@ def test_long_families_t5_table_and_rows_seeing_nothing(name, monkeypatch):
     assert np.all(np.isneginf(np.asarray(lse)[..., 1::2]))
     assert_close(out, np.nan_to_num(ref), dtype)
     assert_lse_close(lse, ref_lse, dtype)
+    if name == "numba_cuda-tc" and SIMULATOR:
+        return      # its backward pass is the register-tiled one, which numba_cuda-tiled runs
     _, pullback = polyattn.attention_vjp(q, k, v, enable_gqa=True, implementation=implementation,
                                          **user)
     _, reference = polyattn.attention_vjp(q64, k64, v64, enable_gqa=True,

@@ -130,7 +130,7 @@ def test_vector_and_element_loads_agree(dtype, monkeypatch):
     (B, H, T, E) or a (B, T, H, E) view) and inputs that do not (one element off
     a 16-byte boundary) take the two load paths of the kernel: the same bits."""
     rng = np.random.default_rng(16)
-    q, k, v = (a.astype(dtype) for a in make_inputs(rng, (2,), 2, 1, 70, 90, 16, 8))
+    q, k, v = (a.astype(dtype) for a in make_inputs(rng, (1,), 2, 1, 70, 90, 16, 8))
     decisions = []
     fit = numba_cuda.vector_loads_fit
     monkeypatch.setattr(inputs, "vector_loads_fit",
