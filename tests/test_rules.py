@@ -64,6 +64,14 @@ class Impl:
     backward_elsewhere: bool = False
 
 
+@pytest.fixture(params=["float32", pytest.param("float64", marks=pytest.mark.exhaustive)])
+def dtype_name(request) -> str:
+    """The dtypes of every rule: float64 is ``exhaustive`` here, as the Array-API paths'
+    code is the same in both (the JAX and Dask sessions run the float32 cases; every other
+    session both; float64 on JAX: test_attention.py, test_contract.py)."""
+    return request.param
+
+
 @pytest.fixture(params=EVERY_IMPLEMENTATION)
 def impl(request, backend, monkeypatch) -> Impl:
     heads = {}
