@@ -10,14 +10,10 @@ import weakref
 from typing import Any
 
 from polyattn._interop import Array, Namespace, concrete_values, library_name
-from polyattn._validation import shape_str
+from polyattn._validation import array_like, shape_str
 from polyattn.blockmask import BlockMask
 from polyattn.blockmask import block_mask as build_block_mask
 from polyattn.rules.user import UserRules
-
-
-def _array_like(x: object) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def segment_pair(segment_ids: Any) -> tuple[Any, Any]:
@@ -25,13 +21,13 @@ def segment_pair(segment_ids: Any) -> tuple[Any, Any]:
     if segment_ids is None:
         return None, None
     if isinstance(segment_ids, (tuple, list)):
-        if len(segment_ids) != 2 or any(not _array_like(x) for x in segment_ids):
+        if len(segment_ids) != 2 or any(not array_like(x) for x in segment_ids):
             raise TypeError("`segment_ids` must be an integer array (B…, T), or a pair of them "
                             "((B…, Tq), (B…, Tk)) for queries and keys; got a "
                             f"{type(segment_ids).__name__} of {len(segment_ids)} "
                             f"({', '.join(type(x).__name__ for x in segment_ids)})")
         return segment_ids[0], segment_ids[1]
-    if not _array_like(segment_ids):
+    if not array_like(segment_ids):
         raise TypeError("`segment_ids` must be an integer array (B…, T), or a pair of them "
                         f"((B…, Tq), (B…, Tk)); got {type(segment_ids).__name__}")
     return segment_ids, segment_ids

@@ -17,7 +17,6 @@ from polyattn._interop import (
     Array,
     Namespace,
     check_same_device,
-    concrete_values,
     contiguous,
     device_of,
     library_name,
@@ -27,14 +26,17 @@ from polyattn._masking import call_block_mask, call_segments, function_name, seg
 from polyattn._validation import (
     ALIGNMENTS,
     LAYOUTS,
+    array_like,
     broadcast_shapes,
     check_bool,
     check_choice,
     check_dropout,
     check_floating,
+    check_key_lengths,
     check_known_shape,
     check_min_ndim,
     check_mod_args,
+    check_per_head,
     check_scale,
     check_softcap,
     check_window,
@@ -264,7 +266,7 @@ def prepare(query: Array, key: Array, value: Array | None, *, attn_mask: Array |
               "alibi_slopes": alibi_slopes, "sinks": sinks,
               "segment_ids": q_ids, "segment_ids (keys)": k_ids,
               **{f"mod_args[{i}]": a for i, a in enumerate(mod_args)},
-              "key_lengths": key_lengths if _array_like(key_lengths) else None}
+              "key_lengths": key_lengths if array_like(key_lengths) else None}
     for name, x in arrays.items():
         check_known_shape(name, x)
     xp = namespace_of(arrays)
@@ -385,16 +387,16 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
     tq, tk = query.shape[-2], key.shape[-2]
     mask = normalise_mask(attn_mask, (*batch, h, tq, tk), compute_dtype, xp)
     bottom_right = causal_alignment == "bottom_right"
-    lengths, lengths_at_hand = _key_lengths(extras["key_lengths"], tuple(batch), tk, xp,
-                                            device_of(query))
+    lengths, lengths_at_hand = check_key_lengths(extras["key_lengths"], tuple(batch), tk,
+                                                 xp, device_of(query))
     q_ids, k_ids, pair = extras["segment_ids"]
     segments, segment_keys = call_segments(q_ids, k_ids, pair, tuple(batch), tq, tk, xp)
     rules = Rules(
         tq=tq, tk=tk, causal=is_causal, offset=_causal_offset(tq, tk, causal_alignment),
         key_lengths=lengths, lengths_shift=bottom_right and lengths is not None,
         window=extras["window"], softcap=extras["softcap"],
-        alibi=_per_head("alibi_slopes", extras["alibi_slopes"], tuple(batch), h, compute_dtype,
-                        xp, "one slope per query head"),
+        alibi=check_per_head("alibi_slopes", extras["alibi_slopes"], tuple(batch), h,
+                             compute_dtype, xp, "one slope per query head"),
         dropout_p=extras["dropout"][0], dropout_seed=extras["dropout"][1],
         lengths_at_hand=lengths_at_hand, segments=segments, segment_keys=segment_keys,
         user=extras["user"])
@@ -416,60 +418,6 @@ def _prepare(xp: Namespace, query: Array, key: Array, value: Array | None,
         squeeze=squeeze,
         layout=layout,
         rules=rules,
-        sinks=_per_head("sinks", extras["sinks"], tuple(batch), h, compute_dtype, xp,
-                        "one sink logit per query head"),
+        sinks=check_per_head("sinks", extras["sinks"], tuple(batch), h, compute_dtype, xp,
+                             "one sink logit per query head"),
     )
-
-
-def _array_like(x: object) -> bool:
-    """An array (or NumPy scalar), as opposed to a Python int or ``None``.
-
-    Asked by attribute, not through array_api_compat, so that ``torch.compile``
-    traces it without stepping into cached type checks.
-    """
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _per_head(name: str, values: Array | None, batch: tuple[int, ...], h: int, dtype: Any,
-              xp: Namespace, what: str) -> Array | None:
-    """A per-head table (ALiBi slopes, sinks) as (B…|1, H|1) in the compute dtype, checked
-    against (B…, H)."""
-    if values is None:
-        return None
-    check_floating(name, values, xp)
-    target = (*batch, h)
-    ok = values.ndim <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(values.shape), reversed(target), strict=False))
-    if not ok:
-        raise ValueError(
-            f"`{name}` must be one value, (H,) or (B…, H), broadcastable to (B…, H) = {target} "
-            f"({what}); got shape {shape_str(values)}")
-    values = xp.reshape(values, (1,) * (len(target) - values.ndim) + tuple(values.shape))
-    return values if values.dtype == dtype else xp.astype(values, dtype)
-
-
-def _key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
-                 device: Any) -> tuple[Array | None, Any]:
-    """``key_lengths`` as an integer array with ``len(B…)`` dimensions, values checked where
-    they are at hand; and those values (NumPy, ``len(B…)`` dimensions) or ``None``."""
-    if lengths is None:
-        return None, None
-    if not _array_like(lengths):
-        if isinstance(lengths, bool) or not isinstance(lengths, int):
-            raise TypeError("`key_lengths` must be an integer array (B…,) or an int; got "
-                            f"{type(lengths).__name__} {lengths!r}")
-        lengths = xp.asarray(lengths, device=device)
-    if not xp.isdtype(lengths.dtype, "integral"):
-        raise TypeError(f"`key_lengths` must have an integer dtype (the number of keys of "
-                        f"each batch row); got {lengths.dtype} of shape {shape_str(lengths)}")
-    ok = lengths.ndim <= len(batch) and all(
-        s in (1, t) for s, t in zip(reversed(lengths.shape), reversed(batch), strict=False))
-    if not ok:
-        raise ValueError(f"`key_lengths` must broadcast to the batch dimensions B… = {batch} "
-                         f"(one length per batch row); got shape {shape_str(lengths)}")
-    values = concrete_values(lengths)
-    if values is not None and values.size and (values.min() < 0 or values.max() > tk):
-        raise ValueError(f"`key_lengths` must lie in [0, Tk] = [0, {tk}] (Tk: keys given); "
-                         f"got values from {int(values.min())} to {int(values.max())}")
-    shape = (1,) * (len(batch) - lengths.ndim) + tuple(lengths.shape)
-    return xp.reshape(lengths, shape), None if values is None else values.reshape(shape)

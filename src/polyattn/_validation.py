@@ -10,7 +10,7 @@ import math
 import numbers
 from typing import Any
 
-from polyattn._interop import Array, Namespace, library_name
+from polyattn._interop import Array, Namespace, concrete_values, library_name
 
 IMPLEMENTATIONS = ("auto", "native", "reference", "chunked", "numba_cuda", "distributed",
                    "numba_cpu")
@@ -277,7 +277,7 @@ def _seed_array(seed: Array) -> Array:
     return seed if values is None else int(values)
 
 
-def _array_like(x: object) -> bool:
+def array_like(x: object) -> bool:
     """An array (asked by attribute, so that ``torch.compile`` traces it without
     stepping into cached type checks)."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
@@ -293,12 +293,12 @@ def check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
                             f"{type(fn).__name__}")
     if mod_args is None:
         mod_args = ()
-    if _array_like(mod_args) or not isinstance(mod_args, (tuple, list)):
+    if array_like(mod_args) or not isinstance(mod_args, (tuple, list)):
         raise TypeError("`mod_args` must be a tuple of arrays (what score_mod and mask_mod "
                         f"receive after the indices); got {type(mod_args).__name__}"
-                        + (" (wrap one array as (array,))" if _array_like(mod_args) else ""))
+                        + (" (wrap one array as (array,))" if array_like(mod_args) else ""))
     for i, a in enumerate(mod_args):
-        if not _array_like(a):
+        if not array_like(a):
             raise TypeError(f"`mod_args[{i}]` must be an array of the inputs' library; got "
                             f"{type(a).__name__}")
         kind = str(a.dtype).split(".")[-1]             # torch.float32 -> float32
@@ -309,3 +309,48 @@ def check_mod_args(score_mod: Any, mask_mod: Any, mod_args: Any) -> list[Any]:
         raise ValueError("`mod_args` are the arrays of score_mod and mask_mod; pass one of "
                          "them, or leave mod_args out")
     return list(mod_args)
+
+
+def check_per_head(name: str, values: Array | None, batch: tuple[int, ...], h: int, dtype: Any,
+              xp: Namespace, what: str) -> Array | None:
+    """A per-head table (ALiBi slopes, sinks) as (B…|1, H|1) in the compute dtype, checked
+    against (B…, H)."""
+    if values is None:
+        return None
+    check_floating(name, values, xp)
+    target = (*batch, h)
+    ok = values.ndim <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(values.shape), reversed(target), strict=False))
+    if not ok:
+        raise ValueError(
+            f"`{name}` must be one value, (H,) or (B…, H), broadcastable to (B…, H) = {target} "
+            f"({what}); got shape {shape_str(values)}")
+    values = xp.reshape(values, (1,) * (len(target) - values.ndim) + tuple(values.shape))
+    return values if values.dtype == dtype else xp.astype(values, dtype)
+
+
+def check_key_lengths(lengths: Any, batch: tuple[int, ...], tk: int, xp: Namespace,
+                 device: Any) -> tuple[Array | None, Any]:
+    """``key_lengths`` as an integer array with ``len(B…)`` dimensions, values checked where
+    they are at hand; and those values (NumPy, ``len(B…)`` dimensions) or ``None``."""
+    if lengths is None:
+        return None, None
+    if not array_like(lengths):
+        if isinstance(lengths, bool) or not isinstance(lengths, int):
+            raise TypeError("`key_lengths` must be an integer array (B…,) or an int; got "
+                            f"{type(lengths).__name__} {lengths!r}")
+        lengths = xp.asarray(lengths, device=device)
+    if not xp.isdtype(lengths.dtype, "integral"):
+        raise TypeError(f"`key_lengths` must have an integer dtype (the number of keys of "
+                        f"each batch row); got {lengths.dtype} of shape {shape_str(lengths)}")
+    ok = lengths.ndim <= len(batch) and all(
+        s in (1, t) for s, t in zip(reversed(lengths.shape), reversed(batch), strict=False))
+    if not ok:
+        raise ValueError(f"`key_lengths` must broadcast to the batch dimensions B… = {batch} "
+                         f"(one length per batch row); got shape {shape_str(lengths)}")
+    values = concrete_values(lengths)
+    if values is not None and values.size and (values.min() < 0 or values.max() > tk):
+        raise ValueError(f"`key_lengths` must lie in [0, Tk] = [0, {tk}] (Tk: keys given); "
+                         f"got values from {int(values.min())} to {int(values.max())}")
+    shape = (1,) * (len(batch) - lengths.ndim) + tuple(lengths.shape)
+    return xp.reshape(lengths, shape), None if values is None else values.reshape(shape)
