@@ -26,7 +26,8 @@ def has_cuda_gpu() -> bool:
 
 
 #: pytest-xdist spreads the slowest sessions (eager JAX compiling each operation, the CUDA
-#: simulator, PTX compilation) over the machine's cores; they share no state between tests.
+#: simulator, PTX compilation, the CPU kernel's compiles in child processes) over the
+#: machine's cores; they share no state between tests.
 PARALLEL = ("-n", "auto", "--maxprocesses", "4")
 PARALLEL_BACKENDS = {"jax", "dask"}
 #: Where one eager operation costs milliseconds (JAX, Dask graphs, the CUDA simulator), the
@@ -219,8 +220,9 @@ def numba_cpu(session: nox.Session) -> None:
         run_in(session, bin_dir, "python", "-m", "pytest", *session.posargs)
         return
     mechanics = required_paths(*NUMBA_CPU_MECHANICS)
+    # in parallel: its slowest tests compile the kernel in child processes of their own
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *mechanics, "--doctest-modules", "src/polyattn/backends/numba_cpu/launch.py",
+           *PARALLEL, *mechanics, "--doctest-modules", "src/polyattn/backends/numba_cpu/launch.py",
            "src/polyattn/backends/numba_cpu/parameters.py")
     # every behaviour's numba_cpu cases: the tests sessions have no Numba
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
