@@ -327,6 +327,14 @@ def bench_torch(session: nox.Session) -> None:
 
 
 @nox.session(default=False, tags=["bench"])
+def bench_routes(session: nox.Session) -> None:
+    """torch and JAX CPU arrays: polyattn "auto" and numba_cpu vs the library's own attention,
+    forward and backward (the crossovers of HOST_KERNEL_PREFERENCE)."""
+    install(session, "-e", ".[numba]", "torch", "jax", "threadpoolctl")
+    session.run("python", "benchmarks/routes.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["bench"])
 def bench_decode(session: nox.Session) -> None:
     """SmolLM2 decoding tokens/s: polyattn on NumPy and torch vs transformers, same threads."""
     install(session, "-e", ".[models]", "torch", "transformers", "accelerate", "threadpoolctl")

@@ -303,3 +303,30 @@ def test_auto_on_jax_takes_the_kernel_from_its_crossover_under_jit_too(jax, monk
 
     f(x + 1.0)
     assert seen == ["numba_cpu"]
+
+
+def test_the_routes_benchmark_runs_and_reports(jax, tmp_path):
+    """benchmarks/routes.py on its smallest case, one round: a results file with every
+    contender's ratio."""
+    pytest.importorskip("torch")
+    import importlib
+    import json
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[3] / "benchmarks"
+    sys.path.insert(0, str(here))
+    try:
+        routes = importlib.import_module("routes")
+        assert routes.main(["--reps", "1", "--max-t", "64", "--dtypes", "float32",
+                            "--out", str(tmp_path)]) == 0
+    finally:
+        sys.path.remove(str(here))
+    (report,) = tmp_path.glob("routes-cpu-*.json")
+    rows = json.loads(report.read_text())["results"]
+    assert {r["library"] for r in rows} == {"torch", "jax"} and len(rows) == 4
+    for row in rows:
+        assert set(row["ratio_to_own"]) == {"auto", "numba_cpu", "auto fb", "numba_cpu fb"}
+        assert all(x > 0 for x in row["ratio_to_own"].values())
+        assert row["max_abs_diff_auto_vs_own"] < 1e-4
+    assert "| torch | (1, 4, 64, 64) |" in report.with_suffix(".md").read_text()
