@@ -655,7 +655,7 @@ def test_user_rule_kernel(index):
             assert registers <= 128, (name, cc, report)
             if "_segments" in name and "_blocks" in name:
                 # a rule with segment ids and a block mask together: the forward spills
-                # (40-48 B) and reads it back in its inner loop; not yet brought to zero
+                # (32-40 B) and reads it back in its inner loop; not yet brought to zero
                 continue
             assert local_accesses_in_inner_loops(sass) == [], (name, cc)
             if not name.startswith("tiled_dkdv_"):

@@ -440,13 +440,14 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         p_tile[jj, r] = x
                 cuda.syncthreads()
 
+            zr = opaque_zero()  # the batch row redone per row below, not held in a register
             for i in unroll(R):
                 row = q0 + R * rg_s + i
                 p = row + pos_offset
                 # Keys of the tile row i sees: [vis_lo, vis_hi) relative to j0.
                 vis_lo, vis_hi = row_keys(p, rules, j0, hi)
                 if SEGMENTS:  # and of its segment
-                    s_lo, s_hi = segment_of(segments, b, min(row, tq - 1))
+                    s_lo, s_hi = segment_of(segments, b + zr, min(row, tq - 1))
                     vis_lo = max(vis_lo, s_lo)
                     vis_hi = min(vis_hi, s_hi)
                 vis_lo -= j0
