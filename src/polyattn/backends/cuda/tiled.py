@@ -440,7 +440,8 @@ def make_kernel_function(dtype: str, bucket: int, mask_kind: str, mods: bool = F
                         p_tile[jj, r] = x
                 cuda.syncthreads()
 
-            zr = opaque_zero()  # the batch row redone per row below, not held in a register
+            if SEGMENTS:  # the batch row redone per row below, not held in a register
+                zr = opaque_zero()
             for i in unroll(R):
                 row = q0 + R * rg_s + i
                 p = row + pos_offset
