@@ -26,6 +26,7 @@ from polyattn.backends.numba_cpu.tiles import (
     tile_4,
     tile_8,
     tile_rows,
+    transpose,
 )
 from polyattn.backends.numba_cpu.user_rules import EMPTY, FASTMATH, PARTIAL, user_type
 from polyattn.rules import element
@@ -345,20 +346,78 @@ def block_rows(x: Any, xb: int, hk: int, k0: int, n: int, copy: Any) -> tuple[in
 
 
 @njit(nogil=True, cache=True, inline="always")
+def transpose_rows(x: Any, xb: int, hk: int, k0: int, n: int, copy: Any, xt: Any) -> None:
+    """``xt[f, j]`` = feature ``f`` of row ``k0 + j`` of ``x[xb, hk]``, ``j < n``: the rows
+    of a block as the left operand of a product (:func:`tile_product` reads a column of
+    its left operand as one contiguous run; read in place, a block of rows would need
+    one pointer per row of a tile, more than the CPU has registers, and spill)."""
+    ptr, ld = block_rows(x, xb, hk, k0, n, copy)
+    transpose(ptr, ld, xt.ctypes.data, xt.shape[1], n, x.shape[3], xt.dtype.type(0))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def one_head(x: Any, c0: int, width: int, rows: int, bq: int) -> bool:
+    """Whether the item rows ``[c0, c0 + width)`` are consecutive rows of one head
+    (every one an item row) and ``x``'s features are contiguous: a panel that
+    :func:`transpose` lays out whole."""
+    size = x.itemsize
+    return (c0 + width <= rows and (c0 + width - 1) // bq == c0 // bq
+            and x.strides[3] == size and x.strides[2] % size == 0)
+
+
+@njit(nogil=True, cache=True, inline="always")
 def pack_columns(x: Any, xb: int, hk: int, g_heads: int, q0: int, bq: int, rows: int,
                  dst: Any) -> None:
     """``dst[p, f, c]`` = feature ``f`` of item row ``p·W + c`` of ``x`` (row ``r``:
     query ``q0 + r mod bq`` of head ``hk·G + r div bq``); 0 past the last row."""
     panels, feats, width = dst.shape
-    for r in range(rows, panels * width):
-        for f in range(feats):
-            dst[panels - 1, f, r - (panels - 1) * width] = 0
-    for g in range(g_heads):
-        xh = x[xb, hk * g_heads + g]
-        for i in range(bq):
-            r = g * bq + i
+    size = x.itemsize
+    for p in range(panels):
+        c0 = p * width
+        g = c0 // bq
+        if one_head(x, c0, width, rows, bq):
+            src = x[xb, hk * g_heads + g, q0 + c0 - g * bq:]
+            transpose(src.ctypes.data, x.strides[2] // size, dst[p].ctypes.data, width,
+                      width, feats, dst.dtype.type(0))
+            continue
+        for c in range(width):
+            r = c0 + c
+            if r >= rows:
+                for f in range(feats):
+                    dst[p, f, c] = 0
+                continue
+            gr = r // bq
+            xrow = x[xb, hk * g_heads + gr, q0 + r - gr * bq]
             for f in range(feats):
-                dst[r // width, f, r % width] = xh[q0 + i, f]
+                dst[p, f, c] = xrow[f]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def unpack_columns(src: Any, scale: Any, b: int, hk: int, g_heads: int, q0: int,
+                   bq: int, rows: int, out: Any) -> None:
+    """The reverse of :func:`pack_columns`, each column times its ``scale`` (``src`` is
+    scaled in place): feature ``f`` of item row ``p·W + c`` of ``out[b]`` =
+    ``src[p, f, c]·scale[p·W + c]``, for the item's rows."""
+    panels, feats, width = src.shape
+    size = out.itemsize
+    for p in range(panels):
+        c0 = p * width
+        sp = src[p]
+        for f in range(feats):
+            for c in range(width):
+                sp[f, c] *= scale[c0 + c]
+        g = c0 // bq
+        if one_head(out, c0, width, rows, bq):
+            dst = out[b, hk * g_heads + g, q0 + c0 - g * bq:]
+            transpose(sp.ctypes.data, width, dst.ctypes.data, out.strides[2] // size, feats,
+                      width, sp.dtype.type(0))
+            continue
+        for c in range(min(width, rows - c0)):
+            r = c0 + c
+            gr = r // bq
+            orow = out[b, hk * g_heads + gr, q0 + r - gr * bq]
+            for f in range(feats):
+                orow[f] = sp[f, c]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -413,11 +472,12 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
     st = np.empty((block_k, width), dtype=dt)
     heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
     first, last = np.empty(width, np.int64), np.empty(width, np.int64)
-    kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
+    kt, kblk = np.empty((e, block_k), dtype=dt), np.empty((block_k, e), dtype=dt)
+    vblk = np.empty((block_k, ev), dtype=dt)
     hi_key = min(k_hi, lengths[b])
     for k0 in range(k_lo, hi_key, block_k):
         n = min(k0 + block_k, hi_key) - k0
-        k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
+        transpose_rows(k, kmap[b], hk, k0, n, kblk, kt)
         v_ptr, ldv = block_rows(v, vmap[b], hk, k0, n, vblk)
         for p in range(panels):
             c0 = p * width
@@ -426,8 +486,8 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
             if lo >= hi:
                 continue                         # no row of the panel sees these keys
             s_lo = st.ctypes.data + lo * width * size
-            tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[p].ctypes.data, width,
-                         s_lo, width, e, scale, False, size)
+            tile_product(kt.ctypes.data + lo * size, 1, block_k, hi - lo, qt[p].ctypes.data,
+                         width, s_lo, width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
                             mask, slopes, fparams, iparams, st, False, user)
             softmax_step(s_lo, hi - lo, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
@@ -441,21 +501,22 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                          acc[p].ctypes.data, width, hi - lo, one, True, size)
     nan = lse.dtype.type(np.nan)
     finite = finite_columns(qt, rows)
+    inv = np.zeros(panels * width, dtype=dt)
+    for r in range(rows):
+        if finite[r] and l[r] != zero:
+            inv[r] = one / l[r]
+    unpack_columns(acc, inv, b, hk, g_heads, q0, bq, rows, out)
     for r in range(rows):
         g = r // bq
         i = q0 + r - g * bq
         h = hk * g_heads + g
-        orow, ap, c = out[b, h, i], acc[r // width], r % width
         if not finite[r]:
-            orow[:] = nan
+            out[b, h, i, :] = nan
             lse[b, h, i] = nan
         elif l[r] == zero:
-            orow[:] = zero
+            out[b, h, i, :] = zero                  # 0·V is NaN where V holds inf or NaN
             lse[b, h, i] = ninf
         else:
-            inv = one / l[r]
-            for f in range(ev):
-                orow[f] = ap[f, c] * inv
             lse[b, h, i] = m[r] + np.log(l[r])
 
 
@@ -566,11 +627,13 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
     heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
     first, last = np.empty(width, np.int64), np.empty(width, np.int64)
     kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
+    kt, vt = np.empty((e, block_k), dtype=dt), np.empty((ev, block_k), dtype=dt)
     hi_key = min(k_hi, lengths[b])
     for k0 in range(k_lo, hi_key, block_k):
         n = min(k0 + block_k, hi_key) - k0
         k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
-        v_ptr, ldv = block_rows(v, vmap[b], hk, k0, n, vblk)
+        transpose(k_ptr, ldk, kt.ctypes.data, block_k, n, e, zero)
+        transpose_rows(v, vmap[b], hk, k0, n, vblk, vt)
         for p in range(panels):
             c0 = p * width
             lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
@@ -578,12 +641,12 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
             if lo >= hi:
                 continue
             s_lo = st.ctypes.data + lo * width * size
-            tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[p].ctypes.data, width,
-                         s_lo, width, e, scale, False, size)
+            tile_product(kt.ctypes.data + lo * size, 1, block_k, hi - lo, qt[p].ctypes.data,
+                         width, s_lo, width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
                             mask, slopes, fparams, iparams, tt, True, user)
             exp_columns(s_lo, hi - lo, width, shift[c0:].ctypes.data, zero)
-            tile_product(v_ptr + lo * ldv * size, ldv, 1, hi - lo, dot[p].ctypes.data,
+            tile_product(vt.ctypes.data + lo * size, 1, block_k, hi - lo, dot[p].ctypes.data,
                          width, dpt.ctypes.data + lo * width * size, width, ev, fparams[3],
                          False, size)
             if iparams[7]:
@@ -592,11 +655,7 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
             score_gradient(st, dpt, tt, lo, hi, first, last, dcol[c0:], fparams, iparams)
             tile_product(k_ptr + lo * ldk * size, 1, ldk, e, s_lo, width,
                          dqt[p].ctypes.data, width, hi - lo, scale, True, size)
-    for r in range(rows):
-        g = r // bq
-        drow, dp_, c = dq[b, hk * g_heads + g, q0 + r - g * bq], dqt[r // width], r % width
-        for f in range(e):
-            drow[f] = dp_[f, c]
+    unpack_columns(dqt, np.ones(panels * width, dtype=dt), b, hk, g_heads, q0, bq, rows, dq)
 
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
@@ -625,8 +684,9 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
     e_pad = (e + width - 1) // width * width
     ev_pad = (ev + width - 1) // width * width
     kblk, vblk = np.empty((n, e), dtype=dt), np.empty((n, ev), dtype=dt)
-    k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
-    v_ptr, ldv = block_rows(v, vmap[b], hk, k0, n, vblk)
+    kt, vt = np.empty((e, n), dtype=dt), np.empty((ev, n), dtype=dt)
+    transpose_rows(k, kmap[b], hk, k0, n, kblk, kt)
+    transpose_rows(v, vmap[b], hk, k0, n, vblk, vt)
     dka, dva = np.zeros((n, e_pad), dtype=dt), np.zeros((n, ev_pad), dtype=dt)
     # one panel of query rows: Qᵀ and dOᵀ per W rows (features × W), Q and dO (rows ×
     # features, padded with zeros)
@@ -664,14 +724,14 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
         s_lo = st.ctypes.data + lo * wide * size
         d_lo = dpt.ctypes.data + lo * wide * size
         for sub in range(KEY_PANELS):
-            tile_product(k_ptr + lo * ldk * size, ldk, 1, hi - lo, qt[sub].ctypes.data,
+            tile_product(kt.ctypes.data + lo * size, 1, n, hi - lo, qt[sub].ctypes.data,
                          width, s_lo + sub * width * size, wide, e, scale, False, size)
         transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b], mask,
                         slopes, fparams, iparams, tt, True, user)
         for sub in range(KEY_PANELS):
             exp_columns(s_lo + sub * width * size, hi - lo, wide,
                         shift.ctypes.data + sub * width * size, zero)
-            tile_product(v_ptr + lo * ldv * size, ldv, 1, hi - lo, dot[sub].ctypes.data,
+            tile_product(vt.ctypes.data + lo * size, 1, n, hi - lo, dot[sub].ctypes.data,
                          width, d_lo + sub * width * size, wide, ev, one, False, size)
         weights = st                                 # P, or with dropout P·factor
         if iparams[7]:
@@ -684,8 +744,6 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
         score_gradient(st, dpt, tt, lo, hi, first, last, dcol, fparams, iparams)
         wide_product(s_lo, wide, 1, hi - lo, qp.ctypes.data, e_pad,
                      dka.ctypes.data + lo * e_pad * size, e_pad, wide, e_pad, scale, size)
-    if kblk.shape[0] + vblk.shape[0] < n:
-        return          # never: keeps the copies (read through addresses) alive until here
     for j in range(n):
         dkrow, dvrow = dk[b, hk, k0 + j], dv[b, hk, k0 + j]
         for f in range(e):

@@ -16,8 +16,12 @@ every step in SIMD vectors across query rows:
   keep arrays in memory, and it turns LLVM's SLP vectoriser off): a tile keeps
   12 rows × 2 vectors of accumulators in registers (6 × 2 without AVX-512)
   while it runs down the shared dimension, one broadcast element of the left
-  operand times two vector loads of the right one per step. Keys and values
-  are read in place; ``Qᵀ`` is laid out once per item.
+  operand times two vector loads of the right one per step. The left
+  operand's columns are contiguous runs: ``Qᵀ`` is laid out once per item and
+  each block of keys is transposed once (``Kᵀ``; in the backward pass ``Vᵀ``
+  too), both by whole SIMD blocks in registers, since a tile reading rows of
+  ``K`` in place would need a pointer per row and spill its accumulators. The
+  tile loops are kept rolled (LLVM unrolling them twice spilled too).
 - **Exponentials**: Cody–Waite range reduction (``x = n·ln 2 + r``,
   ``|r| ≤ ln 2 / 2``), a polynomial for ``e^r`` (degree 6 in float32, 12 in
   float64) and ``2ⁿ`` (AVX-512's ``scalef``, else built in the exponent bits).

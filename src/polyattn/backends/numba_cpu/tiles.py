@@ -26,6 +26,8 @@ bytes (16 registers: 6 × 2).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from llvmlite import binding, ir
@@ -51,6 +53,39 @@ def lanes(itemsize: int) -> int:
     return VECTOR_BYTES // itemsize
 
 
+@contextmanager
+def rolled_range(builder: Any, count: Any) -> Iterator[Any]:
+    """A loop over ``[0, count)`` (yields its index) that LLVM must not unroll: a tile's
+    loop body holds every register the tile has; two copies of it, interleaved by the
+    scheduler, would spill accumulators to the stack on every step."""
+    i64 = count.type
+    cond = builder.append_basic_block("rolled.cond")
+    body = builder.append_basic_block("rolled.body")
+    end = builder.append_basic_block("rolled.end")
+    start = builder.basic_block
+    builder.branch(cond)
+    with builder.goto_block(cond):
+        index = builder.phi(i64)
+        builder.cbranch(builder.icmp_signed("<", index, count), body, end)
+    with builder.goto_block(body):
+        yield index
+        step = builder.add(index, ir.Constant(i64, 1))
+        back = builder.branch(cond)
+        back.set_metadata("llvm.loop", _no_unroll(builder.module))
+        index.add_incoming(step, builder.basic_block)
+    index.add_incoming(ir.Constant(i64, 0), start)
+    builder.position_at_end(end)
+
+
+def _no_unroll(module: Any) -> Any:
+    """A loop's identifier metadata saying "do not unroll" (its first operand is itself,
+    as LLVM requires of a loop identifier)."""
+    disable = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
+    loop_id.operands = (loop_id, disable)
+    return loop_id
+
+
 def _tile(rows: int, vectors: int) -> Any:
     """The intrinsic for one tile shape (rows × vectors), for float32 and float64."""
 
@@ -73,8 +108,7 @@ def _tile(rows: int, vectors: int) -> Any:
             for x in accs:
                 builder.store(vec.const(0.0), x)
             row_a = [builder.mul(ir.Constant(i64t, r), a_row) for r in range(rows)]
-            with cgutils.for_range(builder, depth) as loop:
-                p = loop.index
+            with rolled_range(builder, depth) as p:
                 b_row = builder.mul(p, ldb)
                 a_p = builder.gep(pa, [builder.mul(p, a_col)])
                 bv = [builder.load(vec.at(pb, builder.add(b_row, ir.Constant(i64t, v * vec.n))),
@@ -389,3 +423,74 @@ def _exp_columns(typingctx: Any, s: Any, n: Any, lds: Any, shift: Any, like: Any
 
 
 exp_columns: Any = intrinsic(_exp_columns)
+
+
+def _transpose(typingctx: Any, src: Any, lds: Any, dst: Any, ldd: Any, rows: Any,
+               cols: Any, like: Any) -> Any:
+    """``dst[c, r] = src[r, c]`` for ``r < rows``, ``c < cols`` (row-major operands by
+    address and row stride in elements): whole L × L blocks (L lanes) in registers,
+    log2(L) rounds of swapping the off-diagonal halves of every block of rows, the
+    edges element by element."""
+    single = _float_of(like)
+    if single is None:
+        return None
+    i64 = types.int64
+    sig = types.void(i64, i64, i64, i64, i64, i64, like)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        vec = _Vec(builder, single)
+        i64t = ir.IntType(64)
+        i32 = ir.IntType(32)
+        ptr = vec.fty.as_pointer()
+        ps, pd = builder.inttoptr(args[0], ptr), builder.inttoptr(args[2], ptr)
+        lds, ldd, rows, cols = args[1], args[3], args[4], args[5]
+        n = vec.n
+        width = ir.Constant(i64t, n)
+        masks = {}
+        half = n // 2
+        while half:
+            masks[half] = (
+                ir.Constant(ir.VectorType(i32, n),
+                            [c if not c & half else n + c - half for c in range(n)]),
+                ir.Constant(ir.VectorType(i32, n),
+                            [c + half if not c & half else n + c for c in range(n)]))
+            half //= 2
+        row_blocks, col_blocks = builder.sdiv(rows, width), builder.sdiv(cols, width)
+        with cgutils.for_range(builder, row_blocks) as rb:
+            r0 = builder.mul(rb.index, width)
+            with cgutils.for_range(builder, col_blocks) as cb:
+                c0 = builder.mul(cb.index, width)
+                vs = [builder.load(vec.at(ps, builder.add(
+                    builder.mul(builder.add(r0, ir.Constant(i64t, i)), lds), c0)),
+                    align=vec.size) for i in range(n)]
+                half = n // 2
+                while half:
+                    first, second = masks[half]
+                    for i in range(n):
+                        if not i & half:
+                            a, b = vs[i], vs[i + half]
+                            vs[i] = builder.shuffle_vector(a, b, first)
+                            vs[i + half] = builder.shuffle_vector(a, b, second)
+                    half //= 2
+                for i in range(n):
+                    where = builder.add(builder.mul(builder.add(c0, ir.Constant(i64t, i)),
+                                                    ldd), r0)
+                    builder.store(vs[i], vec.at(pd, where), align=vec.size)
+
+        def element(r: Any, c: Any) -> None:
+            x = builder.load(builder.gep(ps, [builder.add(builder.mul(r, lds), c)]))
+            builder.store(x, builder.gep(pd, [builder.add(builder.mul(c, ldd), r)]))
+
+        done_rows, done_cols = builder.mul(row_blocks, width), builder.mul(col_blocks, width)
+        with cgutils.for_range(builder, done_rows) as r:        # the columns past the blocks
+            with cgutils.for_range(builder, cols, start=done_cols) as c:
+                element(r.index, c.index)
+        with cgutils.for_range(builder, rows, start=done_rows) as r:   # the rows past them
+            with cgutils.for_range(builder, cols) as c:
+                element(r.index, c.index)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+transpose: Any = intrinsic(_transpose)
