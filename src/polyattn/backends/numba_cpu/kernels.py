@@ -468,7 +468,8 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
     pack_columns(q, qmap[b], hk, g_heads, q0, bq, rows, qt)
     m = np.full(panels * width, ninf, dtype=dt)             # running maximum
     l = np.zeros(panels * width, dtype=dt)                  # running sum
-    acc = np.zeros((panels, ev, width), dtype=dt)           # Oᵀ per panel
+    acc = np.empty((panels, ev, width), dtype=dt)           # Oᵀ per panel, once begun
+    begun = np.zeros(panels, np.bool_)
     st = np.empty((block_k, width), dtype=dt)
     heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
     first, last = np.empty(width, np.int64), np.empty(width, np.int64)
@@ -490,21 +491,26 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                          width, s_lo, width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
                             mask, slopes, fparams, iparams, st, False, user)
+            # a panel's first block of keys writes its Oᵀ rather than rescale and add
             softmax_step(s_lo, hi - lo, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
-                         acc[p].ctypes.data, ev, width, zero)
+                         acc[p].ctypes.data, ev if begun[p] else 0, width, zero)
             if has_dropout:
                 for c in range(width):
                     for j in range(first[c], last[c]):
                         st[j, c] *= kept(b, heads[c], qrow[c], k0 + j, iparams, tq, tk,
                                          keep, zero)
             tile_product(v_ptr + lo * ldv * size, 1, ldv, ev, s_lo, width,
-                         acc[p].ctypes.data, width, hi - lo, one, True, size)
+                         acc[p].ctypes.data, width, hi - lo, one, begun[p], size)
+            begun[p] = True
     nan = lse.dtype.type(np.nan)
     finite = finite_columns(qt, rows)
     inv = np.zeros(panels * width, dtype=dt)
     for r in range(rows):
         if finite[r] and l[r] != zero:
             inv[r] = one / l[r]
+    for p in range(panels):
+        if not begun[p]:
+            acc[p] = zero                           # no row of the panel saw a key
     unpack_columns(acc, inv, b, hk, g_heads, q0, bq, rows, out)
     for r in range(rows):
         g = r // bq
