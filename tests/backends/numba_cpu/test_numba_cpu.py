@@ -24,6 +24,7 @@ from polyattn import scaled_dot_product_attention as sdpa
 
 pytest.importorskip("numba", reason="the numba_cpu kernel needs Numba (pip install numba)")
 from polyattn.backends.numba_cpu import compiler, launch
+from polyattn.backends.numba_cpu.plan import Call
 from polyattn.rules.visibility import Rules
 
 # --- the exponential ---------------------------------------------------------------------
@@ -302,6 +303,60 @@ def test_tiles_multiply_like_numpy(dtype):
                     expected = want + c if accumulate else want
                     np.testing.assert_allclose(got, expected, rtol=tol, atol=tol * depth,
                                                err_msg=f"{rows} x {depth}, {name}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_transpose_moves_every_element_and_no_other(dtype):
+    """The block transpose (whole SIMD blocks in registers, the edges one by one) for
+    sizes below, at and past a block, from strided rows into a larger destination whose
+    other elements it must leave alone."""
+    from numba import njit
+
+    from polyattn.backends.numba_cpu import tiles
+
+    @njit
+    def transpose(src, dst, rows, cols):
+        tiles.transpose(src.ctypes.data, src.strides[0] // src.itemsize, dst.ctypes.data,
+                        dst.shape[1], rows, cols, dst.dtype.type(0))
+
+    dt = np.dtype(dtype)
+    lanes = tiles.VECTOR_BYTES // dt.itemsize
+    rng = np.random.default_rng(11)
+    sizes = sorted({1, lanes - 1, lanes, lanes + 1, 2 * lanes, 3 * lanes + 5})
+    for rows in sizes:
+        for cols in sizes:
+            src = rng.standard_normal((rows, cols + 3)).astype(dt)    # rows 3 apart
+            dst = np.full((cols + 2, rows + 4), -7.0, dtype=dt)
+            transpose(src, dst, rows, cols)
+            np.testing.assert_array_equal(dst[:cols, :rows], src[:, :cols].T,
+                                          err_msg=f"{rows} x {cols}")
+            untouched = np.ones(dst.shape, bool)
+            untouched[:cols, :rows] = False
+            assert (dst[untouched] == -7.0).all(), f"{rows} x {cols}: wrote outside"
+
+
+def test_calls_skip_numba_dispatch_but_not_its_checks():
+    """The kernels are called through their compiled entry points (no typing of every
+    argument on every call); arguments the signature does not describe go to the
+    dispatcher instead, which refuses them rather than reading memory wrongly."""
+    from polyattn.backends.numba_cpu import threads
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 40, 8)).astype(np.float32)
+    want = sdpa(q, q, q, is_causal=True, implementation="reference")
+    assert_close(sdpa(q, q, q, is_causal=True, implementation="numba_cpu"), want, "float32")
+    forward = compiler.kernels()["forward"]
+    call = Call(q, q, q, None, Rules(40, 40, causal=True), 0.5)
+    out = np.empty((1, 2, 40, 8), np.float32)
+    lse = np.empty((1, 2, 40), np.float32)
+    args = (*call.common(), call.query_items(), call.fparams, call.iparams, out, lse)
+    assert threads._entry(forward, args) is not forward            # the entry point
+    wrong = list(args)
+    wrong[-1] = lse.astype(np.float64)                              # lse in another dtype
+    assert threads._entry(forward, tuple(wrong)) is forward
+    with pytest.raises(TypeError):
+        threads.run(forward, *wrong)
+    wrong[-1] = lse[..., None]                                      # lse with one more axis
+    assert threads._entry(forward, tuple(wrong)) is forward
 
 
 def _guarded(shape, dtype, rng, at_end=True):

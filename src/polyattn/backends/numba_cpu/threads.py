@@ -74,14 +74,68 @@ def run(kernel: Any, *args: Any) -> None:
     from polyattn.backends.numba_cpu.user_rules import quiet_calls
 
     quiet_calls()                         # the kernels take the rules as functions
+    call = _entry(kernel, args)
     with _serialised():
         before = numba.set_parallel_chunksize(1)
         try:
-            kernel(*args)
+            call(*args)
         finally:
             numba.set_parallel_chunksize(before)
         if not _layer:
             _layer.append(str(numba.threading_layer()))
+
+
+#: Per compiled kernel and dtype of its first argument: its entry point and what each
+#: argument must be (:func:`_expected`).
+_entries: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def _entry(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """The compiled function of ``kernel`` (a Numba dispatcher of fixed signatures) for
+    ``args``, to be called without the dispatcher, which types every argument again on
+    every call: a tenth of a millisecond or more, most of it on the tuple of the user's
+    compiled rules. Each array's dtype and dimensions are checked against the signature
+    first; where they do not match (never, from this package's own calls), the
+    dispatcher itself is returned, to convert or to refuse."""
+    key = (id(kernel), args[0].dtype.str)
+    found = _entries.get(key)
+    if found is None:
+        from numba.np.numpy_support import as_dtype
+
+        for sig, compiled in list(kernel.overloads.items()):
+            if as_dtype(sig[0].dtype) == args[0].dtype:
+                found = _entries[key] = (compiled.entry_point, [_expected(t) for t in sig])
+                break
+        else:
+            return kernel
+    entry, expected = found
+    return entry if _matches(args, expected) else kernel
+
+
+def _expected(t: Any) -> Any:
+    """What an argument of Numba type ``t`` must be: ``(dtype, ndim)`` for an array, a
+    list of these for a tuple, ``None`` for anything else (unchecked)."""
+    from numba.core import types
+    from numba.np.numpy_support import as_dtype
+
+    if isinstance(t, types.Array):
+        return (as_dtype(t.dtype), t.ndim)
+    if isinstance(t, types.BaseTuple):
+        return [_expected(x) for x in t.types]
+    return None
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    """Whether ``value`` is what :func:`_expected` describes."""
+    import numpy as np
+
+    if expected is None:
+        return True
+    if isinstance(expected, list):
+        return (isinstance(value, tuple) and len(value) == len(expected)
+                and all(_matches(v, e) for v, e in zip(value, expected, strict=True)))
+    return (isinstance(value, np.ndarray) and value.dtype == expected[0]
+            and value.ndim == expected[1])
 
 
 def _after_fork_in_child() -> None:
