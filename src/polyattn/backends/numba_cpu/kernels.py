@@ -20,6 +20,11 @@ from polyattn.backends.numba_cpu.tiles import (
     VECTOR_BYTES,
     exp_columns,
     exp_sum,
+    half_1,
+    half_2,
+    half_4,
+    half_8,
+    half_rows,
     softmax_step,
     tile_1,
     tile_2,
@@ -125,6 +130,47 @@ def tile_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c:
     if r < rows:
         tile_1(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
                alpha, accumulate)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def half_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c: int,
+                 ldc: int, depth: int, alpha: Any, accumulate: bool, size: int) -> None:
+    """:func:`tile_product` on the second of the W / 2-lane halves of ``B`` and ``C``
+    only (one vector wide)."""
+    half = VECTOR_BYTES
+    b, c = b + half, c + half
+    r = 0
+    while r + TILE_ROWS <= rows:
+        half_rows(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+                  alpha, accumulate)
+        r += TILE_ROWS
+    if TILE_ROWS > 8 and r + 8 <= rows:
+        half_8(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+        r += 8
+    if r + 4 <= rows:
+        half_4(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+        r += 4
+    if r + 2 <= rows:
+        half_2(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+        r += 2
+    if r < rows:
+        half_1(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
+               alpha, accumulate)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def first_half_reach(lo: int, first: Any, last: Any) -> int:
+    """One past the last key that a column of the panel's first half (its first vector)
+    sees, at least ``lo``: the keys from there on are for the second half alone (the
+    diagonal of a causal panel, for one)."""
+    reach = lo
+    for c in range(first.shape[0] // TILE_VECTORS):
+        if first[c] < last[c]:
+            reach = max(reach, last[c])
+    return reach
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -487,8 +533,17 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
             if lo >= hi:
                 continue                         # no row of the panel sees these keys
             s_lo = st.ctypes.data + lo * width * size
-            tile_product(kt.ctypes.data + lo * size, 1, block_k, hi - lo, qt[p].ctypes.data,
+            # keys [mid, hi): the second half of the panel's columns alone sees them (the
+            # first half's scores there are hidden by transform_panel)
+            mid = first_half_reach(lo, first, last)
+            if mid == lo:
+                mid = hi
+            tile_product(kt.ctypes.data + lo * size, 1, block_k, mid - lo, qt[p].ctypes.data,
                          width, s_lo, width, e, scale, False, size)
+            if mid < hi:
+                half_product(kt.ctypes.data + mid * size, 1, block_k, hi - mid,
+                             qt[p].ctypes.data, width, st.ctypes.data + mid * width * size,
+                             width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
                             mask, slopes, fparams, iparams, st, False, user)
             # a panel's first block of keys writes its Oᵀ rather than rescale and add
@@ -500,7 +555,11 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                         st[j, c] *= kept(b, heads[c], qrow[c], k0 + j, iparams, tq, tk,
                                          keep, zero)
             tile_product(v_ptr + lo * ldv * size, 1, ldv, ev, s_lo, width,
-                         acc[p].ctypes.data, width, hi - lo, one, begun[p], size)
+                         acc[p].ctypes.data, width, mid - lo, one, begun[p], size)
+            if mid < hi:
+                half_product(v_ptr + mid * ldv * size, 1, ldv, ev,
+                             st.ctypes.data + mid * width * size, width, acc[p].ctypes.data,
+                             width, hi - mid, one, True, size)
             begun[p] = True
     nan = lse.dtype.type(np.nan)
     finite = finite_columns(qt, rows)
