@@ -379,16 +379,49 @@ BRANCH = re.compile(r"\bBRA\s+(?:\S+,\s*)?0x([0-9a-f]+)")
 
 
 def innermost_loops(sass: str) -> list[tuple[int, int]]:
-    """Address ranges ``(start, end)`` of the innermost loops: a backward branch
-    (to ``start``, from ``end``) whose range holds no other backward branch."""
-    loops = []
+    """Address ranges ``(start, end)`` of the innermost loops: a backward branch (to
+    ``start``, from ``end``) that the code from ``start`` reaches without leaving the
+    range, and whose range holds no other such branch. (A backward branch that does not
+    close a loop: the return of a detour ptxas places after the kernel's exit, such as
+    the slow path of a warp shuffle after ``BRA.DIV``.)"""
+    code = []
     for line in sass.splitlines():
         match = ADDRESS.search(line)
-        branch = BRANCH.search(match.group(2)) if match else None
-        if match and branch and int(branch.group(1), 16) <= int(match.group(1), 16):
-            loops.append((int(branch.group(1), 16), int(match.group(1), 16)))
+        if match:
+            code.append((int(match.group(1), 16), match.group(2)))
+    loops = []
+    for end, text in code:
+        branch = BRANCH.search(text)
+        if branch and int(branch.group(1), 16) <= end:
+            start = int(branch.group(1), 16)
+            if _reaches(code, start, end):
+                loops.append((start, end))
     return [(lo, hi) for lo, hi in loops
             if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+
+
+def _reaches(code: list[tuple[int, str]], start: int, end: int) -> bool:
+    """Whether the instruction at ``end`` runs after the one at ``start`` by fall-through
+    and branches that stay within ``[start, end]``."""
+    inside = [(a, text) for a, text in code if start <= a <= end]
+    index = {a: i for i, (a, _) in enumerate(inside)}
+    seen, todo = set(), [start]
+    while todo:
+        a = todo.pop()
+        if a in seen or a not in index:
+            continue
+        seen.add(a)
+        if a == end:
+            return True
+        text = inside[index[a]][1]
+        branch = BRANCH.search(text)
+        if branch and start <= int(branch.group(1), 16) <= end:
+            todo.append(int(branch.group(1), 16))
+        unconditional = not text.lstrip().startswith("@") and (
+            re.match(r"(EXIT|RET|BRA)\b", text.strip()) and not text.strip().startswith("BRA.DIV"))
+        if not unconditional and index[a] + 1 < len(inside):
+            todo.append(inside[index[a] + 1][0])
+    return False
 
 
 def local_accesses_in_inner_loops(sass: str) -> list[str]:
@@ -413,6 +446,14 @@ def test_innermost_loops_and_their_local_accesses():
         "/*0080*/ @P2 BRA 0xa0 ;", "/*0090*/ EXIT ;"])
     assert innermost_loops(sass) == [(0x20, 0x50)]
     assert local_accesses_in_inner_loops(sass) == ["/*0030*/ LDL R5, [R1] ;"]
+    # a detour after the exit (a shuffle's slow path) branches back but closes no loop
+    detour = "\n".join([
+        "/*0000*/ BRA.DIV ~URZ, 0x60 ;", "/*0010*/ SHFL.BFLY PT, R4, R2, 0x1, 0x1f ;",
+        "/*0020*/ LDL R5, [R1] ;", "/*0030*/ FADD R6, R4, R5 ;", "/*0040*/ STG [R8], R6 ;",
+        "/*0050*/ EXIT ;", "/*0060*/ CALL.REL.NOINC 0x90 ;", "/*0070*/ BRA 0x20 ;",
+        "/*0080*/ BRA 0x80 ;", "/*0090*/ RET.REL.NODEC R4 0x0 ;"])
+    assert innermost_loops(detour) == [(0x80, 0x80)]
+    assert local_accesses_in_inner_loops(detour) == []
 
 
 def test_dependent_run_counts_back_to_back_chains():
@@ -653,10 +694,12 @@ def test_user_rule_kernel(index):
               f"{(registers, stack, spills)}")
         if tiled:
             assert registers <= 128, (name, cc, report)
-            if "_segments" in name and "_blocks" in name:
-                # a rule with segment ids and a block mask together: the forward spills
-                # (32-40 B) and reads it back in its inner loop; not yet brought to zero
-                continue
             assert local_accesses_in_inner_loops(sass) == [], (name, cc)
+            if "_segments" in name and "_blocks" in name:
+                # a rule with segment ids and a block mask together: the forward keeps
+                # a few values held across its key loop on the stack (28-48 B of spill
+                # stores), stored before the loop and read per tile and after it, never
+                # in an innermost loop (asserted above)
+                continue
             if not name.startswith("tiled_dkdv_"):
                 assert (stack, spills) == (0, 0), (name, cc, report)
