@@ -53,7 +53,7 @@ def _run_source(traced, form, scores, b, h, q, key0, arrays):
     """The generated ``form`` run as Python on a panel of one query row (``ld = w = 1``)."""
     width = scalar.meta_width(traced)
     fb, ib, meta = scalar.pack(arrays, np.float64, width)
-    names = {"T": float, "math": math, "clamp": scalar.clamp, "tanh": math.tanh}
+    names = {"T": float, "math": math, "np": np, "clamp": scalar.clamp, "tanh": math.tanh}
     exec(scalar.source(traced, form), names)
     s = list(scores)
     panel = (s, 1, len(s), 1, key0, [q], [h], b)
@@ -96,6 +96,32 @@ def test_mask_source_and_clamped_indices():
     # kv - 1 = -1 reads from the end (True); 3, 4 clamp to the last entry; q >= kv hides 4, 5
     want = [0.0, 0.0, -np.inf, 0.0, -np.inf, -np.inf]
     np.testing.assert_array_equal(got, want)
+
+
+def test_panel_source_computes_row_and_key_values_once_each():
+    """In a panel, what depends on the query row alone is computed once per row (here
+    the query's document), what depends on the key alone once per key (the key's), each
+    row then reading its own: a panel of 3 rows by 7 keys against the rule itself."""
+    doc = np.array([0, 0, 0, 1, 1, 2, 2, 2, 3])
+    fn = lambda b, h, q, kv, d: ops.logical_and(d[q] == d[kv], q >= kv)  # noqa: E731
+    traced = tracing.trace(fn, "mask_mod", (doc,))
+    text = scalar.source(traced, "mask")
+    body = text.split("for j in range(n):")
+    assert "clamp(q," in body[0] and "clamp(q," not in body[1], text
+    assert "clamp(kv," in body[1].split("for c in range(w):")[0], text
+    fb, ib, meta = scalar.pack((doc,), np.float64, scalar.meta_width(traced))
+    names = {"T": float, "math": math, "np": np, "clamp": scalar.clamp, "tanh": math.tanh}
+    exec(text, names)
+    rows, key0, n = [2, 4, 7], 1, 7
+    s = [0.0] * (n * len(rows))                        # s[j·ld + c], ld = 3
+    names["mask"](s, len(rows), n, len(rows), key0, rows, [0, 1, 2], 0, [1, 1, 1], fb, ib,
+                  meta)
+    got = np.array(s).reshape(n, len(rows))
+    for j in range(n):
+        for c, q in enumerate(rows):
+            kv = key0 + j
+            visible = doc[q] == doc[kv] and q >= kv
+            assert got[j, c] == (0.0 if visible else -np.inf), (q, kv)
 
 
 @pytest.mark.parametrize("fn, what, construct", [

@@ -69,11 +69,21 @@ class _Writer:
         self.values: dict[int, str] = {}
         self.derivatives: dict[int, str | None] = {}
         self.outer: list[str] = []           # loop-invariant lines (no kv, no score)
-        self.depends: dict[int, bool] = {}
+        self.per_key: list[str] = []         # lines of the key alone (kv, no q, h, score)
+        self.per_row: list[tuple[str, str, str]] = []  # (name, expression, kind) of the
+        # query row alone (q or h; no kv, no score): computed once per row, before the
+        # loops (a panel reads them as a vector, not an element at a time)
+        self.memo: dict[str, dict[int, bool]] = {leaf: {} for leaf in ("score", "kv", "q", "h")}
 
-    def _varies(self, node: Node) -> bool:
-        """Whether ``node`` changes within the loops (else it is computed once, before)."""
-        return any(depends(node, leaf, {}) for leaf in ("kv", "q", "h", "score"))
+    def _level(self, node: Node) -> str:
+        """Where ``node`` is computed: once ("outer"), per key ("key"), per query row
+        ("row") or per score ("inner")."""
+        memo = self.memo
+        if depends(node, "score", memo["score"]):
+            return "inner"
+        key = depends(node, "kv", memo["kv"])
+        row = depends(node, "q", memo["q"]) or depends(node, "h", memo["h"])
+        return "inner" if key and row else "key" if key else "row" if row else "outer"
 
     def value(self, node: Node) -> str:
         key = id(node)
@@ -93,7 +103,12 @@ class _Writer:
             return "x"
         expr = self._expression(node)
         name = f"v{len(self.values)}"
-        (self.lines if self._varies(node) else self.outer).append(f"{name} = {expr}")
+        level = self._level(node)
+        if level == "row":
+            self.per_row.append((name, expr, node.kind))
+        else:
+            {"outer": self.outer, "key": self.per_key, "inner": self.lines}[level].append(
+                f"{name} = {expr}")
         self.values[key] = name
         return name
 
@@ -182,7 +197,7 @@ class _Writer:
             expr = None
             self.derivatives[key] = "T(1)"
             return "T(1)"
-        if node.kind != FLOAT or not depends(node, "score", {}):
+        if node.kind != FLOAT or not depends(node, "score", self.memo["score"]):
             self.derivatives[key] = None
             return None
         ds = [self.derivative(a) if isinstance(a, Node) else None for a in args]
@@ -249,8 +264,10 @@ def source(traced: Traced, form: str, width: int | None = None) -> str:
     by the rule's, ``score_grad`` does so and multiplies ``d`` by the rule's
     derivative, ``mask`` puts ``-inf`` on the keys it hides from the rows ``on``.
     One score at a time: ``score_element`` returns the rule's score and its derivative,
-    ``mask_element`` whether the key is visible. Names it uses: ``T`` (the compute
-    type), ``math``, ``clamp``, ``tanh``. ``width``: entries of ``meta`` per array
+    ``mask_element`` whether the key is visible. In a panel, what depends on the query
+    row alone is computed once per row, before the loops, and what depends on the key
+    alone once per key. Names it uses: ``T`` (the compute type), ``math``, ``np``,
+    ``clamp``, ``tanh``. ``width``: entries of ``meta`` per array
     (:func:`pack`; default :func:`meta_width`), for buffers that hold more arrays
     than this rule reads after its own."""
     w = _Writer(traced, grad=form in ("score_grad", "score_element"),
@@ -262,7 +279,8 @@ def source(traced: Traced, form: str, width: int | None = None) -> str:
             tail = [f"return {w._as(traced.result, FLOAT)}, {grad or 'T(0)'}"]
         else:
             tail = [f"return {w._condition(traced.result)}"]
-        body = [*w.outer, *w.lines, *tail]
+        body = [*w.outer, *w.per_key, *(f"{name} = {expr}" for name, expr, _ in w.per_row),
+                *w.lines, *tail]
         return "\n".join([HEADS[form], *("    " + line for line in body)]) + "\n"
     at = "s[j * ld + c]"
     if form == "score":
@@ -276,9 +294,17 @@ def source(traced: Traced, form: str, width: int | None = None) -> str:
                 f"    {at} = -T(math.inf)"]
     else:
         raise ValueError(f"form must be one of {sorted(HEADS)}, got {form!r}")
-    lines = [HEADS[form], *("    " + line for line in w.outer),
-             "    for j in range(n):", "        kv = key0 + j",
-             "        for c in range(w):", "            q = qs[c]", "            h = hs[c]"]
+    lines = [HEADS[form], *("    " + line for line in w.outer)]
+    dtypes = {FLOAT: "T", INT: "np.int64", BOOL: "np.bool_"}
+    if w.per_row:                        # the values of each query row, in one array each
+        lines += [f"    r{name} = np.empty(w, {dtypes[kind]})" for name, _, kind in w.per_row]
+        lines += ["    for c in range(w):", "        q = qs[c]", "        h = hs[c]"]
+        for name, expr, _ in w.per_row:
+            lines += [f"        {name} = {expr}", f"        r{name}[c] = {name}"]
+    lines += ["    for j in range(n):", "        kv = key0 + j",
+              *("        " + line for line in w.per_key),
+              "        for c in range(w):", "            q = qs[c]", "            h = hs[c]",
+              *(f"            {name} = r{name}[c]" for name, _, _ in w.per_row)]
     if form != "mask":
         lines.append(f"            x = {at}")
     lines += ["            " + line for line in (*w.lines, *tail)]

@@ -114,7 +114,7 @@ def _compiled(text: str, form: str, dtype_name: str) -> Any:
         types.FunctionType(scalar.clamp.__code__, {"min": min, "max": max}, "clamp"))
     from polyattn.backends.numba_cpu.tanh import tanh32
 
-    names: dict[str, Any] = {"T": t, "math": math, "clamp": clamp,
+    names: dict[str, Any] = {"T": t, "math": math, "np": np, "clamp": clamp,
                              "tanh": tanh32 if t is np.float32 else math.tanh}
     exec(compile(text, f"<polyattn rule {form}>", "exec"), names)
     return numba.cfunc(signatures(dtype_name)[form], fastmath=FASTMATH,
