@@ -233,7 +233,7 @@ def panel_keys(c0: int, rows: int, bq: int, q0: int, hk: int, g_heads: int, offs
 def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any,
                     qrow: Any, k0: int, offset: int, b: int, mb: int, mask: Any,
                     slopes: Any, fparams: Any, iparams: Any, tt: Any,
-                    keep_tanh: bool, user: Any) -> None:
+                    keep_tanh: bool, user: Any, scratch: Any) -> None:
     """The transform of docs/semantics.rst on the scores ``st[lo:hi]``: soft-capping, ALiBi
     and a ``score_mod`` as one compiled score rule on the whole panel (:func:`user_scores`,
     its derivative kept in ``tt`` for the backward pass); then column by column on the
@@ -256,7 +256,7 @@ def transform_panel(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any
         if has_mask and j0 < j1:
             mask_column(st, c, j0, j1, k0, heads[c], qrow[c], mb, mask, has_mask, ninf)
     if has_user_mask:
-        user_mask(st, lo, hi, first, last, heads, qrow, k0, b, iparams, user, ninf)
+        user_mask(st, lo, hi, first, last, heads, qrow, k0, b, iparams, user, ninf, scratch)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -319,7 +319,7 @@ def user_scores(st: Any, lo: int, hi: int, heads: Any, qrow: Any, k0: int, b: in
 
 @njit(nogil=True, cache=True, inline="always")
 def user_mask(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any, qrow: Any,
-              k0: int, b: int, iparams: Any, user: Any, ninf: Any) -> None:
+              k0: int, b: int, iparams: Any, user: Any, ninf: Any, scratch: Any) -> None:
     """The ``mask_mod`` on the panel ``st[lo:hi]``, tile by tile of its block mask: per
     column, -inf on an empty tile, the compiled mask on a partial one (for the columns
     whose tile is partial, together), nothing on a full one, nor on any tile of a row
@@ -329,13 +329,13 @@ def user_mask(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any, qrow
     kb_ = b if kinds.shape[0] > 1 else 0
     rb = b if ranges.shape[0] > 1 else 0
     ld, size = st.shape[1], st.itemsize
-    on = np.zeros(ld, np.int64)
-    solid = np.zeros(ld, np.bool_)
+    on, solid = scratch[0], scratch[1]      # (2, ld) int64, the caller's
     every = True
     for c in range(ld):
         rh = heads[c] if ranges.shape[1] > 1 else 0
         solid[c] = ranges[rb, rh, min(qrow[c] // per, ranges.shape[2] - 1), 2] != 0
-        every = every and (solid[c] or first[c] >= last[c])
+        on[c] = 0
+        every = every and (solid[c] != 0 or first[c] >= last[c])
     if every:
         return
     qs, hs = as_pointer(qrow.ctypes.data, qrow), as_pointer(heads.ctypes.data, heads)
@@ -350,7 +350,7 @@ def user_mask(st: Any, lo: int, hi: int, first: Any, last: Any, heads: Any, qrow
         for c in range(ld):
             on[c] = 0
             j0, j1 = max(j, first[c]), min(end, last[c])
-            if j0 >= j1 or solid[c]:
+            if j0 >= j1 or solid[c] != 0:
                 continue
             kh = heads[c] if kinds.shape[1] > 1 else 0
             kind = kinds[kb_, kh, min(qrow[c] // rows, kinds.shape[2] - 1), kt]
@@ -519,6 +519,7 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
     st = np.empty((block_k, width), dtype=dt)
     heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
     first, last = np.empty(width, np.int64), np.empty(width, np.int64)
+    scratch = np.empty((2, width), np.int64)                # for user_mask
     kt, kblk = np.empty((e, block_k), dtype=dt), np.empty((block_k, e), dtype=dt)
     vblk = np.empty((block_k, ev), dtype=dt)
     hi_key = min(k_hi, lengths[b])
@@ -545,7 +546,7 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
                              qt[p].ctypes.data, width, st.ctypes.data + mid * width * size,
                              width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
-                            mask, slopes, fparams, iparams, st, False, user)
+                            mask, slopes, fparams, iparams, st, False, user, scratch)
             # a panel's first block of keys writes its Oᵀ rather than rescale and add
             softmax_step(s_lo, hi - lo, width, m[c0:].ctypes.data, l[c0:].ctypes.data,
                          acc[p].ctypes.data, ev if begun[p] else 0, width, zero)
@@ -691,6 +692,7 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
     tt = np.empty((block_k if iparams[14] else 0, width), dtype=dt)
     heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
     first, last = np.empty(width, np.int64), np.empty(width, np.int64)
+    scratch = np.empty((2, width), np.int64)                # for user_mask
     kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
     kt, vt = np.empty((e, block_k), dtype=dt), np.empty((ev, block_k), dtype=dt)
     hi_key = min(k_hi, lengths[b])
@@ -709,7 +711,7 @@ def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mas
             tile_product(kt.ctypes.data + lo * size, 1, block_k, hi - lo, qt[p].ctypes.data,
                          width, s_lo, width, e, scale, False, size)
             transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
-                            mask, slopes, fparams, iparams, tt, True, user)
+                            mask, slopes, fparams, iparams, tt, True, user, scratch)
             exp_columns(s_lo, hi - lo, width, shift[c0:].ctypes.data, zero)
             tile_product(vt.ctypes.data + lo * size, 1, block_k, hi - lo, dot[p].ctypes.data,
                          width, dpt.ctypes.data + lo * width * size, width, ev, fparams[3],
@@ -764,6 +766,7 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
     tt = np.empty((n if iparams[14] else 0, wide), dtype=dt)
     heads, qrow = np.empty(wide, np.int64), np.empty(wide, np.int64)
     first, last = np.empty(wide, np.int64), np.empty(wide, np.int64)
+    scratch = np.empty((2, wide), np.int64)                 # for user_mask
     for c0 in range(0, rows, wide):
         lo, hi = panel_keys(c0, rows, tq, 0, hk, g_heads, offset, k0, n, iparams, lse, b,
                             True, heads, qrow, first, last, segments, user)
@@ -792,7 +795,7 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
             tile_product(kt.ctypes.data + lo * size, 1, n, hi - lo, qt[sub].ctypes.data,
                          width, s_lo + sub * width * size, wide, e, scale, False, size)
         transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b], mask,
-                        slopes, fparams, iparams, tt, True, user)
+                        slopes, fparams, iparams, tt, True, user, scratch)
         for sub in range(KEY_PANELS):
             exp_columns(s_lo + sub * width * size, hi - lo, wide,
                         shift.ctypes.data + sub * width * size, zero)
