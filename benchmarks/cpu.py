@@ -29,6 +29,7 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -132,13 +133,22 @@ SETTLE_S = 0.15
 
 
 def time_interleaved(fns: dict[str, Any], reps: int, *, settle: float = SETTLE_S,
-                     cold: tuple[str, ...] = ("naive",)) -> dict[str, list[float]]:
+                     cold: tuple[str, ...] = ("naive",), min_sample: float = 0.0,
+                     ) -> dict[str, list[float]]:
     """One warm-up call each, then ``reps`` rounds, rotating the order every round; in a
     round each contender is timed after a pause of ``settle`` seconds and one untimed call
-    of its own (none for those in ``cold``: the long single-pass ones)."""
+    of its own (none for those in ``cold``: the long single-pass ones). With
+    ``min_sample`` (seconds), a contender whose warm-up call took less is called that
+    many times back to back in each timed sample (as many as fill ``min_sample``), and
+    the sample is the mean per call: the steady-state time of a call made in a loop,
+    rather than that of one call after the pause."""
     names = list(fns)
+    calls = {}
     for name in names:
+        t0 = time.perf_counter()
         fns[name]()
+        took = time.perf_counter() - t0
+        calls[name] = max(1, math.ceil(min_sample / took)) if min_sample > took else 1
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -148,8 +158,9 @@ def time_interleaved(fns: dict[str, Any], reps: int, *, settle: float = SETTLE_S
             if name not in cold:
                 fns[name]()
             t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(calls[name]):
+                fns[name]()
+            times[name].append((time.perf_counter() - t0) / calls[name])
     return times
 
 
