@@ -47,10 +47,11 @@ HOST_KERNEL_PREFERENCE = ("numba_cpu", *CPU_PREFERENCE)
 #: (benchmarks/results/routes-cpu-*.md).
 JAX_NUMBA_CPU_MIN_SCORES = 2**20
 #: The same on torch CPU tensors, where torch's own fused attention is close to the kernel:
-#: numba_cpu runs ahead of it only for calls it measured faster on, causal ones without
-#: autograd (0.6-0.8x torch's time at 2**21 score elements and more, 1.0x at 2**27; 1.4x at
-#: 2**19; without a causal mask 1.0-1.15x; forward and backward 1.0-1.45x), and calls whose
-#: rules torch would take as a dense mask or not at all.
+#: from 2**21 score elements numba_cpu took 0.51-0.78x torch's time forward with a causal
+#: mask and 0.75-0.89x without (0.9-1.5x at 2**19 and less); forward and backward 0.67-0.98x
+#: with a causal mask, 1.0-1.4x without. So it runs ahead of torch's own call from there
+#: forward, with autograd where the call is causal, and for calls whose rules torch would
+#: take as a dense mask or not at all (benchmarks/results/routes-cpu-*.md).
 TORCH_NUMBA_CPU_MIN_SCORES = 2**21
 #: Every implementation, in the order ``explain()`` lists those a preference list leaves out.
 IMPLEMENTATIONS = ("native", "numba_cuda", "distributed", "numba_cpu", "reference", "chunked")
@@ -166,10 +167,7 @@ def host_kernel_rule(problem: Problem) -> str | None:
                 f"measured faster than {lib}'s own attention")
     if lib != "torch" or not problem.rules.simple:
         return None
-    if problem.requires_grad:
-        return ("torch's own attention with its backward pass measured faster than the "
-                "kernel's for calls torch expresses exactly (TORCH_NUMBA_CPU_MIN_SCORES)")
-    if not problem.rules.causal:
-        return ("without a causal mask torch's own attention measured as fast as the kernel "
-                "or faster (TORCH_NUMBA_CPU_MIN_SCORES)")
+    if problem.requires_grad and not problem.rules.causal:
+        return ("without a causal mask, torch's own attention with its backward pass "
+                "measured as fast as the kernel's or faster (TORCH_NUMBA_CPU_MIN_SCORES)")
     return None
