@@ -21,9 +21,7 @@ from polyattn.backends.numba_cpu.tiles import (
     exp_columns,
     exp_sum,
     half_1,
-    half_2,
     half_4,
-    half_8,
     half_rows,
     softmax_step,
     tile_1,
@@ -136,7 +134,8 @@ def tile_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c:
 def half_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c: int,
                  ldc: int, depth: int, alpha: Any, accumulate: bool, size: int) -> None:
     """:func:`tile_product` on the second of the W / 2-lane halves of ``B`` and ``C``
-    only (one vector wide)."""
+    only (one vector wide), in tiles of TILE_ROWS, 4 and 1 rows (fewer shapes than
+    :func:`tile_product`: each one is compiled code, and these run on few rows)."""
     half = VECTOR_BYTES
     b, c = b + half, c + half
     r = 0
@@ -144,21 +143,14 @@ def half_product(a: int, a_row: int, a_col: int, rows: int, b: int, ldb: int, c:
         half_rows(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
                   alpha, accumulate)
         r += TILE_ROWS
-    if TILE_ROWS > 8 and r + 8 <= rows:
-        half_8(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
-               alpha, accumulate)
-        r += 8
-    if r + 4 <= rows:
+    while r + 4 <= rows:
         half_4(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
                alpha, accumulate)
         r += 4
-    if r + 2 <= rows:
-        half_2(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
-               alpha, accumulate)
-        r += 2
-    if r < rows:
+    while r < rows:
         half_1(a + r * a_row * size, a_row, a_col, b, ldb, c + r * ldc * size, ldc, depth,
                alpha, accumulate)
+        r += 1
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -295,11 +295,9 @@ tile_8: Any = _tile(8, TILE_VECTORS)
 tile_4: Any = _tile(4, TILE_VECTORS)
 tile_2: Any = _tile(2, TILE_VECTORS)
 tile_1: Any = _tile(1, TILE_VECTORS)
-#: The same shapes, one vector wide (the second vector of a panel alone).
+#: Tiles one vector wide (the second vector of a panel alone), of TILE_ROWS, 4 and 1 rows.
 half_rows: Any = _tile(TILE_ROWS, 1)
-half_8: Any = _tile(8, 1)
 half_4: Any = _tile(4, 1)
-half_2: Any = _tile(2, 1)
 half_1: Any = _tile(1, 1)
 
 
