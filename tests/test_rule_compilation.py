@@ -7,7 +7,8 @@ buffers hold every kind of array, an index outside a table is clamped to it; on
 ``numba_cpu``: a block mask with empty tiles between visible ones, rows a ``mask_mod``
 hides entirely, a block mask's rows (solid ones and ones with holes), integer and
 boolean tables, and a rule the kernel cannot take (``"auto"`` runs the NumPy fast path
-instead, ``implementation="numba_cpu"`` refuses naming it).
+instead, ``implementation="numba_cpu"`` refuses naming it); a rule seen before is not
+traced again unless a value it reads changed (:func:`polyattn.rules.tracing.fingerprint`).
 """
 
 from __future__ import annotations
@@ -417,3 +418,61 @@ def test_a_block_mask_must_fit_the_call_s_mask_mod():
                                mod_args=(docs,), block=(4, 4))
     out = sdpa(q, k, v, block_mask=same, mask_mod=causal, mod_args=(docs,))  # same rule
     assert rel_error(out, sdpa(q, k, v, is_causal=True, implementation="reference")) <= 1e-12
+
+
+#: Read by ``_capped`` below: rebinding it must change the compiled rule.
+CAP = 2.0
+
+
+def _capped(s, b, h, q_idx, kv_idx):
+    return CAP * ops.tanh(s / CAP)
+
+
+def test_fingerprint_tells_rules_apart_by_what_they_read():
+    """Equal code reading equal values gives equal keys; a rebound global, another
+    closure value or default gives another key; a rule reading a mutable object (an
+    array in its closure) gets none, so that it is traced at every call."""
+    global CAP
+    fp = tracing.fingerprint
+
+    def make(cap, offset=0):
+        return lambda s, b, h, q_idx, kv_idx, o=offset: cap * ops.tanh(s / cap) + o
+
+    assert fp(make(3.0)) == fp(make(3.0)) is not None
+    assert fp(make(3.0)) != fp(make(4.0))
+    assert fp(make(3.0)) != fp(make(3.0, offset=1))
+    before = fp(_capped)
+    try:
+        CAP = 5.0
+        assert fp(_capped) != before
+    finally:
+        CAP = 2.0
+    assert fp(_capped) == before
+    table = np.ones(3)
+    assert fp(lambda s, b, h, q_idx, kv_idx: s * table[0]) is None
+    helper = make(3.0)
+    assert fp(lambda s, b, h, q_idx, kv_idx: helper(s, b, h, q_idx, kv_idx)) is not None
+
+
+def test_numba_cpu_recompiles_a_rule_whose_global_changed(numba_cpu, monkeypatch):
+    """A rule seen before runs without being traced again; rebinding a global it reads
+    gives the new rule's result, not the cached one's."""
+    global CAP
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, tq=24, tk=24)
+    kw = dict(enable_gqa=True, score_mod=_capped)
+    sdpa(q, k, v, implementation=numba_cpu, **kw)
+    calls = []
+    real = tracing.trace
+    monkeypatch.setattr(tracing, "trace", lambda *a: calls.append(a[1]) or real(*a))
+    out = sdpa(q, k, v, implementation=numba_cpu, **kw)
+    assert calls == []                                    # neither checked nor compiled again
+    try:
+        CAP = 0.5
+        changed = sdpa(q, k, v, implementation=numba_cpu, **kw)
+        want = sdpa(q, k, v, implementation="reference", **kw)
+    finally:
+        CAP = 2.0
+    assert calls                                          # the new value was traced
+    assert rel_error(changed, want) <= 1e-12
+    assert rel_error(out, changed) > 1e-3

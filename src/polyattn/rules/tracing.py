@@ -279,6 +279,55 @@ def trace(fn: Callable[..., Any], what: str, mod_args: tuple[Any, ...]) -> Trace
     return Traced(what=what, result=result, tables=kinds)
 
 
+#: Values a rule may read from its closure or globals and still be recognised by
+#: :func:`fingerprint`: numbers, strings, None (by value) and these modules.
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), np.number, np.bool_)
+
+
+def fingerprint(fn: Any, _depth: int = 0) -> Any:
+    """A hashable key that is equal for two rules whose traces are equal: the function's
+    code, defaults, and the values of its closure and of the globals its code names
+    (numbers and strings by value, :mod:`polyattn.ops`, :mod:`math` and NumPy by name,
+    functions by their own fingerprint); ``None`` where the function reads anything else
+    (an object whose attributes may change): such a rule is traced at every call."""
+    code = getattr(fn, "__code__", None)
+    if code is None or _depth > 4:
+        return None
+    from polyattn import ops
+
+    modules = {id(ops): "ops", id(math): "math", id(np): "np"}
+
+    def value(v: Any) -> Any:
+        if isinstance(v, _PLAIN):
+            return (type(v), v)
+        if id(v) in modules:
+            return modules[id(v)]
+        if isinstance(v, tuple):
+            parts = tuple(value(x) for x in v)
+            return None if any(x is None for x in parts) else parts
+        if getattr(v, "__code__", None) is not None:
+            return fingerprint(v, _depth + 1)
+        return None
+
+    names: set[str] = set()
+    stack = [code]
+    while stack:                                       # the code and the code it nests
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
+    glob = getattr(fn, "__globals__", {})
+    parts = [("code", code), ("defaults", value(fn.__defaults__ or ())),
+             ("kwdefaults", value(tuple(sorted((fn.__kwdefaults__ or {}).items()))))]
+    try:
+        parts += [("cell", value(c.cell_contents)) for c in fn.__closure__ or ()]
+    except ValueError:                                 # a cell not yet assigned
+        return None
+    parts += [(name, value(glob[name])) for name in sorted(names) if name in glob]
+    if any(v is None for _, v in parts):
+        return None
+    return tuple(parts)
+
+
 def depends(node: Node, leaf: str, memo: dict[int, bool]) -> bool:
     key = id(node)
     if key not in memo:

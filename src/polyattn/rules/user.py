@@ -20,6 +20,7 @@ from typing import Any
 
 from polyattn._interop import concrete_values
 from polyattn.ops import _CONTROL_FLOW, Dual
+from polyattn.rules.tracing import fingerprint
 
 Array = Any
 
@@ -133,7 +134,34 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
 def probe(user: UserRules, xp: Any, dtype: Any, device: Any) -> None:
     """Call the rules once on a 2 × 2 tile of one batch row and head, on values that carry a
     derivative: errors (Python control flow, an unknown call, a bad index) surface here,
-    at the call, naming the function."""
+    at the call, naming the function. Rules probed before (the same
+    :func:`.tracing.fingerprint`, library, dtype, device and tables) are not probed
+    again."""
+    key = _probe_key(user, xp, dtype, device)
+    if key is not None and key in _PROBED:
+        return
+    _probe(user, xp, dtype, device)
+    if key is not None:
+        if len(_PROBED) >= 256:
+            _PROBED.discard(next(iter(_PROBED)))
+        _PROBED.add(key)
+
+
+#: Keys (:func:`_probe_key`) of the rules :func:`probe` found working.
+_PROBED: set[Any] = set()
+
+
+def _probe_key(user: UserRules, xp: Any, dtype: Any, device: Any) -> Any:
+    fps = tuple(None if fn is None else fingerprint(fn)
+                for fn in (user.score_mod, user.mask_mod))
+    if any(fp is None and fn is not None
+           for fp, fn in zip(fps, (user.score_mod, user.mask_mod), strict=True)):
+        return None
+    tables = tuple((type(a), tuple(a.shape), str(a.dtype)) for a in user.mod_args)
+    return (fps, getattr(xp, "__name__", id(xp)), str(dtype), str(device), tables)
+
+
+def _probe(user: UserRules, xp: Any, dtype: Any, device: Any) -> None:
     idx = indices((1,), 1, 1, 0, 2, 0, 2, xp, device)
     tables = _tables(user, xp)
     if user.score_mod is not None:

@@ -461,14 +461,29 @@ def unpack_columns(src: Any, scale: Any, b: int, hk: int, g_heads: int, q0: int,
 @njit(nogil=True, cache=True, inline="always")
 def finite_columns(xt: Any, rows: int) -> Any:
     """Per item row ``r`` of the panels ``xt`` (:func:`pack_columns`), whether its every
-    feature is finite (vector operations along the panels' rows)."""
-    panels, feats, width = xt.shape
-    ok = np.ones(panels * width, np.bool_)
+    feature is finite: no feature has every exponent bit set (inf and NaN do). Integer
+    operations along the panels' rows, which vectorise and which ``fastmath`` cannot
+    fold away."""
+    ok = np.empty(xt.shape[0] * xt.shape[2], np.bool_)
+    if xt.itemsize == 4:
+        exponent_bits(xt.view(np.uint32), np.uint32(0x7F800000), ok)
+    else:
+        exponent_bits(xt.view(np.uint64), np.uint64(0x7FF0000000000000), ok)
+    return ok
+
+
+@njit(nogil=True, cache=True, inline="always")
+def exponent_bits(bits: Any, exponent: Any, ok: Any) -> None:
+    """``ok[p·W + c]``: no ``bits[p, f, c] & exponent`` equals ``exponent``."""
+    panels, feats, width = bits.shape
+    top = np.empty(width, bits.dtype)
     for p in range(panels):
+        top[:] = 0
         for f in range(feats):
             for c in range(width):
-                ok[p * width + c] &= np.isfinite(xt[p, f, c])
-    return ok
+                top[c] = max(top[c], bits[p, f, c] & exponent)
+        for c in range(width):
+            ok[p * width + c] = top[c] != exponent
 
 
 # --- the forward pass ----------------------------------------------------------------------
@@ -556,26 +571,25 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
             begun[p] = True
     nan = lse.dtype.type(np.nan)
     finite = finite_columns(qt, rows)
-    inv = np.zeros(panels * width, dtype=dt)
-    for r in range(rows):
-        if finite[r] and l[r] != zero:
-            inv[r] = one / l[r]
+    inv = np.empty(panels * width, dtype=dt)
+    for r in range(panels * width):
+        inv[r] = one / l[r] if finite[r] and l[r] != zero else zero
     for p in range(panels):
         if not begun[p]:
             acc[p] = zero                           # no row of the panel saw a key
     unpack_columns(acc, inv, b, hk, g_heads, q0, bq, rows, out)
-    for r in range(rows):
-        g = r // bq
-        i = q0 + r - g * bq
+    for g in range(g_heads):
         h = hk * g_heads + g
-        if not finite[r]:
-            out[b, h, i, :] = nan
-            lse[b, h, i] = nan
-        elif l[r] == zero:
-            out[b, h, i, :] = zero                  # 0·V is NaN where V holds inf or NaN
-            lse[b, h, i] = ninf
-        else:
-            lse[b, h, i] = m[r] + np.log(l[r])
+        for i in range(q0, q1):
+            r = g * bq + i - q0
+            if not finite[r]:
+                out[b, h, i, :] = nan
+                lse[b, h, i] = nan
+            elif l[r] == zero:
+                out[b, h, i, :] = zero              # 0·V is NaN where V holds inf or NaN
+                lse[b, h, i] = ninf
+            else:
+                lse[b, h, i] = m[r] + np.log(l[r])
 
 
 # compiled for the signatures of :func:`signature` by ``numba_cpu.kernels``

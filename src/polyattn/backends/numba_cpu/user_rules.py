@@ -193,13 +193,35 @@ def functions(rules: Any, dtype: Any, arrays: tuple[np.ndarray, ...],
     user = rules.user
     with _lock:
         if rule is not None:
-            traced = tracing.trace(rule, "score_mod", arrays)
-            score = _compiled(scalar.source(traced, "score", width), "score", name)
-            grad = _compiled(scalar.source(traced, "score_grad", width), "score_grad", name)
+            score, grad = _rule_functions(rule, "score_mod", arrays, width, name)
         if user is not None and user.mask_mod is not None:
-            traced = tracing.trace(user.mask_mod, "mask_mod", arrays[:len(user.mod_args)])
-            mask = _compiled(scalar.source(traced, "mask", width), "mask", name)
+            (mask,) = _rule_functions(user.mask_mod, "mask_mod", arrays[:len(user.mod_args)],
+                                      width, name)
     return score, grad, mask
+
+
+#: Compiled functions by the rule's :func:`.tracing.fingerprint` and the tables' shapes
+#: and dtypes: a rule seen before is neither traced nor written out again.
+_FUNCTIONS: dict[Any, tuple[Any, ...]] = {}
+_FUNCTIONS_KEPT = 256
+
+
+def _rule_functions(fn: Callable[..., Any], what: str, arrays: tuple[np.ndarray, ...],
+                    width: int, name: str) -> tuple[Any, ...]:
+    """``(score, score_grad)`` for a ``score_mod``, ``(mask,)`` for a ``mask_mod``."""
+    forms = ("score", "score_grad") if what == "score_mod" else ("mask",)
+    fp = tracing.fingerprint(fn)
+    key = None if fp is None else (fp, what, tuple((a.shape, a.dtype.str) for a in arrays),
+                                   width, name)
+    if key is not None and key in _FUNCTIONS:
+        return _FUNCTIONS[key]
+    traced = tracing.trace(fn, what, arrays)
+    got = tuple(_compiled(scalar.source(traced, form, width), form, name) for form in forms)
+    if key is not None:
+        if len(_FUNCTIONS) >= _FUNCTIONS_KEPT:
+            _FUNCTIONS.pop(next(iter(_FUNCTIONS)))
+        _FUNCTIONS[key] = got
+    return got
 
 
 def _arrays(mod_args: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
@@ -212,14 +234,27 @@ def check(rules: Any) -> str | None:
     user = rules.user
     if user is None:
         return None
-    try:
-        arrays = _arrays(user.mod_args)
-        for fn, what in ((user.score_mod, "score_mod"), (user.mask_mod, "mask_mod")):
-            if fn is not None:
-                tracing.trace(fn, what, arrays)
-    except TypeError as exc:
-        return str(exc)
+    arrays = _arrays(user.mod_args)
+    for fn, what in ((user.score_mod, "score_mod"), (user.mask_mod, "mask_mod")):
+        if fn is None:
+            continue
+        fp = tracing.fingerprint(fn)
+        key = None if fp is None else (fp, what, tuple((a.shape, a.dtype.str) for a in arrays))
+        if key is not None and key in _CHECKED:
+            continue                      # traced before, as the same rule on such tables
+        try:
+            tracing.trace(fn, what, arrays)
+        except TypeError as exc:
+            return str(exc)
+        if key is not None:
+            if len(_CHECKED) >= _FUNCTIONS_KEPT:
+                _CHECKED.discard(next(iter(_CHECKED)))
+            _CHECKED.add(key)
     return None
+
+
+#: The rules :func:`check` traced without error (keys as for :data:`_FUNCTIONS`).
+_CHECKED: set[Any] = set()
 
 
 def lower(rules: Any, batch: tuple[int, ...], heads: int, dtype: Any, offsets: np.ndarray,
