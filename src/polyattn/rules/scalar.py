@@ -24,6 +24,7 @@ def score_grad(s, ld, n, w, key0, qs, hs, b, d, fb, ib, meta):
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -295,6 +296,13 @@ def source(traced: Traced, form: str, width: int | None = None) -> str:
     else:
         raise ValueError(f"form must be one of {sorted(HEADS)}, got {form!r}")
     lines = [HEADS[form], *("    " + line for line in w.outer)]
+    if form != "mask" and not w.per_row and not w.per_key and not any(
+            re.search(r"\b(q|h|kv)\b", line) for line in (*w.lines, *tail)):
+        # a rule of the score alone: where the rows of the panel are contiguous, one loop
+        # over all of it (long SIMD runs, no loop set up per key)
+        flat = [line.replace("j * ld + c", "t") for line in (*w.lines, *tail)]
+        lines += ["    if ld == w:", "        for t in range(n * w):", "            x = s[t]",
+                  *("            " + line for line in flat), "        return"]
     dtypes = {FLOAT: "T", INT: "np.int64", BOOL: "np.bool_"}
     if w.per_row:                        # the values of each query row, in one array each
         lines += [f"    r{name} = np.empty(w, {dtypes[kind]})" for name, _, kind in w.per_row]
