@@ -1,9 +1,19 @@
 """The backward pass's work (:func:`.launch.backward` is its entry point).
 
-FlashAttention-2's backward pass in two parallel loops of one kernel: dQ per query
-item, dK and dV per block of keys (summed over the G query heads of a group), the
-weights recomputed from the scores and the saved ``lse``, ``D = rowsum(dO∘O)`` (less
-``grad_lse``), the products in register tiles as in the forward pass.
+One parallel loop over blocks of keys: for each block, dK and dV of its rows (summed
+over the G query heads of a group) and its share of dQ, the weights recomputed from the
+scores and the saved ``lse``, ``D = rowsum(dO∘O)`` (less ``grad_lse``), the products in
+register tiles as in the forward pass. Five products per score (``S``, ``dP``, ``dV``,
+``dK``, ``dQ``), where FlashAttention-2's two loops (dQ per query block, dK and dV per
+key block) recompute ``S`` and ``dP`` in each: seven.
+
+A work item is every ``parts``-th block of keys of one (batch row, key/value head),
+from its own first one (:func:`key_items`): its blocks run one after another and add
+their share of dQ to the item's own part, so that no two threads add to the same rows
+and the sum does not depend on the number of threads or on which thread ran what. With
+one part (as many (batch row, head) pairs as the threads need) dQ is that part; with
+more, the parts are summed in order after the loop (each a dQ's worth of memory,
+bounded by :data:`PART_BYTES`).
 """
 
 from __future__ import annotations
@@ -35,13 +45,18 @@ def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: A
     if grad_lse is not None:
         dd -= np.broadcast_to(np.asarray(grad_lse, dtype=dt),
                               (*call.batch, h, tq)).reshape(n_batch, h, tq)
-    dq = np.zeros((n_batch, h, tq, call.e), dtype=dt)
     dk = np.zeros((n_batch, hkv, tk, call.e), dtype=dt)
     dv = np.zeros((n_batch, hkv, tk, call.ev), dtype=dt)
-    q_items, k_items = call.query_items(), call.key_items()
-    if q_items.size or k_items.size:
-        threads.run(compiler.backward_kernel(), *call.common(), go, lse3, dd, q_items,
-                    k_items, call.fparams, call.iparams, dq, dk, dv)
+    parts = part_count(n_batch * hkv, -(-tk // call.block_k),
+                       n_batch * h * tq * call.e * dt.itemsize, threads.count())
+    dq_parts = np.zeros((parts, n_batch, h, tq, call.e), dtype=dt)
+    items = key_items(call.lengths, hkv, call.block_k, parts)
+    if items.size:
+        threads.run(compiler.backward_kernel(), *call.common(), go, lse3, dd, items,
+                    call.fparams, call.iparams, dq_parts, dk, dv)
+    dq = dq_parts[0]
+    for part in dq_parts[1:]:                      # in order: the same sum every time
+        dq += part
     return (_unbroadcast(dq.reshape((*call.batch, h, tq, call.e)), q.shape),
             _unbroadcast(dk.reshape((*call.batch, hkv, tk, call.e)), k.shape),
             _unbroadcast(dv.reshape((*call.batch, hkv, tk, call.ev)), v.shape))
@@ -52,3 +67,29 @@ def _unbroadcast(full: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     axes = tuple(i for i, (n, m) in enumerate(zip(shape, full.shape, strict=True))
                  if n == 1 and m != 1)
     return full.sum(axis=axes, keepdims=True) if axes else full
+
+
+#: The most memory the parts of dQ beyond the first may take (each is a dQ's worth).
+PART_BYTES = 256 * 2**20
+#: Work items per thread the backward pass aims for (for load balance).
+ITEMS_PER_THREAD = 4
+
+
+def part_count(heads: int, blocks: int, dq_bytes: int, n_threads: int) -> int:
+    """How many parts dQ is summed from: enough work items (``heads`` (batch row,
+    key/value head) pairs, each split into that many items) for ``n_threads``, no more
+    than the ``blocks`` of keys, and the parts beyond the first within
+    :data:`PART_BYTES`."""
+    wanted = -(-ITEMS_PER_THREAD * max(n_threads, 1) // max(heads, 1))
+    affordable = 1 + PART_BYTES // max(dq_bytes, 1)
+    return int(max(1, min(wanted, blocks, affordable)))
+
+
+def key_items(lengths: np.ndarray, hkv: int, block_k: int, parts: int) -> np.ndarray:
+    """(b, hk, first key, step, part, 0) per work item: part ``p`` of (batch row ``b``,
+    head ``hk``) takes the blocks of keys ``p·block_k + i·parts·block_k`` below the
+    batch row's length; the batch rows with the most keys first."""
+    items = [(b, hk, p * block_k, parts * block_k, p, 0)
+             for b in np.argsort(-np.asarray(lengths), kind="stable")
+             for hk in range(hkv) for p in range(parts) if p * block_k < lengths[b]]
+    return np.asarray(items, dtype=np.int64).reshape(-1, 6)

@@ -661,183 +661,133 @@ def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, las
 
 
 @njit(nogil=True, fastmath=fastmath, cache=True)
-def grad_query_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                    mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
-                    go: Any, lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any,
-                    dq: Any) -> None:
-    """dQ of one work item (as in the forward pass): per block of keys and panel of query
-    rows, ``Sᵀ`` and ``P`` recomputed from the saved ``lse``, ``dPᵀ = V·dOᵀ``, ``dS``, and
-    ``dQᵀ += scale·Kᵀ·dSᵀ``."""
-    b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
+def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
+                  mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
+                  go: Any, lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any,
+                  dq: Any, dk: Any, dv: Any) -> None:
+    """Gradients for the blocks of keys ``k0 = start, start + step, …`` (below the batch
+    row's length) of head ``hk``, batch row ``b``: for each block, over every query row of
+    the G heads of its group in panels of KEY_PANELS × W rows, ``Sᵀ`` and ``P``
+    recomputed from the saved ``lse``, ``dPᵀ = V·dOᵀ`` and ``dS`` per W rows; then
+    ``dV += Pdᵀ·dO`` and ``dK += scale·dSᵀ·Q`` over the whole panel (products
+    KEY_PANELS·W deep), written to the block's rows of ``dk`` and ``dv``; and
+    ``dQ += scale·dS·K`` for the panel's rows, added to ``dq[part]`` (the item's own
+    part: no other item adds to it while this one runs)."""
+    b, hk, start, step, part = item[0], item[1], item[2], item[3], item[4]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
-    bq = q1 - q0
-    rows = g_heads * bq
     dt = q.dtype
-    scale, zero, ninf = fparams[0], fparams[2], fparams[4]
+    scale, zero, one, ninf = fparams[0], fparams[2], fparams[3], fparams[4]
     block_k = iparams[6]
     tq, tk = q.shape[2], k.shape[2]
     offset = offsets[b]
     size = q.itemsize
     width = VECTOR_BYTES // size * TILE_VECTORS
-    panels = (rows + width - 1) // width
-
-    qt = np.empty((panels, e, width), dtype=dt)
-    pack_columns(q, qmap[b], hk, g_heads, q0, bq, rows, qt)
-    dot = np.empty((panels, ev, width), dtype=dt)
-    pack_columns(go, b, hk, g_heads, q0, bq, rows, dot)
-    shift = np.zeros(panels * width, dtype=dt)              # lse per column (0 if -inf)
-    dcol = np.zeros(panels * width, dtype=dt)               # D per column
-    for r in range(rows):
-        g = r // bq
-        h, i = hk * g_heads + g, q0 + r - g * bq
-        shift[r] = lse[b, h, i] if lse[b, h, i] != ninf else zero
-        dcol[r] = dd[b, h, i]
-    dqt = np.zeros((panels, e, width), dtype=dt)
-    st, dpt = np.empty((block_k, width), dtype=dt), np.empty((block_k, width), dtype=dt)
-    tt = np.empty((block_k if iparams[14] else 0, width), dtype=dt)
-    heads, qrow = np.empty(width, np.int64), np.empty(width, np.int64)
-    first, last = np.empty(width, np.int64), np.empty(width, np.int64)
-    scratch = np.empty((2, width), np.int64)                # for user_mask
-    kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
-    kt, vt = np.empty((e, block_k), dtype=dt), np.empty((ev, block_k), dtype=dt)
-    hi_key = min(k_hi, lengths[b])
-    for k0 in range(k_lo, hi_key, block_k):
-        n = min(k0 + block_k, hi_key) - k0
-        k_ptr, ldk = block_rows(k, kmap[b], hk, k0, n, kblk)
-        transpose(k_ptr, ldk, kt.ctypes.data, block_k, n, e, zero)
-        transpose_rows(v, vmap[b], hk, k0, n, vblk, vt)
-        for p in range(panels):
-            c0 = p * width
-            lo, hi = panel_keys(c0, rows, bq, q0, hk, g_heads, offset, k0, n, iparams, lse,
-                                b, True, heads, qrow, first, last, segments, user)
-            if lo >= hi:
-                continue
-            s_lo = st.ctypes.data + lo * width * size
-            tile_product(kt.ctypes.data + lo * size, 1, block_k, hi - lo, qt[p].ctypes.data,
-                         width, s_lo, width, e, scale, False, size)
-            transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
-                            mask, slopes, fparams, iparams, tt, True, user, scratch)
-            exp_columns(s_lo, hi - lo, width, shift[c0:].ctypes.data, zero)
-            tile_product(vt.ctypes.data + lo * size, 1, block_k, hi - lo, dot[p].ctypes.data,
-                         width, dpt.ctypes.data + lo * width * size, width, ev, fparams[3],
-                         False, size)
-            if iparams[7]:
-                dropout_panel(st, dpt, st, lo, hi, first, last, heads, qrow, k0, b, tq, tk,
-                              fparams, iparams, False)
-            score_gradient(st, dpt, tt, lo, hi, first, last, dcol[c0:], fparams, iparams)
-            tile_product(k_ptr + lo * ldk * size, 1, ldk, e, s_lo, width,
-                         dqt[p].ctypes.data, width, hi - lo, scale, True, size)
-    unpack_columns(dqt, np.ones(panels * width, dtype=dt), b, hk, g_heads, q0, bq, rows, dq)
-
-
-@njit(nogil=True, fastmath=fastmath, cache=True)
-def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
-                  mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
-                  go: Any, lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any, dk: Any,
-                  dv: Any) -> None:
-    """dK and dV of keys ``[k0, k1)`` of head ``hk``, batch row ``b``, over every query row
-    of the G heads of its group, in panels of KEY_PANELS × W rows: ``Sᵀ``, ``P`` and
-    ``dPᵀ`` per W rows as in :func:`grad_query_item`, then ``dV += Pdᵀ·dO`` and
-    ``dK += scale·dSᵀ·Q`` over the whole panel (products KEY_PANELS·W deep)."""
-    b, hk, k0, k1 = item[0], item[1], item[2], item[3]
-    e, ev = q.shape[3], v.shape[3]
-    g_heads = q.shape[1] // k.shape[1]
-    dt = q.dtype
-    scale, zero, one, ninf = fparams[0], fparams[2], fparams[3], fparams[4]
-    tq, tk = q.shape[2], k.shape[2]
-    offset = offsets[b]
-    size = q.itemsize
-    width = VECTOR_BYTES // size * TILE_VECTORS
     wide = KEY_PANELS * width
-    n = min(k1, lengths[b]) - k0
-    if n <= 0:
-        return
     rows = g_heads * tq
     e_pad = (e + width - 1) // width * width
     ev_pad = (ev + width - 1) // width * width
-    kblk, vblk = np.empty((n, e), dtype=dt), np.empty((n, ev), dtype=dt)
-    kt, vt = np.empty((e, n), dtype=dt), np.empty((ev, n), dtype=dt)
-    transpose_rows(k, kmap[b], hk, k0, n, kblk, kt)
-    transpose_rows(v, vmap[b], hk, k0, n, vblk, vt)
-    dka, dva = np.zeros((n, e_pad), dtype=dt), np.zeros((n, ev_pad), dtype=dt)
+    kblk, vblk = np.empty((block_k, e), dtype=dt), np.empty((block_k, ev), dtype=dt)
+    kt, vt = np.empty((e, block_k), dtype=dt), np.empty((ev, block_k), dtype=dt)
+    kp = np.zeros((block_k, e_pad), dtype=dt)               # K's rows, padded with zeros
+    dka, dva = np.empty((block_k, e_pad), dtype=dt), np.empty((block_k, ev_pad), dtype=dt)
+    dqa = np.empty((wide, e_pad), dtype=dt)                  # a panel's dQ from one block
     # one panel of query rows: Qᵀ and dOᵀ per W rows (features × W), Q and dO (rows ×
     # features, padded with zeros)
     qt = np.empty((KEY_PANELS, e, width), dtype=dt)
     dot = np.empty((KEY_PANELS, ev, width), dtype=dt)
     qp, dop = np.zeros((wide, e_pad), dtype=dt), np.zeros((wide, ev_pad), dtype=dt)
     shift, dcol = np.empty(wide, dtype=dt), np.empty(wide, dtype=dt)
-    st, dpt = np.empty((n, wide), dtype=dt), np.empty((n, wide), dtype=dt)
-    pd = np.empty((n if iparams[7] else 0, wide), dtype=dt)
-    tt = np.empty((n if iparams[14] else 0, wide), dtype=dt)
+    st, dpt = np.empty((block_k, wide), dtype=dt), np.empty((block_k, wide), dtype=dt)
+    pd = np.empty((block_k if iparams[7] else 0, wide), dtype=dt)
+    tt = np.empty((block_k if iparams[14] else 0, wide), dtype=dt)
     heads, qrow = np.empty(wide, np.int64), np.empty(wide, np.int64)
     first, last = np.empty(wide, np.int64), np.empty(wide, np.int64)
     scratch = np.empty((2, wide), np.int64)                 # for user_mask
-    for c0 in range(0, rows, wide):
-        lo, hi = panel_keys(c0, rows, tq, 0, hk, g_heads, offset, k0, n, iparams, lse, b,
-                            True, heads, qrow, first, last, segments, user)
-        if lo >= hi:
-            continue
-        for c in range(wide):
-            sub, cc = c // width, c % width
-            if c0 + c < rows:
-                h, i = heads[c], qrow[c]
-                shift[c] = lse[b, h, i] if lse[b, h, i] != ninf else zero
-                dcol[c] = dd[b, h, i]
-                qrow_, gorow = q[qmap[b], h, i], go[b, h, i]
+    ld_k, ld_v = kt.shape[1], vt.shape[1]
+    for k0 in range(start, min(tk, lengths[b]), step):
+        n = min(k0 + block_k, tk, lengths[b]) - k0
+        transpose_rows(k, kmap[b], hk, k0, n, kblk, kt)
+        transpose_rows(v, vmap[b], hk, k0, n, vblk, vt)
+        krows = k[kmap[b], hk]
+        for j in range(n):
+            for f in range(e):
+                kp[j, f] = krows[k0 + j, f]
+        dka[:n] = zero
+        dva[:n] = zero
+        for c0 in range(0, rows, wide):
+            lo, hi = panel_keys(c0, rows, tq, 0, hk, g_heads, offset, k0, n, iparams, lse,
+                                b, True, heads, qrow, first, last, segments, user)
+            if lo >= hi:
+                continue
+            for c in range(wide):
+                sub, cc = c // width, c % width
+                if c0 + c < rows:
+                    h, i = heads[c], qrow[c]
+                    shift[c] = lse[b, h, i] if lse[b, h, i] != ninf else zero
+                    dcol[c] = dd[b, h, i]
+                    qrow_, gorow = q[qmap[b], h, i], go[b, h, i]
+                    for f in range(e):
+                        qt[sub, f, cc] = qp[c, f] = qrow_[f]
+                    for f in range(ev):
+                        dot[sub, f, cc] = dop[c, f] = gorow[f]
+                else:
+                    shift[c], dcol[c] = zero, zero
+                    for f in range(e):
+                        qt[sub, f, cc] = qp[c, f] = zero
+                    for f in range(ev):
+                        dot[sub, f, cc] = dop[c, f] = zero
+            s_lo = st.ctypes.data + lo * wide * size
+            d_lo = dpt.ctypes.data + lo * wide * size
+            for sub in range(KEY_PANELS):
+                tile_product(kt.ctypes.data + lo * size, 1, ld_k, hi - lo,
+                             qt[sub].ctypes.data, width, s_lo + sub * width * size, wide, e,
+                             scale, False, size)
+            transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b],
+                            mask, slopes, fparams, iparams, tt, True, user, scratch)
+            for sub in range(KEY_PANELS):
+                exp_columns(s_lo + sub * width * size, hi - lo, wide,
+                            shift.ctypes.data + sub * width * size, zero)
+                tile_product(vt.ctypes.data + lo * size, 1, ld_v, hi - lo,
+                             dot[sub].ctypes.data, width, d_lo + sub * width * size, wide, ev,
+                             one, False, size)
+            weights = st                                 # P, or with dropout P·factor
+            if iparams[7]:
+                dropout_panel(st, dpt, pd, lo, hi, first, last, heads, qrow, k0, b, tq, tk,
+                              fparams, iparams, True)
+                weights = pd
+            wide_product(weights.ctypes.data + lo * wide * size, wide, 1, hi - lo,
+                         dop.ctypes.data, ev_pad, dva.ctypes.data + lo * ev_pad * size,
+                         ev_pad, wide, ev_pad, one, size)
+            score_gradient(st, dpt, tt, lo, hi, first, last, dcol, fparams, iparams)
+            wide_product(s_lo, wide, 1, hi - lo, qp.ctypes.data, e_pad,
+                         dka.ctypes.data + lo * e_pad * size, e_pad, wide, e_pad, scale, size)
+            # dQ of the panel's rows: dS (keys × rows) read down its columns times K's rows
+            dqa[:] = zero
+            wide_product(s_lo, 1, wide, wide, kp.ctypes.data + lo * e_pad * size, e_pad,
+                         dqa.ctypes.data, e_pad, hi - lo, e_pad, scale, size)
+            for c in range(min(wide, rows - c0)):
+                dqrow = dq[part, b, heads[c], qrow[c]]
                 for f in range(e):
-                    qt[sub, f, cc] = qp[c, f] = qrow_[f]
-                for f in range(ev):
-                    dot[sub, f, cc] = dop[c, f] = gorow[f]
-            else:
-                shift[c], dcol[c] = zero, zero
-                for f in range(e):
-                    qt[sub, f, cc] = qp[c, f] = zero
-                for f in range(ev):
-                    dot[sub, f, cc] = dop[c, f] = zero
-        s_lo = st.ctypes.data + lo * wide * size
-        d_lo = dpt.ctypes.data + lo * wide * size
-        for sub in range(KEY_PANELS):
-            tile_product(kt.ctypes.data + lo * size, 1, n, hi - lo, qt[sub].ctypes.data,
-                         width, s_lo + sub * width * size, wide, e, scale, False, size)
-        transform_panel(st, lo, hi, first, last, heads, qrow, k0, offset, b, mmap[b], mask,
-                        slopes, fparams, iparams, tt, True, user, scratch)
-        for sub in range(KEY_PANELS):
-            exp_columns(s_lo + sub * width * size, hi - lo, wide,
-                        shift.ctypes.data + sub * width * size, zero)
-            tile_product(vt.ctypes.data + lo * size, 1, n, hi - lo, dot[sub].ctypes.data,
-                         width, d_lo + sub * width * size, wide, ev, one, False, size)
-        weights = st                                 # P, or with dropout P·factor
-        if iparams[7]:
-            dropout_panel(st, dpt, pd, lo, hi, first, last, heads, qrow, k0, b, tq, tk,
-                          fparams, iparams, True)
-            weights = pd
-        wide_product(weights.ctypes.data + lo * wide * size, wide, 1, hi - lo,
-                     dop.ctypes.data, ev_pad, dva.ctypes.data + lo * ev_pad * size, ev_pad,
-                     wide, ev_pad, one, size)
-        score_gradient(st, dpt, tt, lo, hi, first, last, dcol, fparams, iparams)
-        wide_product(s_lo, wide, 1, hi - lo, qp.ctypes.data, e_pad,
-                     dka.ctypes.data + lo * e_pad * size, e_pad, wide, e_pad, scale, size)
-    for j in range(n):
-        dkrow, dvrow = dk[b, hk, k0 + j], dv[b, hk, k0 + j]
-        for f in range(e):
-            dkrow[f] = dka[j, f]
-        for f in range(ev):
-            dvrow[f] = dva[j, f]
+                    dqrow[f] += dqa[c, f]
+        for j in range(n):
+            dkrow, dvrow = dk[b, hk, k0 + j], dv[b, hk, k0 + j]
+            for f in range(e):
+                dkrow[f] = dka[j, f]
+            for f in range(ev):
+                dvrow[f] = dva[j, f]
 
 
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def backward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any, mmap: Any,
              lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any, go: Any,
-             lse: Any, dd: Any, q_items: Any, k_items: Any, fparams: Any, iparams: Any,
-             dq: Any, dk: Any, dv: Any) -> None:
-    """dQ over the query items, then dK and dV over the key items (each its own rows)."""
-    for t in prange(q_items.shape[0]):
-        grad_query_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                        segments, user, go, lse, dd, q_items[t], fparams, iparams, dq)
-    for t in prange(k_items.shape[0]):
+             lse: Any, dd: Any, items: Any, fparams: Any, iparams: Any, dq: Any, dk: Any,
+             dv: Any) -> None:
+    """dQ, dK and dV over the key items (:func:`grad_key_item`: each writes its own rows
+    of dK and dV, and adds to its own part of dQ)."""
+    for t in prange(items.shape[0]):
         grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                      segments, user, go, lse, dd, k_items[t], fparams, iparams, dk, dv)
+                      segments, user, go, lse, dd, items[t], fparams, iparams, dq, dk, dv)
 
 
 def backward_signature(dt: Any) -> Any:
@@ -851,6 +801,6 @@ def backward_signature(dt: Any) -> Any:
     i1, i2 = arr(t.int64, 1), arr(t.int64, 2)
     return t.void(arr(dt, 4), arr(dt, 4), arr(dt, 4), i1, i1, i1, arr(dt, 4), i1, i1, i1,
                   arr(dt, 2), arr(t.int64, 3), user_type(dt), arr(dt, 4), arr(dt, 3),
-                  arr(dt, 3), i2, i2,
+                  arr(dt, 3), i2,
                   arr(dt, 1), i1,
-                  arr(dt, 4, False), arr(dt, 4, False), arr(dt, 4, False))
+                  arr(dt, 5, False), arr(dt, 4, False), arr(dt, 4, False))
