@@ -264,6 +264,48 @@ def test_strided_features_and_views_forward_and_backward():
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=name)
 
 
+def test_backward_parts_of_dq_and_their_work_items(monkeypatch):
+    """The backward pass's work items cover every block of keys once (part p of a head
+    takes every ``parts``-th block from its p-th); dQ summed from several parts equals
+    dQ from one (and the reference), and the same parts give the same bits whatever the
+    number of threads; the parts stay within their memory budget."""
+    from polyattn.backends.numba_cpu import gradients
+
+    items = gradients.key_items(np.array([700, 300]), 2, 256, 3)
+    covered = {(b, hk, k0) for b, hk, start, step, _, _ in items
+               for k0 in range(start, (700, 300)[b], step)}
+    assert covered == {(b, hk, k0) for b, n in enumerate((700, 300)) for hk in range(2)
+                       for k0 in range(0, n, 256)}
+    assert len(covered) == sum(len(range(s, (700, 300)[b], st))
+                               for b, _, s, st, _, _ in items)        # none twice
+    assert items[0][0] == 0 and set(items[:, 4]) == {0, 1, 2}
+    assert gradients.part_count(64, 8, 1 << 20, 2) == 1        # heads enough for 2 threads
+    assert gradients.part_count(1, 8, 1 << 20, 2) == 8         # one head: split its blocks
+    assert gradients.part_count(1, 3, 1 << 20, 16) == 3        # no more than the blocks
+    assert gradients.part_count(1, 64, gradients.PART_BYTES, 16) == 2    # memory bound
+
+    rng = np.random.default_rng(36)
+    q, k, v = _inputs(rng, b=1, tq=700, tk=700, e=16, ev=8)
+    g = rng.standard_normal((1, 4, 700, 8))
+    _, want = _grads("reference", q, k, v, g, enable_gqa=True, is_causal=True)
+    got = {}
+    for parts in (1, 3):
+        monkeypatch.setattr(gradients, "part_count", lambda *a, _p=parts: _p)
+        _, got[parts] = _grads("numba_cpu", q, k, v, g, enable_gqa=True, is_causal=True)
+        for a, b in zip(got[parts], want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+    import numba
+
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        _, alone = _grads("numba_cpu", q, k, v, g, enable_gqa=True, is_causal=True)
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(alone, got[3], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # --- the register tiles ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

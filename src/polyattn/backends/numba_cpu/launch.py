@@ -101,9 +101,9 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
              ) -> tuple[Any, Any, Any]:
     """Gradients (dq, dk, dv) of :func:`attention`, shaped like ``q``, ``k``, ``v``.
 
-    FlashAttention-2's backward pass in two parallel loops (:mod:`.gradients`): dQ per
-    query item, dK and dV per block of keys, the weights recomputed from the scores and
-    the saved ``lse``.
+    One parallel loop over blocks of keys (:mod:`.gradients`): per block, dK and dV of
+    its keys and its share of dQ, the weights recomputed from the scores and the saved
+    ``lse``.
 
     Examples
     --------

@@ -2,8 +2,8 @@
 
 :class:`Call` holds query, key, value and the mask without their broadcast batch axes
 (with the map from each batch row to its row of each), the rules lowered by
-:func:`.parameters.lower`, and the work items of the forward pass and of the two loops
-of the backward pass, the largest first.
+:func:`.parameters.lower`, and the work items of the forward pass, the largest first
+(the backward pass's are :func:`.gradients.key_items`).
 """
 
 from __future__ import annotations
@@ -140,14 +140,6 @@ class Call:
         last = np.maximum.reduceat(last, q0, axis=-1)
         none = first == far
         return np.where(none, 0, first), np.where(none, 0, last)
-
-    def key_items(self) -> np.ndarray:
-        """(b, hk, k0, k1, 0, Tq) per block of keys below each batch row's length."""
-        block = self.block_k
-        items = [(b, hk, k0, min(k0 + block, self.tk), 0, self.tq)
-                 for b in range(self.n_batch) for hk in range(self.hkv)
-                 for k0 in range(0, int(self.lengths[b]), block)]
-        return _largest_first(items)
 
     def common(self) -> tuple[Any, ...]:
         """The arguments every kernel takes first: the arrays, maps, lengths, offsets,
