@@ -58,6 +58,15 @@ def qkv(xp, device, dtype="float64"):
 sdpa = polyattn.scaled_dot_product_attention
 
 
+def _stale_block_mask(xp, dev):
+    """A block mask whose mask_mod reads a value changed after it was built."""
+    reach = [1]
+    bm = polyattn.block_mask(lambda b, h, i, j: i - j <= reach[0], None, None, 4, 6, xp=xp,
+                             device=dev)
+    reach[0] = 3
+    return sdpa(*qkv(xp, dev), block_mask=bm)
+
+
 def _branchy(score, b, h, q_idx, kv_idx):
     """A score_mod with Python control flow on the score (what ops.where is for)."""
     if score > 0:
@@ -186,6 +195,10 @@ PORTABLE = [
          lambda xp, dev: sdpa(*qkv(xp, dev), block_mask=polyattn.block_mask(
              lambda b, h, i, j: i >= j, None, 4, 4, 6, xp=xp, device=dev)),
          ValueError, ("`block_mask` was built for 4 heads (this call has H = 3)",)),
+    Case("a block mask whose rule changed since it was built", "block_mask",
+         lambda xp, dev: _stale_block_mask(xp, dev),
+         ValueError, ("`block_mask` was built for mask_mod", "has changed since",
+                      "build the block mask again")),
     Case("block_mask given one array as mod_args", "block_mask",
          lambda xp, dev: polyattn.block_mask(lambda b, h, i, j, t: i >= j, None, None, 4, 6,
                                              mod_args=z(xp, dev, 3), xp=xp, device=dev),

@@ -478,3 +478,62 @@ def test_numba_cpu_recompiles_a_rule_whose_global_changed(numba_cpu, monkeypatch
     assert calls                                          # the new value was traced
     assert rel_error(changed, want) <= 1e-12
     assert rel_error(out, changed) > 1e-3
+
+
+def test_numba_cpu_rules_with_infinite_and_nan_constants(numba_cpu):
+    """Constants inf, -inf and nan in a rule become source the kernel compiles (their
+    repr is no literal), giving the reference's result."""
+    rng = np.random.default_rng(12)
+    q, k, v = _qkv(rng, tq=24, tk=24)
+    rules = {
+        "where -inf": lambda s, b, h, q_idx, kv_idx: ops.where(q_idx >= kv_idx, s,
+                                                               -float("inf")),
+        "plus -inf": lambda s, b, h, q_idx, kv_idx: s + ops.where(
+            (q_idx - kv_idx) % 3 == 0, 0.0, -math.inf),
+        "nan far": lambda s, b, h, q_idx, kv_idx: ops.where(q_idx - kv_idx > 20,
+                                                            float("nan"), s),
+    }
+    for name, rule in rules.items():
+        out = sdpa(q, k, v, enable_gqa=True, score_mod=rule, implementation=numba_cpu)
+        want = sdpa(q, k, v, enable_gqa=True, score_mod=rule, implementation="reference")
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(want), err_msg=name)
+        finite = ~np.isnan(want)
+        assert rel_error(out[finite], want[finite]) <= 1e-12, name
+    assert np.isnan(want).any()
+
+
+#: Read by ``_windowed`` below: changing it after building a block mask must be caught.
+WIN = 2
+
+
+def _windowed(b, h, q_idx, kv_idx):
+    return ops.logical_and(q_idx >= kv_idx, q_idx - kv_idx <= WIN)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "chunked", "auto"])
+def test_a_block_mask_whose_rule_changed_since_it_was_built_is_refused(implementation):
+    """A global or closure value the mask_mod reads, changed after the block mask was
+    built, makes its tiles wrong for the rule: every implementation refuses the call
+    (the tiles are checked against the rule as it was when built), and accepts it again
+    once the value is back."""
+    global WIN
+    rng = np.random.default_rng(15)
+    q, k, v = (rng.standard_normal((1, 2, 16, 4)) for _ in range(3))
+    bm = polyattn.block_mask(_windowed, None, None, 16, 16, block=(4, 4))
+    want = sdpa(q, k, v, window=(2, 0), implementation="reference")
+    try:
+        WIN = 9
+        for kw in ({"mask_mod": _windowed}, {}):
+            with pytest.raises(ValueError, match=r"value it reads .* has changed since"):
+                sdpa(q, k, v, block_mask=bm, implementation=implementation, **kw)
+    finally:
+        WIN = 2
+    assert rel_error(sdpa(q, k, v, block_mask=bm, implementation=implementation),
+                     want) <= 1e-12
+    width = [3]
+    captured = polyattn.block_mask(lambda b, h, qi, ki, w=None: qi - ki <= width[0] - 1,
+                                   None, None, 16, 16, block=(4, 4))
+    assert captured.rule_key is None and captured.rule is not None   # a list: no key
+    width[0] = 9
+    with pytest.raises(ValueError, match="has changed since"):
+        sdpa(q, k, v, block_mask=captured, implementation=implementation)

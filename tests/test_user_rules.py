@@ -563,6 +563,30 @@ def test_jax_vmap_over_the_batch():
                                rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.skipif(Backend.JAX not in selected_backends(), reason="JAX session")
+def test_jax_without_64_bit_types_rules_run_without_warnings():
+    """With JAX's default 32-bit types, a rule's indices are int32 (asking for int64 would
+    warn at every call) and the results are the rule's."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(50)
+    q, k, v = (rng.standard_normal((1, 2, 12, 4)).astype(np.float32) for _ in range(3))
+    table = rng.standard_normal((2, 9)).astype(np.float32)
+    kw = dict(score_mod=t5_bias, mask_mod=causal)
+    want = sdpa(q, k, v, mod_args=(table,), implementation="reference", **kw)
+    with jax.enable_x64(False), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jq, jk, jv, jt = (jnp.asarray(x) for x in (q, k, v, table))
+        for implementation in ("reference", "chunked", "auto"):
+            got = sdpa(jq, jk, jv, mod_args=(jt,), implementation=implementation, **kw)
+            assert_close(got, want, "float32")
+        grad = jax.grad(lambda t: sdpa(jq, jk, jv, mod_args=(t,), **kw).sum())(jt)
+        assert grad.dtype == jnp.float32 and bool(jnp.isfinite(grad).all())
+
+
 @NUMPY_SESSION_ONLY
 @pytest.mark.parametrize("name", ["chunked", "numba_cpu", "numba_cuda-rows"])
 def test_a_mask_mod_hiding_every_key_of_some_rows(name, monkeypatch):

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 import re
-import weakref
 from typing import Any
 
 from polyattn._interop import Array, Namespace, concrete_values, library_name
 from polyattn._validation import array_like, shape_str
-from polyattn.blockmask import BlockMask
+from polyattn.blockmask import BlockMask, rule_expression
 from polyattn.blockmask import block_mask as build_block_mask
+from polyattn.rules.tracing import fingerprint
 from polyattn.rules.user import UserRules
 
 
@@ -98,19 +98,25 @@ def _runs(changes: Any) -> tuple[Any, Any]:
 
 def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, ...],
                            h: int) -> None:
-    """A block mask fits the call's ``mask_mod``: built for it (or for a function of the
-    same expression), and with batch rows and heads where the function reads ``b`` or
-    ``h`` (``None`` there promised that it does not)."""
-    if given not in _BUILT_FOR:          # the block mask's own rule, traced once
-        _BUILT_FOR[given] = _expression(given, given.mask_mod)
-    mine = _BUILT_FOR[given]
-    if user.mask_mod is not None and user.mask_mod is not given.mask_mod:
-        theirs = _expression(given, user.mask_mod)
-        if mine is None or theirs is None or mine != theirs:
+    """A block mask fits the call's ``mask_mod``: the rule it was built for (the same
+    function reading the same values, or a function of the same expression), and with
+    batch rows and heads where the function reads ``b`` or ``h`` (``None`` there promised
+    that it does not)."""
+    mine = given.rule
+    fn = user.mask_mod if user.mask_mod is not None else given.mask_mod
+    key = fingerprint(fn)
+    if key is None or key != given.rule_key:         # not known to be the built-for rule
+        theirs = rule_expression(fn, given.mod_args)
+        if fn is not given.mask_mod and (mine is None or theirs is None or mine != theirs):
             raise ValueError(f"`block_mask` was built for mask_mod "
                              f"{function_name(given.mask_mod)}, not for this call's "
-                             f"{function_name(user.mask_mod)}; build it with the same "
+                             f"{function_name(fn)}; build it with the same "
                              "function (or pass the block mask alone)")
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(f"`block_mask` was built for mask_mod {function_name(fn)} "
+                             "as it was then: a value it reads (a global or a closure "
+                             "variable) has changed since, so its tiles no longer fit "
+                             "the rule; build the block mask again")
     if mine is None:
         return
     text = mine.split("\n", 1)[1]
@@ -123,27 +129,6 @@ def _check_block_mask_rule(given: BlockMask, user: UserRules, batch: tuple[int, 
                              f"{function_name(given.mask_mod)} reads `{name}`: its tiles "
                              f"differ between {'batch rows' if name == 'b' else 'heads'}; "
                              f"build it with {argument}=")
-
-
-#: The expression of the ``mask_mod`` each block mask was built for (``None``: it cannot
-#: be traced), traced at its first use and kept while the block mask lives: the block
-#: mask is fixed when built, and every call that passes it compares against that.
-_BUILT_FOR: weakref.WeakKeyDictionary[BlockMask, str | None] = weakref.WeakKeyDictionary()
-
-
-def _expression(given: BlockMask, fn: Any) -> str | None:
-    """``fn`` as the scalar source of one score, traced on stand-ins shaped as the block
-    mask's ``mod_args`` (``None`` where it cannot be traced: nothing to compare)."""
-    import numpy as np
-
-    from polyattn.rules import scalar, tracing
-
-    try:
-        stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
-                                          tuple(a.shape)) for a in given.mod_args)
-        return scalar.source(tracing.trace(fn, "mask_mod", stand_ins), "mask_element")
-    except Exception:  # a rule that cannot be traced: nothing to compare, no error
-        return None
 
 
 def function_name(fn: Any) -> str:

@@ -91,8 +91,11 @@ class Problem:
 
     @property
     def requires_grad(self) -> bool:
-        """Whether torch autograd is recording for one of the inputs."""
-        arrays = (self.q, self.k, self.v, self.mask)
+        """Whether torch autograd is recording for one of the inputs (query, key, value,
+        the mask, ALiBi's slopes, a rule's ``mod_args``)."""
+        user = self.rules.user
+        arrays = (self.q, self.k, self.v, self.mask, self.rules.alibi,
+                  *(() if user is None else user.mod_args))
         if not any(getattr(x, "requires_grad", False) for x in arrays if x is not None):
             return False
         import torch

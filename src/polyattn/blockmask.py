@@ -27,6 +27,7 @@ import numpy as np
 
 from polyattn._interop import concrete_values
 from polyattn._validation import check_mod_args, check_nonnegative_int
+from polyattn.rules import scalar, tracing
 from polyattn.rules import user as _user
 
 #: The kinds of a tile.
@@ -40,7 +41,10 @@ class BlockMask:
     :data:`PARTIAL`, :data:`FULL`, for tiles of ``block`` = (rows, keys); ``rows``,
     ``(B…|1, H|1, Tq, 3)`` int64, per query row ``(lo, hi, solid)``: its first
     visible key and one past its last (``0, 0``: none), and 1 where every key of
-    ``[lo, hi)`` is visible, else 0 (``None``: not known, the tiles alone count)."""
+    ``[lo, hi)`` is visible, else 0 (``None``: not known, the tiles alone count).
+    ``rule`` and ``rule_key``: the ``mask_mod`` when the tiles were built, as its
+    expression (:func:`rule_expression`) and its :func:`~polyattn.rules.tracing.fingerprint`
+    (``None`` where it cannot be traced): a call checks that its rule is still that one."""
 
     mask_mod: Callable[..., Any]
     mod_args: tuple[Any, ...]
@@ -49,6 +53,8 @@ class BlockMask:
     tq: int
     tk: int
     rows: np.ndarray | None = None
+    rule: str | None = None
+    rule_key: Any = None
 
     def tile(self, q0: int, q1: int, k0: int, k1: int) -> int:
         """The kind of the rectangle ``[q0, q1) × [k0, k1)`` over every batch row and head:
@@ -158,7 +164,19 @@ def block_mask(mask_mod: Callable[..., Any], batch_shape: tuple[int, ...] | None
     kinds = kinds.reshape(*lead, heads, nq, nk) if batch else kinds.reshape(heads, nq, nk)
     rows = rows.reshape(*lead, heads, tq, 3) if batch else rows.reshape(heads, tq, 3)
     return BlockMask(mask_mod=mask_mod, mod_args=tuple(mod_args), kinds=kinds, block=block,
-                     tq=tq, tk=tk, rows=rows)
+                     tq=tq, tk=tk, rows=rows, rule=rule_expression(mask_mod, mod_args),
+                     rule_key=tracing.fingerprint(mask_mod))
+
+
+def rule_expression(fn: Any, mod_args: tuple[Any, ...]) -> str | None:
+    """``fn`` (a ``mask_mod``) as the scalar source of one score, traced on stand-ins
+    shaped as ``mod_args`` (``None`` where it cannot be traced: nothing to compare)."""
+    try:
+        stand_ins = tuple(np.broadcast_to(np.zeros((), str(a.dtype).split(".")[-1]),
+                                          tuple(a.shape)) for a in mod_args)
+        return scalar.source(tracing.trace(fn, "mask_mod", stand_ins), "mask_element")
+    except Exception:  # a rule that cannot be traced: nothing to compare, no error
+        return None
 
 
 def _row_ranges(ok: np.ndarray) -> np.ndarray:

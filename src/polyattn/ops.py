@@ -76,6 +76,24 @@ class Dual:
     def __rtruediv__(self, o: Any) -> Dual:
         return Dual(o / self.x, -o * self.d / (self.x * self.x))
 
+    # ``%`` and ``//`` as Python's (the remainder takes the divisor's sign; the quotient
+    # is floored), in the array library by its operators: ``a % c = a - (a // c) · c``,
+    # so its derivative is ``da - (a // c) · dc`` (almost everywhere); ``//`` is flat
+    def __mod__(self, o: Any) -> Dual:
+        ox, od = _parts(o)
+        d = self.d if od is None else self.d - (self.x // ox) * od
+        return Dual(self.x % ox, d)
+
+    def __rmod__(self, o: Any) -> Dual:
+        return Dual(o % self.x, -(o // self.x) * self.d)
+
+    def __floordiv__(self, o: Any) -> Dual:
+        ox, od = _parts(o)
+        return Dual(self.x // ox, self.d * 0 if od is None else (self.d + od) * 0)
+
+    def __rfloordiv__(self, o: Any) -> Dual:
+        return Dual(o // self.x, self.d * 0)
+
     def __pow__(self, o: Any) -> Dual:
         if isinstance(o, Dual):
             raise TypeError("a power whose exponent depends on the score: write it with "

@@ -108,10 +108,19 @@ class MultiHeadAttention:
         ``need_weights``, ``average_attn_weights``, ``implementation``,
         ``window``, ``softcap``, ``alibi_slopes``, ``key_lengths``,
         ``rotary``, ``positions``, ``cache``, ``dropout_p``, ``dropout_seed``,
-        ``segment_ids``),
+        ``segment_ids``, and the rules you write, ``score_mod``, ``mask_mod``,
+        ``mod_args`` and ``block_mask``, applied to the projected heads:
+        docs/rules.rst),
         and so is the result.
         With ``batch_first=False``, 3-D inputs are (T, B, features) and so is
         the output.
+
+        >>> import numpy as np
+        >>> mha = MultiHeadAttention(8, 2, seed=0)
+        >>> def causal(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> mha(np.ones((3, 8)), mask_mod=causal).shape
+        (3, 8)
         """
         key = query if key is None else key
         value = key if value is None else value

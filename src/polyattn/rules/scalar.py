@@ -93,7 +93,7 @@ class _Writer:
         op, args = node.op, node.args
         if op == "const":
             (c,) = args
-            text = (f"T({float(c)!r})" if node.kind == FLOAT else repr(c))
+            text = (_float_literal(float(c)) if node.kind == FLOAT else repr(c))
             self.values[key] = text
             return text
         if op in ("b", "h", "q", "kv"):
@@ -202,6 +202,9 @@ class _Writer:
             self.derivatives[key] = None
             return None
         ds = [self.derivative(a) if isinstance(a, Node) else None for a in args]
+        if all(d is None for d in ds):           # a flat function of the score (s // c)
+            self.derivatives[key] = None
+            return None
         vs = [self.value(a) if isinstance(a, Node) else None for a in args]
         y = self.value(node)
         if op in ("add", "sub"):
@@ -230,8 +233,13 @@ class _Writer:
                 expr = f"({da} * {bv} - {self._as(a, FLOAT)} * {ds[1]}) / ({bv} * {bv})"
         elif op == "floordiv":
             expr = None
-        elif op == "mod":
-            expr = ds[0]
+        elif op == "mod":                        # a % b = a - (a // b) * b
+            a, b = args
+            if ds[1] is None:
+                expr = ds[0]
+            else:
+                floor = f"(({self._as(a, FLOAT)}) // ({self._as(b, FLOAT)}))"
+                expr = f"{ds[0] or 'T(0)'} - {floor} * {ds[1]}"
         elif op == "pow":
             a, b = args
             n = b.args[0]
@@ -317,6 +325,16 @@ def source(traced: Traced, form: str, width: int | None = None) -> str:
         lines.append(f"            x = {at}")
     lines += ["            " + line for line in (*w.lines, *tail)]
     return "\n".join(lines) + "\n"
+
+
+def _float_literal(c: float) -> str:
+    """A floating constant as source in the compute type ``T``: ``inf``, ``-inf`` and
+    ``nan`` by name (their ``repr`` is no Python literal)."""
+    if math.isnan(c):
+        return "T(math.nan)"
+    if math.isinf(c):
+        return "T(math.inf)" if c > 0 else "T(-math.inf)"
+    return f"T({c!r})"
 
 
 def meta_width(traced: Traced) -> int:

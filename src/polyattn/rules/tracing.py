@@ -269,14 +269,152 @@ def trace(fn: Callable[..., Any], what: str, mod_args: tuple[Any, ...]) -> Trace
         if what == "score_mod" and result.kind == BOOL:
             raise TypeError("it must return a score, not a condition")
     except Exception as exc:
-        text = str(exc)
-        if "ufunc" in text:
-            text += " (a NumPy function on a rule's argument: use polyattn.ops)"
+        text, kind = str(exc), type(exc).__name__
+        indexed = indexed_array(exc)
+        if indexed is not None:
+            text, kind = indexed, "TypeError"
+        elif "ufunc" in text or "a NumPy function" in text or "Python float" in text:
+            if "ufunc" in text:
+                text += " (a NumPy function on a rule's argument: use polyattn.ops)"
+            text += ops_hint(fn, "; ")
         raise TypeError(f"{what} {_name(fn)} cannot be compiled into a kernel: "
-                        f"{type(exc).__name__}: {text}") from exc
+                        f"{kind}: {text}") from exc
     kinds = tuple((t.shape, BOOL if t.dtype == np.bool_ else
                    FLOAT if np.issubdtype(t.dtype, np.floating) else INT) for t in tables)
     return Traced(what=what, result=result, tables=kinds)
+
+
+#: The functions of :mod:`math` and NumPy that :mod:`polyattn.ops` has, by name: the
+#: ``ops`` function to use on a rule's arguments instead.
+_OPS_OF = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "sin": "sin",
+           "cos": "cos", "fabs": "abs", "abs": "abs", "absolute": "abs", "where": "where",
+           "maximum": "maximum", "minimum": "minimum", "fmax": "maximum",
+           "fmin": "minimum", "logical_and": "logical_and", "logical_or": "logical_or",
+           "logical_not": "logical_not"}
+
+
+def ops_hint(fn: Any, lead: str = ": ") -> str:
+    """The :mod:`math` and NumPy functions with a :mod:`polyattn.ops` form that ``fn``'s
+    code calls (``math.exp``, or ``exp`` imported from :mod:`math`, from its globals or
+    its closure), as ``lead`` then ``"math.exp -> ops.exp"``, ...; ``""`` where it names
+    none (or cannot be read)."""
+    try:
+        import dis
+
+        glob = getattr(fn, "__globals__", {})
+        cells = {name: cell.cell_contents for name, cell in zip(
+            fn.__code__.co_freevars, fn.__closure__ or (), strict=False)}
+        stack, found = [fn.__code__], []
+        while stack:
+            code = stack.pop()
+            stack.extend(c for c in code.co_consts if hasattr(c, "co_code"))
+            module = None                        # the module just loaded, and its name
+            for ins in dis.get_instructions(code):
+                value = None
+                if isinstance(ins.argval, str):
+                    value = (glob.get(ins.argval) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                             else cells.get(ins.argval) if ins.opname == "LOAD_DEREF"
+                             else None)
+                name = ins.argval if isinstance(ins.argval, str) else ""
+                if (module is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+                        and name in _OPS_OF and hasattr(module[1], name)):
+                    found.append(f"{module[0]}.{name} -> ops.{_OPS_OF[name]}")
+                elif value is not None and name in _OPS_OF and any(
+                        value is getattr(m, name, None) for m in (math, np)):
+                    found.append(f"{name} -> ops.{_OPS_OF[name]}")
+                module = (name, value) if value is math or value is np else None
+        return lead + ", ".join(dict.fromkeys(found)) if found else ""
+    except Exception:                            # a hint, never an error of its own
+        return ""
+
+
+def indexed_array(exc: BaseException) -> str | None:
+    """What a rule that ``exc`` stopped while tracing it indexed, where that is an array
+    (or list, ...) other than a ``mod_args`` one: a message naming the variable and the
+    fix; ``None`` where it stopped elsewhere. The subscript in progress is found from the
+    traceback: the outermost frame (the rule's, or a function it calls) whose current
+    instruction is a subscript; the indexed value is the one that instruction found on the
+    stack under the index (:func:`_subscripted`)."""
+    try:
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_frame.f_code is trace.__code__:
+            tb = tb.tb_next                      # the rule's frame, and those it called
+        own = {Node.__array__.__code__, Node.__int__.__code__}
+        through_node = False
+        found = None
+        while tb is not None:
+            if found is None:
+                found = _subscripted(tb.tb_frame, tb.tb_lasti)
+            through_node = through_node or tb.tb_frame.f_code in own
+            tb = tb.tb_next
+        if found is None:
+            return None
+        where, name, value = found
+        if isinstance(value, (TracedTable, Node)):
+            return None                          # its own message says what is wrong
+        if value is None and not through_node:
+            return None                          # an attribute: not sure it is an array
+        what = type(value).__name__ if value is not None else "array"
+        shape = getattr(value, "shape", None)
+        about = (f"{where} {name}, " if name else "") + (
+            f"of shape {tuple(shape)}, " if shape is not None else "")
+        fix = f"as mod_args=({name},)" if name and where != "the attribute" else "in mod_args"
+        return (f"{'an' if what[0] in 'aeiouAEIOU' else 'a'} {what} in a rule ({about}"
+                "indexed by a rule's argument): arrays reach a rule only through mod_args "
+                "(indexed by the index arguments), values as Python numbers; pass it "
+                f"{fix} and index the argument the rule receives for it")
+    except Exception:                            # a better message, never an error
+        return None
+
+
+def _subscripted(frame: Any, at: int) -> tuple[str, str, Any] | None:
+    """``(where, name, value)`` of the variable that the instruction at offset ``at`` of
+    ``frame`` indexes, where that instruction is a subscript (``value`` ``None`` for an
+    attribute, all three empty for a value that is no variable); else ``None``. The
+    indexed value is produced by the instruction before the
+    index expression, found by going back over the instructions' stack effects until the
+    index, one value, is on the stack."""
+    import dis
+
+    code = frame.f_code
+    before = []
+    for ins in dis.get_instructions(code):
+        if ins.offset == at:
+            if not (ins.opname == "BINARY_SUBSCR"
+                    or (ins.opname == "BINARY_OP" and ins.argrepr == "[]")):
+                return None
+            break
+        before.append(ins)
+    else:
+        return None
+    depth = 0
+    for n in range(len(before) - 1, -1, -1):
+        ins = before[n]
+        depth += dis.stack_effect(ins.opcode, ins.arg if ins.opcode >= dis.HAVE_ARGUMENT
+                                  else None, jump=False)
+        if depth >= 1:
+            if depth >= 2 and ins.opname == "LOAD_FAST_LOAD_FAST":
+                name = ins.argval[0]
+            elif depth == 1 and n > 0:
+                ins = before[n - 1]
+                name = ins.argval
+            else:
+                return "", "", None
+            break
+    else:
+        return "", "", None
+    if not isinstance(name, str):
+        return "", "", None
+    op = ins.opname
+    if op in ("LOAD_GLOBAL", "LOAD_NAME"):
+        value = frame.f_globals.get(name, frame.f_builtins.get(name))
+        return "the global", name, value
+    if op.startswith(("LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST")):
+        where = "the closure variable" if name in code.co_freevars else "the variable"
+        return where, name, frame.f_locals.get(name)
+    if op in ("LOAD_ATTR", "LOAD_METHOD"):
+        return "the attribute", name, None
+    return "", "", None
 
 
 #: Values a rule may read from its closure or globals and still be recognised by

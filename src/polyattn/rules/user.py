@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from polyattn._interop import concrete_values
+from polyattn._interop import concrete_values, library_name
 from polyattn.ops import _CONTROL_FLOW, Dual
 from polyattn.rules.tracing import fingerprint
 
@@ -55,12 +55,18 @@ class Table:
             raise IndexError(f"a mod_args array of shape {self.shape} indexed by "
                              f"{len(index)} indices")
         device = getattr(a, "device", None)
+        fix = ("indices are integers: a table is indexed by b, h, q_idx, kv_idx, integers "
+               "and integer expressions of them, not by the score or a value computed from it")
+        if any(isinstance(i, Dual) for i in index):
+            raise TypeError(f"a mod_args array of shape {self.shape} indexed by the score: "
+                            f"{fix}")
         parts = [i if hasattr(i, "shape") else xp.asarray(i, device=device) for i in index]
         for i in parts:
             if not xp.isdtype(i.dtype, "integral"):
-                raise TypeError(f"a mod_args array of shape {self.shape} indexed by a "
-                                f"{i.dtype} value: indices are integers")
-        parts = [xp.astype(i, xp.int64) if i.dtype != xp.int64 else i for i in parts]
+                raise TypeError(f"a mod_args array of shape {self.shape} indexed by "
+                                f"{i.dtype} values: {fix}")
+        wide = index_dtype(xp)
+        parts = [xp.astype(i, wide) if i.dtype != wide else i for i in parts]
         # a negative index counts from the end of its own axis (as Python's); an index
         # outside its axis is clamped to it, as in the kernels (never another axis's)
         parts = [xp.clip(xp.where(i < 0, i + n, i), 0, max(n - 1, 0))
@@ -69,7 +75,7 @@ class Table:
         lead = a.shape[:len(index)]
         rest = tuple(a.shape[len(index):])
         if not parts:                                   # table[()]: the whole (0-d) array
-            return a, xp.zeros((), dtype=xp.int64, device=device)
+            return a, xp.zeros((), dtype=index_dtype(xp), device=device)
         flat = parts[0]
         for size, i in zip(lead[1:], parts[1:], strict=True):
             flat = flat * size + i
@@ -93,17 +99,30 @@ class UserRules:
 
 def indices(batch: tuple[int, ...], hkv: int, g: int, q0: int, q1: int, k0: int, k1: int,
             xp: Any, device: Any) -> tuple[Array, Array, Array, Array]:
-    """``(b, h, q_idx, kv_idx)`` as int64 arrays broadcasting to (B…, Hkv, G, bq, bk)."""
+    """``(b, h, q_idx, kv_idx)`` as integer arrays (:func:`index_dtype`) broadcasting to
+    (B…, Hkv, G, bq, bk)."""
     nb = len(batch)
     n = 1
     for s in batch:
         n *= s
-    b = xp.reshape(xp.arange(n, dtype=xp.int64, device=device), (*batch, 1, 1, 1, 1))
-    h = xp.reshape(xp.arange(hkv * g, dtype=xp.int64, device=device),
+    dt = index_dtype(xp)
+    b = xp.reshape(xp.arange(n, dtype=dt, device=device), (*batch, 1, 1, 1, 1))
+    h = xp.reshape(xp.arange(hkv * g, dtype=dt, device=device),
                    (*([1] * nb), hkv, g, 1, 1))
-    q = xp.reshape(xp.arange(q0, q1, dtype=xp.int64, device=device), (q1 - q0, 1))
-    kv = xp.reshape(xp.arange(k0, k1, dtype=xp.int64, device=device), (1, k1 - k0))
+    q = xp.reshape(xp.arange(q0, q1, dtype=dt, device=device), (q1 - q0, 1))
+    kv = xp.reshape(xp.arange(k0, k1, dtype=dt, device=device), (1, k1 - k0))
     return b, h, q, kv
+
+
+def index_dtype(xp: Any) -> Any:
+    """The integer dtype of the indices a rule gets: int64, or int32 for JAX without
+    64-bit types (where asking for int64 warns and gives int32 anyway)."""
+    if library_name(xp) == "jax":
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            return xp.int32
+    return xp.int64
 
 
 def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
@@ -117,9 +136,19 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
                     "derivative: put the score, or a value computed from it or from a "
                     "floating mod_args table, on the left of the operator, as in "
                     "`score * (q_idx - kv_idx)`)")
-        elif "Dual" in text or "ufunc" in text or "real number" in text:
-            text = (f"{text} (a math or NumPy function on a rule's argument cannot carry "
-                    "its derivative: use the functions of polyattn.ops)")
+        elif "unsupported operand" in text and "Dual" in text:
+            text = (f"{text} (this operator does not apply to the score or a value computed "
+                    "from it: write scores with +, -, *, /, //, %, ** and the functions of "
+                    "polyattn.ops)")
+        elif ("Dual" in text or "ufunc" in text or "real number" in text
+              or "converted to python scalars" in text.lower()
+              or "allowed on arrays with 0 dimensions" in text):
+            from polyattn.rules.tracing import ops_hint
+
+            text = (f"{text} (a math or NumPy function on a rule's argument: math's take one "
+                    "number, not a tile of scores or indices, and NumPy's cannot carry the "
+                    "score's derivative: use the functions of polyattn.ops instead"
+                    f"{ops_hint(fn)})")
         elif any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
                                               "concretization", "bool(", "bool is only")):
             text = f"{text} ({_CONTROL_FLOW})"

@@ -143,6 +143,24 @@ def test_torch_refuses_what_its_backward_pass_does_not_give():
     out = sdpa(tq, tk, tv, enable_gqa=True, score_mod=_capped, mod_args=(bias,))
     out.sum().backward()
     assert bias.grad is not None and torch.isfinite(bias.grad).all()
+    # the same where only the table or the slopes require a gradient (q, k, v do not)
+    cq, ck, cv = (torch.from_numpy(x) for x in (q, k, v))
+    table = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64, requires_grad=True)
+
+    def relative(s, b, h, q_idx, kv_idx, t):  # type: ignore[no-untyped-def]
+        return s + t[ops.minimum(ops.abs(q_idx - kv_idx), 3)]
+
+    for kw, leaf in (({"score_mod": relative, "mod_args": (table,)}, table),
+                     ({"alibi_slopes": slopes}, slopes)):
+        with pytest.raises(ValueError, match="requires a gradient"):
+            sdpa(cq, ck, cv, implementation="numba_cpu", enable_gqa=True, **kw)
+        leaf.grad = None
+        out = sdpa(cq, ck, cv, enable_gqa=True, **kw)
+        assert out.requires_grad
+        out.sum().backward()
+        ref = sdpa(cq, ck, cv, enable_gqa=True, implementation="reference", **kw)
+        want = torch.autograd.grad(ref.sum(), leaf)[0]
+        torch.testing.assert_close(leaf.grad, want, rtol=1e-10, atol=1e-12)
 
 
 # --- JAX ------------------------------------------------------------------------------------
@@ -247,6 +265,49 @@ def test_jax_attention_vjp_runs_the_kernels_backward(jax, counted):
     assert counted == {"forward": 1, "backward": 1}
     for name, got, w in zip("qkv", grads, want, strict=True):
         assert_close(got, np.asarray(w), "float64", what=f"d{name}")
+
+
+def test_jax_mod_args_traced_by_jit_grad_and_vmap(jax, counted):
+    """mod_args that are the transformed function's own arguments (traced: no values at
+    hand while the call is planned) reach the kernel as operands; their gradient comes
+    from the differentiable path and equals the reference's, under "auto" too."""
+    import jax.numpy as jnp
+
+    (q, k, v), _, (jq, jk, jv), _ = _jax_inputs(jax, "float64", "causal")
+    table = jnp.asarray(np.random.default_rng(5).standard_normal(4))
+    g = jnp.asarray(np.random.default_rng(6).standard_normal((2, 4, 9, 6)))
+
+    def relative(s, b, h, q_idx, kv_idx, bias):  # type: ignore[no-untyped-def]
+        return 5.0 * ops.tanh(s / 5.0) + bias[ops.minimum(ops.abs(q_idx - kv_idx), 3)]
+
+    def loss(t, implementation):
+        out = sdpa(jq, jk, jv, enable_gqa=True, score_mod=relative, mod_args=(t,),
+                   implementation=implementation)
+        return (out * g).sum()
+
+    want = jax.grad(loss)(table, "reference")
+    assert np.abs(np.asarray(want)).min() > 1e-3
+    for implementation in ("numba_cpu", "auto"):
+        got = jax.jit(jax.grad(loss), static_argnums=1)(table, implementation)
+        assert_close(got, np.asarray(want), "float64", what=f"d table ({implementation})")
+    out = jax.jit(lambda t: sdpa(jq, jk, jv, enable_gqa=True, score_mod=relative,
+                                 mod_args=(t,), implementation="numba_cpu"))(table)
+    assert counted["forward"] >= 1                       # the kernel, in a host callback
+    assert_close(out, np.asarray(sdpa(jq, jk, jv, enable_gqa=True, score_mod=relative,
+                                      mod_args=(table,), implementation="reference")),
+                 "float64")
+    tables = jnp.stack([table, 2 * table])
+    mapped = jax.vmap(lambda t: sdpa(jq, jk, jv, enable_gqa=True, score_mod=_capped,
+                                     mod_args=(t,), implementation="numba_cpu"))(tables)
+    for i in range(2):
+        one = sdpa(jq, jk, jv, enable_gqa=True, score_mod=_capped, mod_args=(tables[i],),
+                   implementation="reference")
+        assert_close(mapped[i], np.asarray(one), "float64")
+    text = str(jax.jit(lambda t: jnp.zeros(()) if polyattn.explain(
+        jq, jk, jv, enable_gqa=True, score_mod=_capped, mod_args=(t,)) is None else
+        jnp.ones(()))(table))
+    assert text in ("0.0", "1.0")
+    _ = q, k, v
 
 
 # --- what "auto" takes ----------------------------------------------------------------------

@@ -228,13 +228,42 @@ def _arrays(mod_args: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(a) for a in mod_args)
 
 
+class _Spec:
+    """A ``mod_args`` array's shape and NumPy dtype: what tracing a rule reads of it (its
+    values may not be at hand: a JAX array traced by ``jax.jit`` or ``jax.grad``)."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def _specs(mod_args: tuple[Any, ...]) -> tuple[_Spec, ...] | str:
+    """The :class:`_Spec` of each array, or why one has no NumPy dtype."""
+    specs = []
+    for n, a in enumerate(mod_args):
+        try:
+            dtype = np.dtype(a.dtype)
+        except TypeError:
+            try:                                    # torch's dtypes: "torch.float32"
+                dtype = np.dtype(str(a.dtype).rsplit(".", 1)[-1])
+            except TypeError:
+                return (f"it holds mod_args in NumPy dtypes, and mod_args[{n}] is "
+                        f"{a.dtype}")
+        specs.append(_Spec(tuple(int(d) for d in a.shape), dtype))
+    return tuple(specs)
+
+
 def check(rules: Any) -> str | None:
     """Why the call's user rules cannot be compiled (``None``: they can): the first
-    tracing error, naming the function."""
+    tracing error, naming the function. Tracing reads the shapes and dtypes of
+    ``mod_args``, not their values."""
     user = rules.user
     if user is None:
         return None
-    arrays = _arrays(user.mod_args)
+    arrays = _specs(user.mod_args)
+    if isinstance(arrays, str):
+        return arrays
     for fn, what in ((user.score_mod, "score_mod"), (user.mask_mod, "mask_mod")):
         if fn is None:
             continue
