@@ -140,6 +140,9 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
             text = (f"{text} (this operator does not apply to the score or a value computed "
                     "from it: write scores with +, -, *, /, //, %, ** and the functions of "
                     "polyattn.ops)")
+        elif any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
+                                              "concretization", "bool(", "bool is only")):
+            text = f"{text} ({_CONTROL_FLOW})"               # `if`, `and`, `max` on a tile
         elif ("Dual" in text or "ufunc" in text or "real number" in text
               or "converted to python scalars" in text.lower()
               or "allowed on arrays with 0 dimensions" in text):
@@ -149,9 +152,6 @@ def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
                     "number, not a tile of scores or indices, and NumPy's cannot carry the "
                     "score's derivative: use the functions of polyattn.ops instead"
                     f"{ops_hint(fn)})")
-        elif any(s in text.lower() for s in ("truth value", "boolean value", "ambiguous",
-                                              "concretization", "bool(", "bool is only")):
-            text = f"{text} ({_CONTROL_FLOW})"
         elif "positional argument" in text:
             text = (f"{text} (score_mod gets (score, b, h, q_idx, kv_idx, *mod_args) and "
                     "mask_mod (b, h, q_idx, kv_idx, *mod_args): both receive every array of "
