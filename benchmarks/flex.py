@@ -11,8 +11,12 @@ soft-capping (30) and causality
     ``polyattn rules``: ``score_mod`` = ``30·tanh(score/30)``, ``mask_mod`` = causal,
     with a block mask built once; ``polyattn keywords``: ``softcap=30.0,
     is_causal=True``; ``flex``: ``torch.compile(flex_attention)`` with the same two
-    functions (written with torch) and ``create_block_mask``; ``torch sdpa causal``:
+    functions (written with torch) and ``create_block_mask``; ``polyattn causal``:
+    ``is_causal=True`` alone (what the score rule adds to); ``torch sdpa causal``:
     torch SDPA with ``is_causal=True`` and no soft-capping (a floor: the products alone).
+ALiBi and causality
+    the same contenders with ``score_mod`` = ``score - slopes[h]·|q_idx - kv_idx|``
+    (slopes ``2^(-8(h+1)/H)`` as ``mod_args``) and ``alibi_slopes=slopes``.
 8 packed documents (causal within each)
     ``polyattn rules``: a document ``mask_mod`` on a (T,) table of document ids with
     its block mask; ``polyattn segment_ids``: ``segment_ids=ids, is_causal=True``;
@@ -26,7 +30,9 @@ contenders also pays for waking the threads of its library, which weighs more th
 shorter the call.
 
 The figures to read are the ratios: rules / keywords (target at most 1.15), polyattn
-rules / flex (target at most 0.7), documents / dense (target at most 0.2). A guard
+rules / flex (target at most 0.7), documents / dense (target at most 0.2), and
+keywords / causal, what soft-capping or ALiBi adds to the causal call (target at most
+1.15). A guard
 checks every polyattn output against flex's. The block masks' build times are reported
 apart (built once, reused).
 
@@ -66,6 +72,10 @@ def causal(b, h, q_idx, kv_idx, *mod_args):  # type: ignore[no-untyped-def]
     return q_idx >= kv_idx
 
 
+def alibi(score, b, h, q_idx, kv_idx, slopes):  # type: ignore[no-untyped-def]
+    return score - slopes[h] * ops.abs(q_idx - kv_idx)
+
+
 def document(b, h, q_idx, kv_idx, doc):  # type: ignore[no-untyped-def]
     return ops.logical_and(doc[q_idx] == doc[kv_idx], q_idx >= kv_idx)
 
@@ -99,11 +109,43 @@ def softcap_case(t: int, reps: int, rng: np.random.Generator) -> dict[str, Any]:
         "polyattn rules": lambda: sdpa(q, k, v, score_mod=softcap, mask_mod=causal,
                                        block_mask=bm),
         "polyattn keywords": lambda: sdpa(q, k, v, softcap=CAP, is_causal=True),
+        "polyattn causal": lambda: sdpa(q, k, v, is_causal=True),
         "flex": lambda: flex(tq, tk, tv, score_mod=t_softcap, block_mask=fbm),
         "torch sdpa causal": lambda: torch.nn.functional.scaled_dot_product_attention(
             tq, tk, tv, is_causal=True),
     }
     return _timed("soft-capping + causal", t, fns, reps, build,
+                  ("polyattn rules", "polyattn keywords"))
+
+
+def alibi_case(t: int, reps: int, rng: np.random.Generator) -> dict[str, Any]:
+    import torch
+
+    flex, create_block_mask = _flex()
+    b, h, e = SHAPE
+    q, k, v = (rng.standard_normal((b, h, t, e)).astype(np.float32) for _ in range(3))
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    slopes = (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)
+    tslopes = torch.from_numpy(slopes)
+    start = time.perf_counter()
+    bm = polyattn.block_mask(causal, None, None, t, t)
+    build = {"polyattn": time.perf_counter() - start}
+    start = time.perf_counter()
+    fbm = create_block_mask(lambda b, h, i, j: i >= j, None, None, t, t, device="cpu")
+    build["flex"] = time.perf_counter() - start
+
+    def t_alibi(score, b, h, i, j):  # type: ignore[no-untyped-def]
+        return score - tslopes[h] * (i - j).abs()
+
+    sdpa = polyattn.scaled_dot_product_attention
+    fns = {
+        "polyattn rules": lambda: sdpa(q, k, v, score_mod=alibi, mod_args=(slopes,),
+                                       mask_mod=causal, block_mask=bm),
+        "polyattn keywords": lambda: sdpa(q, k, v, alibi_slopes=slopes, is_causal=True),
+        "polyattn causal": lambda: sdpa(q, k, v, is_causal=True),
+        "flex": lambda: flex(tq, tk, tv, score_mod=t_alibi, block_mask=fbm),
+    }
+    return _timed("ALiBi + causal", t, fns, reps, build,
                   ("polyattn rules", "polyattn keywords"))
 
 
@@ -163,6 +205,8 @@ def _timed(case: str, t: int, fns: dict[str, Any], reps: int, build: dict[str, f
         row["rules / flex"] = ms["polyattn rules"] / ms["flex"]
     if "polyattn keywords" in ms:
         row["rules / keywords"] = ms["polyattn rules"] / ms["polyattn keywords"]
+    if "polyattn causal" in ms:
+        row["keywords / causal"] = ms["polyattn keywords"] / ms["polyattn causal"]
     if "polyattn dense" in ms:
         row["rules / dense"] = ms["polyattn rules"] / ms["polyattn dense"]
         row["segment_ids / dense"] = ms["polyattn segment_ids"] / ms["polyattn dense"]
@@ -212,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ts, reps = ([512], 2) if args.quick else (TS, args.reps)
     rng = np.random.default_rng(0)
-    rows = [case(t, reps, rng) for t in ts for case in (softcap_case, documents_case)]
+    rows = [case(t, reps, rng) for t in ts
+            for case in (softcap_case, alibi_case, documents_case)]
     env = environment()
     from polyattn.backends.numba_cpu import launch as numba_cpu
 

@@ -57,13 +57,23 @@ def _walk(problem: Problem, needs: frozenset[str], budget: Budget,
                                f"POLYATTN_NUMBA_CPU={numba_cpu_setting()}")
         else:
             verdicts[name] = backends.objection(backends.backend(name, problem), problem, needs)
-            why = verdicts[name] or auto_rule(name, problem, budget)
+            why = verdicts[name] or auto_rule(
+                name, problem, budget,
+                native_runs=lambda: _verdict("native", problem, needs, verdicts) is None)
         if why is None and name not in order:
             why = f"{label} leaves it out for these arrays: it runs when asked by name"
         if why is None and not chosen:
             chosen = name
         candidates[name] = "" if name == chosen else why or f"{chosen} comes first"
     return chosen, candidates
+
+
+def _verdict(name: str, problem: Problem, needs: frozenset[str],
+             verdicts: dict[str, str | None]) -> str | None:
+    """Why implementation ``name`` cannot run the call (``None``: it can), once."""
+    if name not in verdicts:
+        verdicts[name] = backends.objection(backends.backend(name, problem), problem, needs)
+    return verdicts[name]
 
 
 def choose(problem: Problem, requested: str, *, return_lse: bool = False,

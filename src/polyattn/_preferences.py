@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,12 +139,15 @@ CHOSEN_BECAUSE = {
 }
 
 
-def auto_rule(name: str, problem: Problem, budget: Budget) -> str | None:
-    """Why ``"auto"`` passes over a backend that could run the call (``None``: it does not)."""
+def auto_rule(name: str, problem: Problem, budget: Budget, *,
+              native_runs: Callable[[], bool] = lambda: True) -> str | None:
+    """Why ``"auto"`` passes over a backend that could run the call (``None``: it does not).
+    ``native_runs``: whether the library's own attention can run it (asked only where
+    the choice leans on it)."""
     if name == "reference" and not budget.fits:
         return f"{budget.words()}, so it is not materialised"
     if name == "numba_cpu" and not budget.numpy:
-        return host_kernel_rule(problem)
+        return host_kernel_rule(problem, native_runs)
     if name in ("chunked", "numba_cpu") and budget.fits:
         return (f"{budget.words()}, so it is materialised" +
                 ("; the blocked paths run above it" if name == "numba_cpu" else ""))
@@ -157,8 +161,11 @@ def auto_rule(name: str, problem: Problem, budget: Budget) -> str | None:
             "while the blocked path skips the key blocks no query can see")
 
 
-def host_kernel_rule(problem: Problem) -> str | None:
-    """Why ``"auto"`` passes over numba_cpu on torch or JAX CPU arrays (``None``: it runs)."""
+def host_kernel_rule(problem: Problem,
+                     native_runs: Callable[[], bool] = lambda: True) -> str | None:
+    """Why ``"auto"`` passes over numba_cpu on torch or JAX CPU arrays (``None``: it runs):
+    below the crossover; or, under torch autograd without a causal mask, for torch's own
+    attention, where that can run the call (it cannot give ``lse``, nor take sinks)."""
     lib = library_name(problem.xp)
     least = TORCH_NUMBA_CPU_MIN_SCORES if lib == "torch" else JAX_NUMBA_CPU_MIN_SCORES
     if problem.score_elements < least:
@@ -167,7 +174,7 @@ def host_kernel_rule(problem: Problem) -> str | None:
                 f"measured faster than {lib}'s own attention")
     if lib != "torch" or not problem.rules.simple:
         return None
-    if problem.requires_grad and not problem.rules.causal:
+    if problem.requires_grad and not problem.rules.causal and native_runs():
         return ("without a causal mask, torch's own attention with its backward pass "
                 "measured as fast as the kernel's or faster (TORCH_NUMBA_CPU_MIN_SCORES)")
     return None

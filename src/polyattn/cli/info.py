@@ -210,7 +210,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         what, seconds = numba_cpu.warmup()
     except numba_cpu.KernelUnavailable as exc:
         raise CLIError(str(exc)) from None
-    done = ("loaded from Numba's cache" if what == "loaded" else "compiled")
-    print(f"numba_cpu kernel {done} in {seconds:.1f} s (float32 and float64)")
+    done = {"loaded": "loaded from Numba's cache", "compiled": "compiled"}.get(what, what)
+    print(f"numba_cpu kernels {done} in {seconds:.1f} s (forward and backward, float32 "
+          "and float64)")
     print(f"numba_cpu kernel: {numba_cpu.cache_state_on_disk()}")
     return 0

@@ -268,7 +268,8 @@ def test_backward_parts_of_dq_and_their_work_items(monkeypatch):
     """The backward pass's work items cover every block of keys once (part p of a head
     takes every ``parts``-th block from its p-th); dQ summed from several parts equals
     dQ from one (and the reference), and the same parts give the same bits whatever the
-    number of threads; the parts stay within their memory budget."""
+    number of threads (the parts do not depend on it); the parts stay within their memory
+    budget."""
     from polyattn.backends.numba_cpu import gradients
 
     items = gradients.key_items(np.array([700, 300]), 2, 256, 3)
@@ -279,10 +280,10 @@ def test_backward_parts_of_dq_and_their_work_items(monkeypatch):
     assert len(covered) == sum(len(range(s, (700, 300)[b], st))
                                for b, _, s, st, _, _ in items)        # none twice
     assert items[0][0] == 0 and set(items[:, 4]) == {0, 1, 2}
-    assert gradients.part_count(64, 8, 1 << 20, 2) == 1        # heads enough for 2 threads
-    assert gradients.part_count(1, 8, 1 << 20, 2) == 8         # one head: split its blocks
-    assert gradients.part_count(1, 3, 1 << 20, 16) == 3        # no more than the blocks
-    assert gradients.part_count(1, 64, gradients.PART_BYTES, 16) == 2    # memory bound
+    assert gradients.part_count(64, 8, 1 << 20) == 1            # heads enough already
+    assert gradients.part_count(2, 64, 1 << 20) == gradients.ITEMS // 2  # split the blocks
+    assert gradients.part_count(1, 3, 1 << 20) == 3             # no more than the blocks
+    assert gradients.part_count(1, 64, gradients.PART_BYTES) == 2        # memory bound
 
     rng = np.random.default_rng(36)
     q, k, v = _inputs(rng, b=1, tq=700, tk=700, e=16, ev=8)
@@ -296,13 +297,15 @@ def test_backward_parts_of_dq_and_their_work_items(monkeypatch):
             np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
     import numba
 
+    monkeypatch.undo()                       # the parts of the call itself, as chosen
+    _, both = _grads("numba_cpu", q, k, v, g, enable_gqa=True, is_causal=True)
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
         _, alone = _grads("numba_cpu", q, k, v, g, enable_gqa=True, is_causal=True)
     finally:
         numba.set_num_threads(before)
-    for a, b in zip(alone, got[3], strict=True):
+    for a, b in zip(alone, both, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -516,6 +519,18 @@ def test_warmup_caches_the_kernel_where_the_package_is_read_only(tmp_path):
     assert "loaded from Numba's cache" in runs[1].stdout
     assert str(tmp_path) in runs[1].stdout                    # the user-wide cache
     assert not list(copy.rglob("*.nbi"))                      # nothing written to the package
+
+
+def test_warmup_says_what_happened_to_each_kernel(monkeypatch):
+    """The forward kernel loaded from the cache and the backward one compiled (a forward
+    call before warmup) is said so, not as one "loaded"."""
+    backward = compiler.backward_kernel(announce=False)
+    monkeypatch.setattr(compiler, "_compiled", ["loaded"])
+    monkeypatch.setattr(compiler, "_backward", [backward])
+    for state, said in (("compiled", "forward loaded from Numba's cache, backward compiled"),
+                        ("loaded", "loaded")):
+        monkeypatch.setattr(compiler, "_backward_state", [state])
+        assert compiler.warmup()[0] == said
 
 
 _NARROW = """

@@ -336,6 +336,10 @@ def test_auto_on_torch_takes_the_kernel_where_it_measured_faster(monkeypatch):
     e = polyattn.explain(leaf, x, x)
     assert e.implementation == "native" and "backward" in e.candidates["numba_cpu"]
     assert polyattn.explain(leaf, x, x, softcap=20.0).implementation == "numba_cpu"
+    # ... but not where torch's own attention cannot run the call (lse, sinks)
+    assert polyattn.explain(leaf, x, x, return_lse=True).implementation == "numba_cpu"
+    sinks = torch.zeros(8, requires_grad=True)
+    assert polyattn.explain(leaf, x, x, sinks=sinks).implementation == "numba_cpu"
     monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
     assert polyattn.explain(x, x, x, is_causal=True).implementation == "native"
 

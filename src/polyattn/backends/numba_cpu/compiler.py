@@ -47,8 +47,10 @@ _definitions: dict[str, Any] = {}
 #: What happened when :func:`kernels` compiled: "compiled", "loaded" (from Numba's cache)
 #: or "failed: <why>"; empty before.
 _compiled: list[str] = []
-#: The compiled backward kernel, once :func:`backward_kernel` compiled it.
+#: The compiled backward kernel, once :func:`backward_kernel` compiled it, and what
+#: happened then ("compiled" or "loaded").
 _backward: list[Any] = []
+_backward_state: list[str] = []
 
 
 def _dispatchers() -> dict[str, Any]:
@@ -139,6 +141,7 @@ def backward_kernel(*, announce: bool = True) -> Any:
                 _announce_compile("backward", [(compiled.backward,
                                                 compiled.backward_signature(dt))
                                                for dt in (np.float32, np.float64)])
+            hits = sum(compiled.backward.stats.cache_hits.values())
             try:
                 with quiet():
                     for dt in (np.float32, np.float64):
@@ -147,7 +150,9 @@ def backward_kernel(*, announce: bool = True) -> Any:
             except Exception as exc:  # a compiler error of any kind: report it
                 raise KernelUnavailable(f"the numba_cpu backward kernel failed to compile: "
                                         f"{type(exc).__name__}: {exc}") from exc
+            loaded = sum(compiled.backward.stats.cache_hits.values()) - hits
             _backward.append(compiled.backward)
+            _backward_state.append("loaded" if loaded == 2 else "compiled")
     return _backward[0]
 
 
@@ -191,7 +196,8 @@ def cache_state_on_disk() -> str:
 
 def warmup() -> tuple[str, float]:
     """Compile the forward and backward kernels now, or load them from Numba's cache:
-    (what happened to the forward kernel, seconds)."""
+    (what happened to them, seconds): ``"loaded"`` or ``"compiled"`` where the same
+    happened to both, else what happened to each."""
     import time
 
     start = time.perf_counter()
@@ -199,7 +205,12 @@ def warmup() -> tuple[str, float]:
     backward_kernel(announce=False)
     for dtype in (np.float32, np.float64):
         exp(np.zeros(4, dtype=dtype))
-    return _compiled[0], time.perf_counter() - start
+    forward, backward = _compiled[0], _backward_state[0]
+    if forward == backward:
+        return forward, time.perf_counter() - start
+    words = {"loaded": "loaded from Numba's cache", "compiled": "compiled"}
+    return (f"forward {words.get(forward, forward)}, backward {words[backward]}",
+            time.perf_counter() - start)
 
 
 def tiles() -> str:

@@ -48,7 +48,7 @@ def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: A
     dk = np.zeros((n_batch, hkv, tk, call.e), dtype=dt)
     dv = np.zeros((n_batch, hkv, tk, call.ev), dtype=dt)
     parts = part_count(n_batch * hkv, -(-tk // call.block_k),
-                       n_batch * h * tq * call.e * dt.itemsize, threads.count())
+                       n_batch * h * tq * call.e * dt.itemsize)
     dq_parts = np.zeros((parts, n_batch, h, tq, call.e), dtype=dt)
     items = key_items(call.lengths, hkv, call.block_k, parts)
     if items.size:
@@ -70,17 +70,18 @@ def _unbroadcast(full: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 #: The most memory the parts of dQ beyond the first may take (each is a dQ's worth).
-PART_BYTES = 256 * 2**20
-#: Work items per thread the backward pass aims for (for load balance).
-ITEMS_PER_THREAD = 4
+PART_BYTES = 32 * 2**20
+#: Work items the backward pass aims for: (batch row, key/value head) pairs, each split
+#: into parts where there are fewer. A constant, not the number of threads: the parts,
+#: and so the rounding of dQ's sum, must not depend on the machine's threads.
+ITEMS = 16
 
 
-def part_count(heads: int, blocks: int, dq_bytes: int, n_threads: int) -> int:
-    """How many parts dQ is summed from: enough work items (``heads`` (batch row,
-    key/value head) pairs, each split into that many items) for ``n_threads``, no more
-    than the ``blocks`` of keys, and the parts beyond the first within
-    :data:`PART_BYTES`."""
-    wanted = -(-ITEMS_PER_THREAD * max(n_threads, 1) // max(heads, 1))
+def part_count(heads: int, blocks: int, dq_bytes: int) -> int:
+    """How many parts dQ is summed from: enough for :data:`ITEMS` work items over the
+    ``heads`` (batch row, key/value head) pairs, no more than the ``blocks`` of keys, and
+    the parts beyond the first within :data:`PART_BYTES`."""
+    wanted = -(-ITEMS // max(heads, 1))
     affordable = 1 + PART_BYTES // max(dq_bytes, 1)
     return int(max(1, min(wanted, blocks, affordable)))
 

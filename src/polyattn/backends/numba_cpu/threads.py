@@ -53,13 +53,6 @@ def choose_threading_layer(numba: Any) -> None:
     numba.config.THREADING_LAYER = "threadsafe" if safe else "workqueue"
 
 
-def count() -> int:
-    """The threads a kernel's parallel loop runs on (Numba's setting for this thread)."""
-    import numba
-
-    return int(numba.get_num_threads())
-
-
 def threading_layer() -> str:
     """The Numba threading layer the kernel runs on ("" before its first call)."""
     return _layer[0] if _layer else ""
