@@ -169,7 +169,15 @@ def cuda_family_ran(name: str, explanation: Any) -> None:
 
 
 def rounded(a: np.ndarray, dtype_name: str) -> np.ndarray:
-    """``a`` rounded to ``dtype_name`` and back to float64: the values the library sees."""
+    """``a`` rounded to ``dtype_name`` and back to float64: the values the library sees.
+
+    NumPy has no bfloat16: its values are float32 rounded to the nearest 8-bit
+    significand (ties to even), so that a library converting them changes nothing."""
+    if dtype_name == "bfloat16":
+        bits = np.asarray(a, dtype=np.float32).view(np.uint32)
+        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) \
+            & np.uint32(0xFFFF0000)
+        return bits.view(np.float32).astype(np.float64)
     return np.asarray(a).astype(dtype_name).astype(np.float64)
 
 

@@ -373,7 +373,7 @@ def ref_attention_vjp(q, k, v, grad_out, grad_lse=None, *, enable_gqa=False, sca
     return dq, dk, dv
 
 
-TOLERANCE = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
+TOLERANCE = {"bfloat16": 4e-3, "float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
 
 
 def rel_error(out: np.ndarray, ref: np.ndarray) -> float:

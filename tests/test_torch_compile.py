@@ -106,3 +106,47 @@ def test_no_dynamo_warnings_while_tracing_polyattn(complaints):
 def test_no_warning_at_all_while_compiling_calls_to_polyattn(complaints):
     """Not even from the libraries polyattn calls (array_api_compat's cached type checks)."""
     assert complaints["all"] == []
+
+
+FULLGRAPH = textwrap.dedent("""
+    import torch
+    import polyattn
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 4, requires_grad=True) for _ in range(3))
+    sinks = torch.zeros(4)
+    x = torch.randn(1, 8, 8)
+    params = polyattn.MultiHeadAttention(8, 2, xp=torch, seed=0).params
+
+    def keywords(q, k, v):
+        return polyattn.scaled_dot_product_attention(q, k, v, window=(3, 0), softcap=5.0,
+                                                     sinks=sinks)
+
+    def causal(q, k, v):
+        return polyattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def mha(x):
+        return polyattn.multi_head_attention(x, x, x, params, num_heads=2, is_causal=True)
+
+    # the compiled calls are the process's first calls of polyattn
+    for f in (causal, keywords):
+        got = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+        grads = torch.autograd.grad(got.sum(), (q, k, v))
+        want = f(q, k, v)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), f.__name__
+        for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+            assert torch.allclose(g, w, rtol=1e-6, atol=1e-7), f.__name__
+    assert torch.allclose(torch.compile(mha, fullgraph=True, backend="eager")(x), mha(x))
+    print("ok")
+""")
+
+
+def test_fullgraph_compile_of_keywords_and_multi_head_attention():
+    """``torch.compile(fullgraph=True)`` traces polyattn's calls with keyword rules (no
+    graph break), even as the process's first call: the implementation packages are
+    imported with polyattn, since TorchDynamo cannot trace an import."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "PYTHONWARNINGS")}
+    proc = subprocess.run([sys.executable, "-c", FULLGRAPH], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")

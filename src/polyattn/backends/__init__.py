@@ -36,6 +36,7 @@ problem has at least one score: the caller answers Tq, Tk, B or H = 0 itself.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Protocol
 
 #: ``needs``: the call returns the log-sum-exp (``return_lse=True``).
@@ -99,13 +100,20 @@ def family(name: str) -> Backend:
     """The backend of implementation ``name`` (its family imported now); for
     ``"chunked"`` the Array-API blocked path (:func:`backend` picks the NumPy one)."""
     package, attribute = FAMILIES[name]
-    module = importlib.import_module(f"{__name__}.{package}")
+    module = _imported(f"{__name__}.{package}")
     return module if attribute is None else getattr(module, attribute)  # type: ignore[return-value]
 
 
 def numpy_path() -> Backend:
     """The NumPy fast path: what ``"chunked"`` runs on NumPy arrays."""
-    return importlib.import_module(f"{__name__}.numpy").FAST_PATH  # type: ignore[no-any-return]
+    return _imported(f"{__name__}.numpy").FAST_PATH  # type: ignore[no-any-return]
+
+
+def _imported(name: str) -> Any:
+    """Module ``name``, imported now if it is not yet (``sys.modules`` first: TorchDynamo
+    does not trace ``importlib.import_module``, so ``torch.compile(fullgraph=True)``
+    needs the lookup once the module is there)."""
+    return sys.modules.get(name) or importlib.import_module(name)
 
 
 def objection(runner: Backend, problem: Any, needs: frozenset[str] = frozenset()) -> str | None:
@@ -128,3 +136,14 @@ def backend(name: str, problem: Any) -> Backend:
         if objection(fast, problem, frozenset({AUTOGRAD})) is None:
             return fast
     return family(name)
+
+
+def _import_families() -> None:
+    """Import every family package now (each is light: CuPy, Numba, torch and JAX are
+    imported only when used), so that the first call traced by TorchDynamo
+    (``torch.compile(fullgraph=True)``) finds them in ``sys.modules``."""
+    for package in {package for package, _ in FAMILIES.values()} | {"numpy"}:
+        importlib.import_module(f"{__name__}.{package}")
+
+
+_import_families()

@@ -583,6 +583,24 @@ def test_the_32_byte_vector_kernel(tmp_path):
 
 # --- non-finite inputs (docs/semantics.rst, "Non-finite inputs") ---------------------------
 
+@pytest.mark.parametrize(("name", "features", "expected"), [
+    ("haswell", "", 32),              # the name's own features: AVX2
+    ("generic", "", 32),
+    ("znver4", "", 64),               # AMD Zen 4: AVX-512
+    ("skylake-avx512", "", 64),
+    ("znver4", "-avx512f", 32),       # features spelled out decide
+    ("haswell", "+avx2,+fma,+avx512f", 64),
+])
+def test_vector_width_follows_numba_target(name, features, expected):
+    """The tiles' vector width is the one LLVM compiles for under ``NUMBA_CPU_NAME`` and
+    ``NUMBA_CPU_FEATURES``: an empty feature list means the CPU name's own (a host's
+    AVX-512 would otherwise give AVX-512 instructions to an AVX2 target, which LLVM
+    cannot select)."""
+    from polyattn.backends.numba_cpu import tiles
+
+    assert tiles.vector_bytes(name, features) == expected
+
+
 def _finite_or_nan(got, want, dtype):
     """Entries no NaN reached are the clean result; NaN is allowed, a finite wrong number not."""
     ok = ~np.isnan(got)

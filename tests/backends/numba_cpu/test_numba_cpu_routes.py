@@ -211,6 +211,57 @@ def test_jax_cpu_arrays_eager_jit_and_grad(jax, rule, dtype, counted):
         assert_close(got, np.asarray(want), dtype, what=f"d{name}")
 
 
+def _bf16_error(got, want):
+    got = np.asarray(got, dtype=np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("library", ["torch", "jax"])
+def test_bfloat16_through_the_kernel(library, counted):
+    """bfloat16 tensors and arrays run the kernel in float32 and come back bfloat16 (the
+    lse float32), within the bfloat16 contract (4e-3, docs/semantics.rst) of the float64
+    oracle on the values they hold, forward and gradients."""
+    rng = np.random.default_rng(5)
+    shape = (1, 2, 96, 32)
+    g = rng.standard_normal(shape)
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        q, k, v = (torch.from_numpy(rng.standard_normal(shape)).to(torch.bfloat16)
+                   .requires_grad_() for _ in range(3))
+        held = [x.detach().double().numpy() for x in (q, k, v)]
+        out, lse = sdpa(q, k, v, is_causal=True, implementation="numba_cpu", return_lse=True)
+        out.backward(torch.from_numpy(g).to(torch.bfloat16))
+        dtypes = (out.dtype, lse.dtype, q.grad.dtype)
+        assert dtypes == (torch.bfloat16, torch.float32, torch.bfloat16)
+        got = [out.detach().double().numpy(), lse.detach().double().numpy()] + [
+            x.grad.double().numpy() for x in (q, k, v)]
+    else:
+        jax = pytest.importorskip("jax")
+        import jax.numpy as jnp
+
+        q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype=jnp.bfloat16)
+                   for _ in range(3))
+        held = [np.asarray(x.astype(jnp.float32), dtype=np.float64) for x in (q, k, v)]
+
+        def f(q, k, v):
+            return sdpa(q, k, v, is_causal=True, implementation="numba_cpu",
+                        return_lse=True)
+
+        out, lse = jax.jit(f)(q, k, v)
+        grads = jax.jit(jax.grad(lambda q, k, v: (f(q, k, v)[0].astype(jnp.float32)
+                                                  * g).sum(), argnums=(0, 1, 2)))(q, k, v)
+        assert (str(out.dtype), str(lse.dtype), str(grads[0].dtype)) == (
+            "bfloat16", "float32", "bfloat16")
+        got = [np.asarray(x.astype(jnp.float32), dtype=np.float64) for x in (out, lse, *grads)]
+    assert counted["forward"] >= 1 and counted["backward"] == 1
+    want_out, want_lse, want_grads = _oracle(*held, {"is_causal": True}, g)
+    assert _bf16_error(got[0], want_out) <= 4e-3
+    assert _bf16_error(got[1], want_lse) <= 1e-5
+    for name, x, want in zip("qkv", got[2:], want_grads[:3], strict=True):
+        # rounded to bfloat16 as the output is (torch's cotangent too)
+        assert _bf16_error(x, np.asarray(want)) <= 4e-3, f"d{name}"
+
+
 @pytest.mark.parametrize("rule", ["causal", "key_lengths", "score_mod", "dropout", "mask"])
 def test_jax_vmap_jvp_and_second_derivatives(jax, rule, counted):
     import jax.numpy as jnp

@@ -9,6 +9,7 @@ library, and its autodiff (torch, JAX) differentiates them.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,8 @@ class ArrayApiPath:
                        "segment_ids", "score_mod", "mask_mod"})
 
     def _code(self) -> Any:
-        return importlib.import_module(f"{__name__}.{self.module}")
+        name = f"{__name__}.{self.module}"
+        return sys.modules.get(name) or importlib.import_module(name)
 
     def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
         """Always ``None``: every call runs, on every library."""
@@ -56,6 +58,11 @@ class ArrayApiPath:
 REFERENCE = ArrayApiPath("reference", "reference")
 #: ``"chunked"`` on libraries other than NumPy: key blocks and an online softmax.
 CHUNKED = ArrayApiPath("chunked", "blocked")
+
+# imported now (polyattn's own code only): the first call that TorchDynamo traces
+# (torch.compile(fullgraph=True)) cannot import them
+for _path in (REFERENCE, CHUNKED):
+    _path._code()
 
 
 def weights(problem: Any) -> Any:

@@ -34,11 +34,33 @@ from llvmlite import binding, ir
 from numba.core import cgutils, config, types
 from numba.extending import intrinsic
 
+#: LLVM's names of the x86 CPUs with AVX-512 (Intel from Skylake-SP, AMD from Zen 4), for a
+#: ``NUMBA_CPU_NAME`` whose features are not spelled out.
+AVX512_CPUS = frozenset({
+    "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake", "icelake-client",
+    "icelake-server", "tigerlake", "rocketlake", "sapphirerapids", "emeraldrapids",
+    "graniterapids", "graniterapids-d", "diamondrapids", "knl", "knm", "znver4", "znver5",
+    "x86-64-v4"})
 
-def vector_bytes() -> int:
-    """Bytes per SIMD register of the CPU Numba compiles for (64 or 32)."""
-    features = getattr(config, "CPU_FEATURES", None) or binding.get_host_cpu_features().flatten()
-    return 64 if "+avx512f" in features.split(",") else 32
+
+def vector_bytes(cpu_name: str | None = None, cpu_features: str | None = None) -> int:
+    """Bytes per SIMD register of the CPU Numba compiles for (64 or 32).
+
+    As Numba does: ``NUMBA_CPU_FEATURES`` when set (even empty), else the host's
+    features; where they neither add nor remove ``avx512f``, ``NUMBA_CPU_NAME`` (else the
+    host's name) decides. So ``NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=""`` compiles
+    32-byte vectors on any host, and ``znver4`` 64-byte ones.
+    """
+    name = cpu_name if cpu_name is not None else getattr(config, "CPU_NAME", None)
+    features = cpu_features if cpu_features is not None else getattr(config, "CPU_FEATURES",
+                                                                      None)
+    if features is None:
+        features = binding.get_host_cpu_features().flatten()
+    flags = features.split(",")
+    if "+avx512f" in flags or "-avx512f" in flags:
+        return 64 if "+avx512f" in flags else 32
+    cpu = name if name not in (None, "host") else binding.get_host_cpu_name()
+    return 64 if cpu.lower() in AVX512_CPUS else 32
 
 
 VECTOR_BYTES = vector_bytes()
