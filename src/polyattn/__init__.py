@@ -14,7 +14,7 @@ from polyattn.masks import causal_mask
 from polyattn.merge import merge_attention
 from polyattn.multihead import MultiHeadAttention, multi_head_attention
 from polyattn.positional import alibi_slopes, sinusoidal_positional_encoding
-from polyattn.rotary import apply_rotary_embedding
+from polyattn.rotary import apply_rotary_embedding, rotary_frequencies
 from polyattn.softmax import logsumexp, softmax
 from polyattn.vjp import attention_vjp
 
@@ -36,6 +36,7 @@ __all__ = [
     "merge_attention",
     "multi_head_attention",
     "ops",
+    "rotary_frequencies",
     "scaled_dot_product_attention",
     "sinusoidal_positional_encoding",
     "softmax",

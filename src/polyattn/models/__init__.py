@@ -6,8 +6,17 @@ is polyattn's. They import their heavier dependencies (``safetensors``,
 ``tokenizers``, ``gguf``, the packaged weights) only when a model is loaded,
 so ``import polyattn`` stays light.
 
+Functions
+---------
+from_pretrained
+    A decoder from a transformers checkpoint folder (``config.json`` and
+    ``*.safetensors``): Llama, Qwen3, Gemma 2 and 3, gpt-oss, on NumPy,
+    torch, CuPy or JAX arrays; see :mod:`polyattn.models.pretrained`.
+
 Modules
 -------
+pretrained
+    :func:`from_pretrained` and the model it returns, ``PretrainedLM``.
 minilm
     The all-MiniLM-L6-v2 sentence encoder (a 6-layer BERT), its sentence
     embeddings and the attention demo of ``python -m polyattn demo --model minilm``.
@@ -17,3 +26,6 @@ smollm2
     Python and ``python -m polyattn generate``.
 """
 
+from polyattn.models.pretrained import from_pretrained
+
+__all__ = ["from_pretrained"]

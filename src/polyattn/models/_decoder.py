@@ -1,12 +1,21 @@
-"""A Llama-architecture decoder in Array API code, with a key/value cache.
+"""A decoder of the Llama family in Array API code, with a key/value cache.
 
 Each layer: RMSNorm → grouped-query self-attention → residual, then RMSNorm
-→ SwiGLU feed-forward → residual; a final RMSNorm and logits from
-``lm_head``. The attention of each layer is
-:func:`polyattn.scaled_dot_product_attention` with ``enable_gqa=True``;
-positions come from :func:`polyattn.apply_rotary_embedding` (split halves,
-``config.rope_base``) and the past keys and values of decoding live in one
-:class:`polyattn.KVCache` per layer (:class:`~polyattn.models._decoder_blocks.Cache`).
+→ gated feed-forward network → residual; a final RMSNorm and logits from
+``lm_head``. What differs between Llama, SmolLM2, Qwen3, Gemma 2 and 3 and
+gpt-oss is described by a :class:`~polyattn.models._decoder_config.DecoderConfig`
+(the attention's scale and softcap, each layer's sliding window and rotary
+frequencies, the activation or the mixture of experts, the embedding scale
+and the final softcap) and by which optional weights the parameters hold
+(see :class:`Decoder`).
+
+The attention of each layer is :func:`polyattn.scaled_dot_product_attention`
+with ``enable_gqa=True``, and ``window``, ``softcap``, ``scale`` and
+``sinks`` where the layer has them; positions come from
+:func:`polyattn.apply_rotary_embedding` (split halves; the frequencies of
+:func:`polyattn.rotary_frequencies` for scaled RoPE) and the past keys and
+values of decoding live in one :class:`polyattn.KVCache` per layer
+(:class:`~polyattn.models._decoder_blocks.Cache`).
 
 A batch is **right-padded**: row ``b``'s tokens sit at positions ``0 …
 lengths[b] - 1`` and the padding after them is hidden by ``key_lengths``;
@@ -14,7 +23,8 @@ with a cache, each row's tokens are appended at that row's own length.
 
 Shapes: ``B`` sequences, ``T`` tokens, ``D`` features, ``H`` query heads,
 ``Hkv`` key/value heads, ``E`` features per head, ``F`` feed-forward
-features, ``V`` tokens in the vocabulary, ``C`` the cache's capacity.
+features, ``X`` experts, ``V`` tokens in the vocabulary, ``C`` the cache's
+capacity.
 """
 
 from __future__ import annotations
@@ -26,16 +36,18 @@ import numpy as np
 import polyattn
 from polyattn._interop import array_namespace, device_of, library_name
 from polyattn._validation import check_nonnegative_int
-from polyattn.models._bpe import BPETokenizer
 from polyattn.models._decoder_blocks import (
     Cache,
     _index_dtype,
     _plural,
     _size_text,
     _to_numpy,
+    gelu_tanh,
+    mixture_of_experts,
     rms_norm,
     silu,
 )
+from polyattn.models._decoder_config import DecoderConfig
 from polyattn.models._gguf_checks import LlamaConfig
 
 Array = Any
@@ -43,23 +55,63 @@ Namespace = Any
 
 
 class Decoder:
-    """A Llama-architecture decoder on the arrays of one Array API namespace.
+    """A decoder of the Llama family on the arrays of one Array API namespace.
 
-    ``params``, ``config`` and ``tokenizer`` are those described in
-    :class:`polyattn.models.smollm2.SmolLM2`; this class holds the network,
-    its inputs' checks and its cache; :class:`polyattn.models._generation.CausalLM`
-    adds generation.
+    This class holds the network, its inputs' checks and its cache;
+    :class:`polyattn.models._generation.CausalLM` adds generation.
+
+    Parameters
+    ----------
+    params : dict
+        Arrays of one namespace, device and dtype. Matrices are laid out
+        (in, out): ``y = x @ w``. ``"embed"`` (V, D), ``"norm"`` (D,),
+        ``"lm_head"`` (D, V) and ``"layers"``, one dict per layer with
+        ``"attn_norm"`` (D,), ``"w_qkv"`` (D, (H + 2·Hkv)·E) (queries, keys,
+        values side by side), ``"w_o"`` (H·E, D), ``"ffn_norm"`` (D,),
+        ``"w_gate_up"`` (D, 2·F) (gate, then up) and ``"w_down"`` (F, D).
+        Optional, where the model has them: ``"b_qkv"`` ((H + 2·Hkv)·E,),
+        ``"b_o"`` (D,), ``"b_gate_up"`` (2·F,), ``"b_down"`` (D,) biases;
+        ``"qk_norm"`` (H + Hkv, 1, E), the RMSNorm weights of each query
+        head's and key head's features (QK-norm); ``"sinks"`` (H,), learned
+        sink logits; ``"post_attn_norm"`` and ``"post_ffn_norm"`` (D,), the
+        norms of the attention's and the feed-forward network's outputs
+        (Gemma; its ``1 + w`` weights are stored as ``1 + w``). A mixture
+        of experts has instead ``"router"`` (D, X), ``"b_router"`` (X,),
+        ``"w_gate_up"`` (X, D, 2·F), ``"b_gate_up"`` (X, 2·F), ``"w_down"``
+        (X, F, D) and ``"b_down"`` (X, D).
+    config : LlamaConfig or DecoderConfig
+        The hyper-parameters; a ``LlamaConfig`` (from a GGUF file) is a
+        plain Llama. :attr:`spec` holds the ``DecoderConfig`` either way.
+    tokenizer
+        An object with ``encode``, ``decode``, ``eos_id``, ``bos_id`` and
+        ``pad_id`` (the BPE tokenizer of a GGUF file, or a transformers
+        checkpoint's ``tokenizer.json``).
     """
 
-    def __init__(self, params: dict[str, Any], config: LlamaConfig,
-                 tokenizer: BPETokenizer) -> None:
+    def __init__(self, params: dict[str, Any], config: LlamaConfig | DecoderConfig,
+                 tokenizer: Any) -> None:
         self.params = params
         self.config = config
+        self.spec = DecoderConfig.from_llama(config)
         self.tokenizer = tokenizer
         self.xp = array_namespace(params["embed"])
         self.device = device_of(params["embed"])
         self.dtype = params["embed"].dtype
         self._int = _index_dtype(self.xp, self.device)
+        self._ropes = self._rotary_tables()
+
+    def _rotary_tables(self) -> dict[str, tuple[Array | None, float, float]]:
+        """Each rotary embedding the layers use: its frequencies as an array (float64 for a
+        float64 model, else float32, as the angles are computed), or ``None`` and the base."""
+        xp, c = self.xp, self.spec
+        work = xp.float64 if self.dtype == xp.float64 else xp.float32
+        tables: dict[str, tuple[Array | None, float, float]] = {}
+        for name in {c.layer(i).rope for i in range(c.num_layers)}:
+            rope = c.rope(name)
+            inv_freq = (None if rope.inv_freq is None else
+                        xp.asarray(list(rope.inv_freq), dtype=work, device=self.device))
+            tables[name] = (inv_freq, rope.base, rope.attention_factor)
+        return tables
 
     def __repr__(self) -> str:
         c = self.config
@@ -210,7 +262,9 @@ class Decoder:
             Past tokens (from :meth:`new_cache`). Row ``b``'s tokens take the
             positions ``cache.lengths[b] …`` and are appended to it, so
             calling the model on a prompt and then on one token at a time
-            gives the logits of calling it once on the whole sequence.
+            gives the logits of calling it once on the whole sequence. The
+            cache is updated in place on every library (on JAX, whose arrays
+            are immutable, each entry of ``cache.layers`` is replaced).
             Without a cache the tokens start at position 0.
         lengths : integer (B,), optional
             Real tokens per row (the rest is padding, which no token attends
@@ -230,8 +284,7 @@ class Decoder:
             (one made with :meth:`new_cache` never has).
         """
         ids = self._ids(token_ids)
-        hidden = self._hidden(ids, cache, lengths)
-        logits = hidden @ self.params["lm_head"]                        # (B, T, V)
+        logits = self.logits(self._hidden(ids, cache, lengths))         # (B, T, V)
         ndim = token_ids.ndim if hasattr(token_ids, "ndim") else np.ndim(token_ids)
         if ndim == 1:
             return logits[0, ...]                                       # (T, V)
@@ -242,16 +295,33 @@ class Decoder:
         """The final normalised hidden states (B, T, D); see :meth:`__call__`."""
         return self._hidden(self._ids(token_ids), cache, lengths)
 
+    def logits(self, hidden: Array, /) -> Array:
+        """Logits (…, V) of final hidden states (…, D): ``lm_head``, then the final softcap
+        where the model has one (Gemma)."""
+        xp = self.xp
+        logits = hidden @ self.params["lm_head"]                        # (…, V)
+        cap = self.spec.final_softcap
+        if cap is not None:
+            logits = xp.tanh(logits / cap) * cap
+        return logits
+
+    def _embed(self, flat_ids: Array) -> Array:
+        """Token embeddings (N, D), scaled in the model's dtype where the model says so."""
+        xp = self.xp
+        x = xp.take(self.params["embed"], flat_ids, axis=0)             # (N, D)
+        if self.spec.embed_scale is not None:
+            x = x * xp.asarray(self.spec.embed_scale, dtype=x.dtype, device=self.device)
+        return x
+
     def _hidden(self, ids: Array, cache: Cache | None, lengths: Any) -> Array:
         """:meth:`hidden_states` of checked ids (B, T)."""
-        xp, c = self.xp, self.config
+        xp, c = self.xp, self.spec
         b, t = ids.shape
         self._check_context(t, cache)
         key_lengths = self._lengths(lengths, b, t)
-        flat = xp.reshape(ids, (b * t,))
-        x = xp.take(self.params["embed"], flat, axis=0)                 # (B·T, D)
+        x = self._embed(xp.reshape(ids, (b * t,)))                      # (B·T, D)
         steps = xp.arange(t, dtype=self._int, device=self.device)       # (T,)
-        mask = None
+        masks: _Masks | None = None
         if cache is None:
             positions = xp.reshape(steps, (1, 1, t))                    # (1, 1, T)
         else:
@@ -261,11 +331,12 @@ class Decoder:
             start = xp.reshape(cache.lengths, (b, 1)) + steps           # (B, T)
             positions = xp.reshape(start, (b, 1, t))                    # (B, 1, T)
             if key_lengths is not None:
-                # ragged rows: row b's token i is at start[b] + i, key j visible iff j <= it
-                slots = xp.arange(cache.capacity, dtype=self._int, device=self.device)
-                mask = slots <= xp.reshape(start, (b, 1, t, 1))         # (B, 1, T, C)
+                # ragged rows: row b's token i is at start[b] + i; the masks say which
+                # slots of the cache each sees
+                masks = _Masks(xp, xp.reshape(start, (b, 1, t, 1)),
+                               xp.arange(cache.capacity, dtype=self._int, device=self.device))
         for i in range(c.num_layers):
-            x = self._layer(i, x, b, t, positions, cache, key_lengths, mask)
+            x = self._layer(i, x, b, t, positions, cache, key_lengths, masks)
         x = rms_norm(x, self.params["norm"], eps=c.rms_norm_eps)
         return xp.reshape(x, (b, t, c.hidden_size))                     # (B, T, D)
 
@@ -281,69 +352,146 @@ class Decoder:
 
     def _project_qkv(self, i: int, h: Array, b: int, t: int, positions: Array
                      ) -> tuple[Array, Array, Array]:
-        """Queries (B, H, T, E), keys and values (B, Hkv, T, E), RoPE applied."""
-        xp, c = self.xp, self.config
+        """Queries (B, H, T, E), keys and values (B, Hkv, T, E); QK-norm and RoPE applied."""
+        xp, c = self.xp, self.spec
+        lp = self.params["layers"][i]
         e, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        qkv = h @ self.params["layers"][i]["w_qkv"]                     # (B·T, (H+2Hkv)·E)
+        qkv = h @ lp["w_qkv"]                                           # (B·T, (H+2Hkv)·E)
+        if "b_qkv" in lp:
+            qkv = qkv + lp["b_qkv"]
         qkv = xp.reshape(qkv, (b, t, nh + 2 * nkv, e))                  # (B, T, H+2Hkv, E)
         qkv = xp.permute_dims(qkv, (0, 2, 1, 3))                        # (B, H+2Hkv, T, E)
+        qk = qkv[:, :nh + nkv, ...]                                     # (B, H+Hkv, T, E)
+        if "qk_norm" in lp:
+            # Qwen3, Gemma 3: each head's query and key normalised over its E features
+            # (the weights (H+Hkv, 1, E): the query heads' rows, then the key heads')
+            qk = rms_norm(qk, lp["qk_norm"], eps=c.rms_norm_eps)
         # queries and keys rotated in one call: the same positions for every head
-        qk = polyattn.apply_rotary_embedding(qkv[:, :nh + nkv, ...], positions,
-                                             base=c.rope_base)          # (B, H+Hkv, T, E)
+        inv_freq, base, factor = self._ropes[c.layer(i).rope]
+        if inv_freq is None:
+            qk = polyattn.apply_rotary_embedding(qk, positions, base=base)
+        else:
+            qk = polyattn.apply_rotary_embedding(qk, positions, inv_freq=inv_freq,
+                                                 attention_factor=factor)
         q = qk[:, :nh, ...]                                             # (B, H, T, E)
         k = qk[:, nh:, ...]                                             # (B, Hkv, T, E)
         v = qkv[:, nh + nkv:, ...]                                      # (B, Hkv, T, E)
         return q, k, v
 
+    def _attention_options(self, i: int) -> dict[str, Any]:
+        """The keywords of layer ``i``'s attention besides the masks: GQA, scale, softcap,
+        sinks."""
+        c = self.spec
+        lp = self.params["layers"][i]
+        options: dict[str, Any] = {"enable_gqa": True}
+        if c.attn_scale is not None:
+            options["scale"] = c.attn_scale
+        if c.attn_softcap is not None:
+            options["softcap"] = c.attn_softcap
+        if "sinks" in lp:
+            options["sinks"] = lp["sinks"]
+        return options
+
+    def _attend(self, i: int, q: Array, k: Array, v: Array, cache: Cache | None,
+                key_lengths: Array | None, masks: _Masks | None) -> Array:
+        """Layer ``i``'s attention (B, H, T, E), the new keys and values appended to the cache."""
+        options = self._attention_options(i)
+        left = self.spec.layer(i).window
+        window = None if left is None else (left, 0)
+        if cache is None:
+            return polyattn.scaled_dot_product_attention(
+                q, k, v, is_causal=True, window=window, key_lengths=key_lengths, **options)
+        kv = cache.layers[i].update(k, v, lengths=key_lengths)
+        cache.layers[i] = kv
+        if masks is None:           # every row appended all T: they are its last T keys
+            return polyattn.scaled_dot_product_attention(
+                q, kv.keys, kv.values, is_causal=True, causal_alignment="bottom_right",
+                window=window, key_lengths=kv.lengths, **options)
+        return polyattn.scaled_dot_product_attention(
+            q, kv.keys, kv.values, attn_mask=masks.visible(left), key_lengths=kv.lengths,
+            **options)                                                  # (B, H, T, E)
+
     def _layer(self, i: int, x: Array, b: int, t: int, positions: Array,
-               cache: Cache | None, key_lengths: Array | None, mask: Array | None) -> Array:
+               cache: Cache | None, key_lengths: Array | None, masks: _Masks | None) -> Array:
         """Decoder layer ``i`` on the residual stream x (B·T, D)."""
-        xp, c = self.xp, self.config
+        xp, c = self.xp, self.spec
         lp = self.params["layers"][i]
         h = rms_norm(x, lp["attn_norm"], eps=c.rms_norm_eps)
         q, k, v = self._project_qkv(i, h, b, t, positions)
-        if cache is None:
-            out = polyattn.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True, key_lengths=key_lengths)
-        else:
-            kv = cache.layers[i].update(k, v, lengths=key_lengths)
-            cache.layers[i] = kv
-            if mask is None:        # every row appended all T: they are its last T keys
-                out = polyattn.scaled_dot_product_attention(
-                    q, kv.keys, kv.values, is_causal=True, causal_alignment="bottom_right",
-                    enable_gqa=True, key_lengths=kv.lengths)
-            else:
-                out = polyattn.scaled_dot_product_attention(
-                    q, kv.keys, kv.values, attn_mask=mask, enable_gqa=True,
-                    key_lengths=kv.lengths)                             # (B, H, T, E)
+        out = self._attend(i, q, k, v, cache, key_lengths, masks)       # (B, H, T, E)
         out = xp.permute_dims(out, (0, 2, 1, 3))                        # (B, T, H, E)
         out = xp.reshape(out, (b * t, c.num_heads * c.head_dim))        # (B·T, H·E)
-        x = x + out @ lp["w_o"]
+        out = out @ lp["w_o"]                                           # (B·T, D)
+        if "b_o" in lp:
+            out = out + lp["b_o"]
+        if "post_attn_norm" in lp:                                      # Gemma
+            out = rms_norm(out, lp["post_attn_norm"], eps=c.rms_norm_eps)
+        x = x + out
         h = rms_norm(x, lp["ffn_norm"], eps=c.rms_norm_eps)
+        h = self._feed_forward(lp, h)
+        if "post_ffn_norm" in lp:                                       # Gemma
+            h = rms_norm(h, lp["post_ffn_norm"], eps=c.rms_norm_eps)
+        return x + h
+
+    def _feed_forward(self, lp: dict[str, Any], h: Array) -> Array:
+        """The gated feed-forward network (B·T, D) -> (B·T, D), or the mixture of experts."""
+        c = self.spec
+        if c.num_experts:
+            return mixture_of_experts(h, lp, top_k=c.experts_per_token,
+                                      alpha=c.swiglu_alpha, limit=c.swiglu_limit)
         gate_up = h @ lp["w_gate_up"]                                   # (B·T, 2F)
+        if "b_gate_up" in lp:
+            gate_up = gate_up + lp["b_gate_up"]
         f = c.intermediate_size
-        return x + (silu(gate_up[:, :f]) * gate_up[:, f:]) @ lp["w_down"]
+        act = silu if c.activation == "silu" else gelu_tanh
+        out = (act(gate_up[:, :f]) * gate_up[:, f:]) @ lp["w_down"]     # (B·T, D)
+        if "b_down" in lp:
+            out = out + lp["b_down"]
+        return out
 
     def attention_weights(self, token_ids: Any) -> list[Array]:
         """Every layer's attention weights over one sequence: a list of (H, T, T).
 
         Row ``i`` of head ``h`` is how much token ``i`` attends to each of
-        the tokens ``0 … i`` (causal: the rest are 0).
+        the tokens ``0 … i`` (causal: the rest are 0; a sliding layer's
+        window leaves out the older ones too, and a model with learned
+        sinks gives rows that sum to less than 1).
         """
-        xp, c = self.xp, self.config
+        xp, c = self.xp, self.spec
         ids = self._ids(token_ids)
         if ids.shape[0] != 1:
             raise ValueError(f"`token_ids` must be one sequence, (T,) or (1, T); got shape "
                              f"{tuple(ids.shape)}")
         t = ids.shape[1]
         self._check_context(t, None)
-        x = xp.take(self.params["embed"], xp.reshape(ids, (t,)), axis=0)  # (T, D)
+        x = self._embed(xp.reshape(ids, (t,)))                          # (T, D)
         positions = xp.arange(t, dtype=self._int, device=self.device)    # (T,)
         maps = []
         for i in range(c.num_layers):
             h = rms_norm(x, self.params["layers"][i]["attn_norm"], eps=c.rms_norm_eps)
             q, k, _ = self._project_qkv(i, h, 1, t, positions)
-            alpha = polyattn.attention_weights(q, k, is_causal=True, enable_gqa=True)
+            left = c.layer(i).window
+            alpha = polyattn.attention_weights(
+                q, k, is_causal=True, window=None if left is None else (left, 0),
+                **self._attention_options(i))
             maps.append(alpha[0, ...])                                  # (H, T, T)
             x = self._layer(i, x, 1, t, xp.reshape(positions, (1, 1, t)), None, None, None)
         return maps
+
+
+class _Masks:
+    """The boolean masks (B, 1, T, C) of a ragged batch decoded with a cache, one per
+    window, made when a layer first asks: row ``b``'s token at position ``p`` sees the
+    slots ``p - left … p``."""
+
+    def __init__(self, xp: Namespace, positions: Array, slots: Array) -> None:
+        self.xp, self.positions, self.slots = xp, positions, slots      # (B, 1, T, 1), (C,)
+        self._made: dict[int | None, Array] = {}
+
+    def visible(self, left: int | None) -> Array:
+        if left not in self._made:
+            mask = self.slots <= self.positions                         # (B, 1, T, C)
+            if left is not None:
+                mask = self.xp.logical_and(mask, self.slots >= self.positions - left)
+            self._made[left] = mask
+        return self._made[left]

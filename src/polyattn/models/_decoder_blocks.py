@@ -1,17 +1,19 @@
-"""The parts of a Llama-style decoder: RMSNorm, SiLU, the per-layer key/value cache.
+"""The parts of a Llama-family decoder: RMSNorm, SiLU, GELU, gpt-oss's mixture of experts,
+the per-layer key/value cache.
 
 Also the small helpers the decoder's messages and host-side sampling use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 import polyattn
-from polyattn._interop import array_namespace
+from polyattn._interop import array_namespace, device_of
 
 Array = Any
 Namespace = Any
@@ -120,3 +122,97 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"Cache({len(self.layers)} layers of {self.layers[0]!r})"
+
+
+def gelu_tanh(x: Array, /) -> Array:
+    """GELU's tanh approximation, ``x/2 · (1 + tanh(sqrt(2/π) · (x + 0.044715 x³)))``.
+
+    Gemma's ``gelu_pytorch_tanh``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn.models._decoder_blocks import gelu_tanh
+    >>> gelu_tanh(np.array([-3.0, 0.0, 1.0])).round(4)
+    array([-0.0036,  0.    ,  0.8412])
+    """
+    xp = array_namespace(x)
+    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))
+    return 0.5 * x * (1.0 + xp.tanh(inner))
+
+
+def _sigmoid(x: Array, /) -> Array:
+    """``1 / (1 + exp(-x))`` with no overflow for large ``|x|``."""
+    xp = array_namespace(x)
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def mixture_of_experts(h: Array, params: Mapping[str, Array], /, *, top_k: int,
+                       alpha: float | None, limit: float | None) -> Array:
+    """gpt-oss's feed-forward network: a router's top ``top_k`` experts, each a clamped SwiGLU.
+
+    For each token the router's logits ``h @ router + b_router`` (X,) pick
+    the ``top_k`` largest (ties: the lower expert); their softmax weights
+    the experts' outputs. Expert ``x``: ``gate, up = split(h @ w_gate_up[x]
+    + b_gate_up[x])``; ``gate = min(gate, limit)``,
+    ``up = clip(up, -limit, limit)``; ``((up + 1) · gate · sigmoid(alpha ·
+    gate)) @ w_down[x] + b_down[x]``. Every expert is computed for every
+    token (dense, in plain Array API code) and weighted by 0 where not
+    picked.
+
+    Parameters
+    ----------
+    h : array (N, D)
+    params : mapping
+        ``"router"`` (D, X), ``"b_router"`` (X,), ``"w_gate_up"`` (X, D, 2F)
+        (gate features, then up), ``"b_gate_up"`` (X, 2F), ``"w_down"``
+        (X, F, D), ``"b_down"`` (X, D).
+    top_k : int
+    alpha, limit : float or None
+        The SwiGLU's slope and clamp (``None``: plain SwiGLU, no clamp).
+
+    Returns
+    -------
+    array (N, D)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from polyattn.models._decoder_blocks import mixture_of_experts
+    >>> rng = np.random.default_rng(0)
+    >>> n, d, x, f = 3, 4, 2, 5
+    >>> params = {"router": rng.standard_normal((d, x)), "b_router": np.zeros(x),
+    ...           "w_gate_up": rng.standard_normal((x, d, 2 * f)),
+    ...           "b_gate_up": np.zeros((x, 2 * f)), "w_down": rng.standard_normal((x, f, d)),
+    ...           "b_down": np.zeros((x, d))}
+    >>> mixture_of_experts(rng.standard_normal((n, d)), params, top_k=1, alpha=1.702,
+    ...                    limit=7.0).shape
+    (3, 4)
+    """
+    xp = array_namespace(h)
+    n = h.shape[0]
+    logits = h @ params["router"] + params["b_router"]                  # (N, X)
+    num_experts = logits.shape[-1]
+    order = xp.argsort(logits, axis=-1, descending=True, stable=True)   # (N, X)
+    experts = xp.arange(num_experts, device=device_of(order))           # (X,)
+    picked = [experts == order[:, j:j + 1] for j in range(top_k)]       # k × (N, X)
+    top = [xp.sum(xp.where(p, logits, 0.0), axis=-1) for p in picked]   # k × (N,)
+    m = top[0]                                                          # the largest
+    e = [xp.exp(v - m) for v in top]
+    total = sum(e[1:], start=e[0])
+    weights = sum((xp.where(p, xp.reshape(w / total, (n, 1)), 0.0)
+                   for p, w in zip(picked[1:], e[1:], strict=True)),
+                  start=xp.where(picked[0], xp.reshape(e[0] / total, (n, 1)), 0.0))  # (N, X)
+    gate_up = xp.matmul(h[None, ...], params["w_gate_up"])              # (X, N, 2F)
+    gate_up = gate_up + params["b_gate_up"][:, None, :]
+    f = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :f], gate_up[..., f:]                       # (X, N, F)
+    if limit is not None:
+        gate = xp.clip(gate, max=limit)
+        up = xp.clip(up, min=-limit, max=limit)
+    glu = gate * _sigmoid(gate * (1.0 if alpha is None else alpha))
+    out = xp.matmul((up + 1.0) * glu, params["w_down"])                 # (X, N, D)
+    out = out + params["b_down"][:, None, :]
+    w = xp.permute_dims(weights, (1, 0))[..., None]                     # (X, N, 1)
+    return xp.sum(w * out, axis=0)                                      # (N, D)

@@ -29,6 +29,16 @@ class _Step:
     tokens: list[int | None]
 
 
+def _eos_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokens that end a sequence: the tokenizer's ``eos_ids`` where it has several
+    (Llama 3, gpt-oss), else its ``eos_id`` (none: nothing ends early)."""
+    ids = getattr(tokenizer, "eos_ids", None)
+    if ids is None:
+        eos = getattr(tokenizer, "eos_id", None)
+        ids = () if eos is None else (eos,)
+    return frozenset(int(i) for i in ids)
+
+
 class CausalLM(Decoder):
     """A :class:`~polyattn.models._decoder.Decoder` that continues prompts:
     :meth:`generate` for a batch, :meth:`stream` for one prompt, token by token."""
@@ -52,14 +62,14 @@ class CausalLM(Decoder):
         h = xp.take(xp.reshape(hidden, (b * t, -1)), last, axis=0)      # (B, D)
         rng = np.random.default_rng(seed)
         done = [False] * b
-        eos = self.tokenizer.eos_id
+        eos = _eos_ids(self.tokenizer)
         for step in range(max_new_tokens):
-            logits = h @ self.params["lm_head"]                         # (B, V)
+            logits = self.logits(h)                                     # (B, V)
             picked = self._pick(logits, temperature, rng)
             tokens: list[int | None] = [None if done[r] else picked[r] for r in range(b)]
             yield _Step(tokens)
             if stop_at_eos:
-                done = [d or tok == eos for d, tok in zip(done, tokens, strict=True)]
+                done = [d or tok in eos for d, tok in zip(done, tokens, strict=True)]
             if all(done) or step == max_new_tokens - 1:
                 return
             h = self.hidden_states(np.asarray(picked).reshape(b, 1), cache)  # (B, 1, D)
@@ -150,8 +160,9 @@ class CausalLM(Decoder):
             Seed of the draws, a non-negative int (with greedy decoding,
             temperature 0, nothing is drawn and the seed has no effect).
         stop_at_eos : bool
-            End a prompt's continuation after its end-of-sequence token
-            (``<|im_end|>``), which is included.
+            End a prompt's continuation after an end-of-sequence token
+            (SmolLM2's ``<|im_end|>``; those of the checkpoint's
+            configuration), which is included.
 
         Returns
         -------
