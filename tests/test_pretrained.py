@@ -537,3 +537,48 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match=r"`hidden_size` is missing"):
         from_pretrained(tmp_path)
+
+
+# --------------------------------------------------------------------------
+# python -m polyattn generate --model PATH
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_command_line_generates_from_a_checkpoint(checkpoints, capsys, backend):
+    from polyattn import cli
+
+    folder = checkpoints["gemma3"]
+    assert cli.main(["generate", "w5 w6 w7", "--model", str(folder), "--max-new-tokens", "5",
+                     "--backend", backend]) == 0
+    out, err = capsys.readouterr()
+    model = from_pretrained(folder)
+    ids = model.tokenizer.encode("w5 w6 w7")
+    new = model.generate(ids, 5)
+    whole = model.tokenizer.decode(ids + new, skip_special_tokens=True)   # "w5 w6 w7 w… …"
+    assert out == whole + "\n" and whole.startswith("w5 w6 w7 ")
+    assert f"{len(new)} token" in err and f"({backend}, float32;" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "/nowhere/at/all"], "--model /nowhere/at/all: not a folder"),
+    (["--chat"], "--chat puts the prompt in SmolLM2's chat template"),
+])
+def test_command_line_refuses_a_bad_model_in_one_line(checkpoints, capsys, argv, message):
+    from polyattn import cli
+
+    if "--chat" in argv:
+        argv = [*argv, "--model", str(checkpoints["llama"])]
+    assert cli.main(["generate", "w5", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert message in err
+
+
+def test_command_line_names_an_unsupported_checkpoint(checkpoints, capsys, tmp_path):
+    from polyattn import cli
+
+    folder = _edited(checkpoints, tmp_path, "llama", lambda c: c.update(model_type="mistral"))
+    assert cli.main(["generate", "w5", "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "`model_type` 'mistral' is not supported" in err and len(err.splitlines()) == 1

@@ -1,10 +1,12 @@
-"""``generate``: SmolLM2-135M-Instruct continues a prompt, token by token."""
+"""``generate``: SmolLM2-135M-Instruct, or a transformers checkpoint (``--model``), continues
+a prompt, token by token."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -128,6 +130,10 @@ def check_generate_args(args: argparse.Namespace) -> None:
     if args.seed is not None and args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer; got {args.seed}")
     check_backend(args.backend)
+    folder = getattr(args, "model", None)
+    if folder is not None:
+        _check_checkpoint(folder, args)
+        return
     from polyattn.models import smollm2
 
     try:
@@ -136,27 +142,88 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise CLIError(_first_line(exc)) from exc
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    """``generate``: SmolLM2-135M-Instruct continues a prompt, streamed token by token."""
-    import codecs
+def _check_checkpoint(folder: str, args: argparse.Namespace) -> None:
+    """``--model``: a folder with a config.json, and no ``--chat`` (SmolLM2's template)."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise CLIError(f"--model {folder}: not a folder; give the folder of a transformers "
+                       "checkpoint (config.json, *.safetensors, tokenizer.json)")
+    if not (path / "config.json").is_file():
+        raise CLIError(f"--model {folder}: the folder has no config.json; give the folder of "
+                       "a transformers checkpoint (as save_pretrained writes it)")
+    if args.chat:
+        raise CLIError("--chat puts the prompt in SmolLM2's chat template; with --model, write "
+                       "the model's own template into the prompt")
 
+
+def _load(args: argparse.Namespace) -> Any:
+    """The model ``generate`` runs: the checkpoint of ``--model``, else SmolLM2."""
+    from polyattn.models import smollm2
+
+    folder = getattr(args, "model", None)
+    try:
+        if folder is None:
+            return smollm2.load(xp=args.backend, dtype=args.dtype)
+        from polyattn.models import from_pretrained
+
+        return from_pretrained(folder, xp=args.backend, dtype=args.dtype)
+    except ImportError as exc:
+        raise CLIError(f"--backend {args.backend}: {_first_line(exc)}") from exc
+    except ValueError as exc:       # not a GGUF file or checkpoint of a supported model
+        raise CLIError(_first_line(exc)) from exc
+    except OSError as exc:          # unreadable: permissions, a device, a missing file, ...
+        what = "the model file" if folder is None else f"--model {folder}"
+        raise CLIError(f"cannot read {what}: {_first_line(exc)}") from exc
+
+
+class _Text:
+    """The text of new tokens, printed as soon as it is whole.
+
+    SmolLM2's tokenizer gives each token's bytes (a character's UTF-8 bytes
+    may span tokens: an incomplete one is held back until its last byte
+    comes); a checkpoint's tokenizer decodes the prompt and the tokens so far
+    together (a token's leading space may depend on what precedes it), and
+    the text new since the last token is printed, a trailing U+FFFD (a
+    character not yet whole) held back. Special tokens are not printed.
+    """
+
+    def __init__(self, tok: Any, prompt: list[int]) -> None:
+        import codecs
+
+        self.tok = tok
+        self.bytes = hasattr(tok, "token_bytes")
+        self.special = set(tok.special) if self.bytes else set()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ids = list(prompt)
+        self.shown = 0 if self.bytes else len(tok.decode(self.ids, skip_special_tokens=True))
+
+    def add(self, token: int) -> str:
+        if self.bytes:
+            if self.tok.tokens[token] in self.special:
+                return ""
+            return str(self.utf8.decode(self.tok.token_bytes(token)))
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        whole = text.rstrip("\ufffd")
+        new, self.shown = whole[self.shown:], max(self.shown, len(whole))
+        return new
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``generate``: SmolLM2-135M-Instruct (or ``--model``'s checkpoint) continues a prompt,
+    streamed token by token."""
     check_generate_args(args)
     from polyattn.models import smollm2
 
     start = time.perf_counter()
-    try:
-        model = smollm2.load(xp=args.backend, dtype=args.dtype)
-    except ImportError as exc:
-        raise CLIError(f"--backend {args.backend}: {_first_line(exc)}") from exc
-    except ValueError as exc:       # not a GGUF file, or not of a Llama model
-        raise CLIError(_first_line(exc)) from exc
-    except OSError as exc:          # unreadable: permissions, a device, ...
-        raise CLIError(f"cannot read the model file: {_first_line(exc)}") from exc
+    model = _load(args)
     loaded = time.perf_counter()
     tok = model.tokenizer
     text = smollm2.chat_prompt(args.prompt) if args.chat else args.prompt
     try:
         ids = tok.encode(text)
+    except FileNotFoundError as exc:    # a checkpoint without tokenizer.json
+        raise CLIError(f"--model {args.model}: {_first_line(exc)}") from exc
     except ValueError as exc:
         raise CLIError(f"the prompt cannot be tokenized: {_first_line(exc)}") from exc
     if not len(ids):
@@ -170,11 +237,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # The prompt is printed with the first token, so that an argument the model
     # refuses (or memory it cannot get) is told before anything is on stdout.
     echo = "" if args.chat else args.prompt
-    # A character's UTF-8 bytes may span tokens: the decoder holds back an
-    # incomplete one until its last byte comes, and one still incomplete when
-    # generation stops (cut by --max-new-tokens) is left out, not shown as U+FFFD.
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    special = set(tok.special)
+    # A character's UTF-8 bytes may span tokens: it is held back until it is
+    # whole, and one still incomplete when generation stops (cut by
+    # --max-new-tokens) is left out, not shown as U+FFFD.
+    shown = _Text(tok, list(ids))
     count = 0
     first = end = loaded
     try:
@@ -184,8 +250,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if count == 1:
                 first = time.perf_counter()
                 print(echo, end="", flush=True)
-            if tok.tokens[token] not in special:
-                print(utf8.decode(tok.token_bytes(token)), end="", flush=True)
+            print(shown.add(token), end="", flush=True)
     except KeyboardInterrupt:
         if count:
             print(flush=True)       # end the text's line; the exit status says it was cut

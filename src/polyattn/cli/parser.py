@@ -74,8 +74,8 @@ def build_parser(prog: str | None = None) -> ArgumentParser:
     bench.add_argument("--causal", action="store_true")
     bench.add_argument("--repeat", type=integer, default=5,
                        help=f"timed runs of each (default 5, at most {MAX_REPEAT:,})")
-    gen = sub.add_parser("generate", help="continue a prompt with SmolLM2-135M-Instruct "
-                                          "(a real language model; see the docs)")
+    gen = sub.add_parser("generate", help="continue a prompt with SmolLM2-135M-Instruct, or "
+                                          "with a transformers checkpoint (--model)")
     gen.add_argument("prompt", help='the text to continue, e.g. "The capital of France is"')
     gen.add_argument("--max-new-tokens", type=integer, default=32,
                      help="tokens to produce, at most (default 32); the prompt and "
@@ -89,7 +89,12 @@ def build_parser(prog: str | None = None) -> ArgumentParser:
                      help="seed of the sampling, a non-negative integer; only with "
                           "--temperature above 0 (greedy decoding ignores it)")
     gen.add_argument("--chat", action="store_true",
-                     help="put the prompt in the chat template: the model answers it")
+                     help="put the prompt in the chat template: the model answers it "
+                          "(SmolLM2 only)")
+    gen.add_argument("--model", metavar="PATH",
+                     help="a transformers checkpoint folder (config.json, *.safetensors, "
+                          "tokenizer.json) of a Llama, Qwen3, Gemma 2, Gemma 3 or gpt-oss "
+                          "model; default: SmolLM2-135M-Instruct from its GGUF file")
     return parser
 
 
