@@ -142,6 +142,45 @@ def _with(factory, key):
     return call
 
 
+#: A one-layer Llama of transformers' config.json, D = 8, 2 heads over 1 key/value head.
+_LLAMA = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 12,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "tie_word_embeddings": True}
+_LLAMA_TENSORS = {"embed_tokens": (16, 8), "norm": (8,), "layers.0.input_layernorm": (8,),
+                  "layers.0.post_attention_layernorm": (8,),
+                  "layers.0.self_attn.q_proj": (8, 8), "layers.0.self_attn.k_proj": (4, 8),
+                  "layers.0.self_attn.v_proj": (4, 8), "layers.0.self_attn.o_proj": (8, 8),
+                  "layers.0.mlp.gate_proj": (12, 8), "layers.0.mlp.up_proj": (12, 8),
+                  "layers.0.mlp.down_proj": (8, 12)}
+
+
+def _checkpoint(name: str, shapes=None, **config) -> Path:
+    """A transformers checkpoint folder: config.json (``_LLAMA`` with ``config``), and a
+    model.safetensors of zeros of ``shapes`` (written by hand: no safetensors needed)."""
+    import json
+
+    folder = FILES / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**_LLAMA, **config}))
+    header, data = {}, b""
+    for tensor, shape in (shapes or _LLAMA_TENSORS).items():
+        raw = np.zeros(shape, dtype=np.float32).tobytes()
+        header[f"model.{tensor}.weight"] = {"dtype": "F32", "shape": list(shape),
+                                            "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    head = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + data)
+    return folder
+
+
+def _from_pretrained(name: str, shapes=None, **config) -> Callable[[], object]:
+    def call():
+        from polyattn.models import from_pretrained
+
+        return from_pretrained(_checkpoint(name, shapes, **config))
+    return call
+
+
 CASES = [
     # the GGUF reader
     Case("empty file", "smollm2.load", _load_gguf("empty.gguf", b""),
@@ -179,6 +218,26 @@ CASES = [
     Case("cache beyond the context", "SmolLM2.new_cache",
          lambda: _tiny_model().new_cache(1, 65),
          ValueError, ("`capacity`", "65 tokens", "context of 64 tokens")),
+    # transformers checkpoints
+    Case("unsupported architecture", "from_pretrained",
+         _from_pretrained("hf-mistral", model_type="mistral"),
+         ValueError, ("config.json", "`model_type` 'mistral' is not supported", "supported: "
+                      "gemma2, gemma3, gemma3_text, gpt_oss, llama, qwen3")),
+    Case("rope type not implemented", "from_pretrained",
+         _from_pretrained("hf-dynamic", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                         "rope_theta": 10000.0}),
+         ValueError, ("config.json", "`rope_parameters`", "rope_type 'dynamic'",
+                      "not implemented")),
+    Case("quantized weights", "from_pretrained",
+         _from_pretrained("hf-mxfp4", quantization_config={"quant_method": "mxfp4"}),
+         ValueError, ("config.json", "`quantization_config`", "'mxfp4'", "dequantize")),
+    Case("tensor of the wrong shape", "from_pretrained",
+         _from_pretrained("hf-shape", intermediate_size=10),
+         ValueError, ("`model.layers.0.mlp.gate_proj.weight`", "[12, 8]", "expected [10, 8]",
+                      "(intermediate_size, hidden_size)")),
+    Case("text without tokenizer.json", "PretrainedLM.tokenizer.encode",
+         lambda: _from_pretrained("hf-no-tokenizer")().tokenizer.encode("hi"),
+         FileNotFoundError, ("has no tokenizer.json", "pass token ids to generate()")),
     # MiniLM files
     Case("config.json without a hyper-parameter", "MiniLM.load",
          _minilm("minilm-no-vocab", vocab_size="drop"),
@@ -196,6 +255,8 @@ COMMANDS = [
     ("new tokens not a whole number", ["generate", "hi", "--max-new-tokens", "1.5"],
      ("--max-new-tokens", "whole number")),
     ("prompt not UTF-8", ["generate", "\udcff\udcfe"], ("prompt", "not valid UTF-8")),
+    ("--model not a folder", ["generate", "hi", "--model", "/no/such/checkpoint"],
+     ("--model /no/such/checkpoint", "not a folder")),
     ("sentence not UTF-8", ["demo", "--model", "minilm", "--sentence", "\udcff\udcfe"],
      ("--sentence", "not valid UTF-8")),
     ("shape beyond memory", ["bench", "--shape", "99999999999,1,1,1"],

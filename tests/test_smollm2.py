@@ -399,3 +399,45 @@ def test_float16_on_numpy(prompt_ids):
     logits32 = smollm2.load()(ids)
     assert _relative(logits16, logits32) < 5e-2
     assert int(np.argmax(logits16[-1])) == int(np.argmax(logits32[-1]))
+
+
+# --------------------------------------------------------------------------
+# The same model as a transformers checkpoint, through from_pretrained
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint_folder(hf_model, hf_tokenizer, tmp_path_factory):
+    """SmolLM2 as transformers saves it (from the same GGUF file): config.json,
+    model.safetensors, tokenizer.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("smollm2-checkpoint")
+    # the GGUF-loaded model calls itself quantized and will not save: the same weights in a
+    # plain model
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    plain = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    plain.load_state_dict(hf_model.state_dict())
+    plain.save_pretrained(folder)
+    hf_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_transformers_checkpoint_runs_the_same_decoder(checkpoint_folder, model_np, prompt_ids):
+    """``from_pretrained`` of the checkpoint and ``load`` of the GGUF file are one network:
+    the same logits (relative 1e-6: only the weights' layout in memory differs), tokens
+    and continuation."""
+    _require("tokenizers")
+    from polyattn.models import from_pretrained
+
+    model = from_pretrained(checkpoint_folder)
+    assert model.config.model_type == "llama" and model.dtype == np.float32
+    ids, lengths = _padded(prompt_ids)
+    ours, gguf = model(ids, lengths=lengths), model_np(ids, lengths=lengths)
+    for b, n in enumerate(lengths):
+        assert _relative(ours[b, :n], gguf[b, :n]) <= 1e-6
+    for text in TOKENIZER_TEXTS:
+        assert model.tokenizer.encode(text, add_special_tokens=False) == \
+            model_np.tokenizer.encode(text)
+    assert model.generate(prompt_ids[0], 8) == model_np.generate(prompt_ids[0], 8)
