@@ -362,6 +362,36 @@ def test_layers_are_described_as_transformers_builds_them(checkpoints):
     assert spec["gpt_oss"].num_experts == 4 and spec["gpt_oss"].experts_per_token == 2
 
 
+def test_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
+    """A ``gemma3`` checkpoint (vision tower, projector and language model): its text model,
+    from ``text_config`` and the ``language_model.`` tensors."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    text = Gemma3TextConfig(**{**COMMON, "vocab_size": 300}, num_hidden_layers=2,
+                            sliding_window=8, query_pre_attn_scalar=24,
+                            layer_types=["sliding_attention", "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+                          eoi_token_index=298)
+    torch.manual_seed(5)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    _randomize(hf, 5)
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path)
+    assert model.config.model_type == "gemma3"
+    ids = np.random.default_rng(6).integers(3, 296, (1, 20))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    assert _relative(model(ids), ref) <= TOLERANCE["float32"]
+
+
 # --------------------------------------------------------------------------
 # Rotary scaling against transformers' formulas
 # --------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def read_config(raw: Mapping[str, Any], file: Path) -> CheckpointConfig:
         raise ValueError(f"{file}: `model_type` {shown} is not supported; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
     arch = ARCHITECTURES[model_type]
-    where = ""
+    where, top = "", raw
     if model_type == "gemma3":                 # the multimodal checkpoint: its text model
         text = raw.get("text_config")
         if not isinstance(text, Mapping):
@@ -219,11 +219,15 @@ def read_config(raw: Mapping[str, Any], file: Path) -> CheckpointConfig:
         rope_base=ropes["default"].base, rms_norm_eps=r.real("rms_norm_eps", positive=False)
         or 0.0, context_length=r.integer("max_position_embeddings"), layers=layers,
         ropes=ropes, model_type=model_type, **extra)
-    top = _Reader(raw if not where else {}, file, arch)
-    ids = {key: r.raw.get(key, top.raw.get(key)) for key in
+    # a multimodal checkpoint may say these at its top level rather than in text_config
+    ids = {key: r.raw.get(key, top.get(key)) for key in
            ("bos_token_id", "eos_token_id", "pad_token_id")}
-    dtype = r.raw.get("dtype") or r.raw.get("torch_dtype")
-    return CheckpointConfig(decoder=decoder, arch=arch, tied=r.flag("tie_word_embeddings"),
+    dtype = r.raw.get("dtype") or r.raw.get("torch_dtype") or top.get("dtype") or top.get(
+        "torch_dtype")
+    tied_reader = r if "tie_word_embeddings" in r.raw or not where else _Reader(
+        top, file, arch)
+    return CheckpointConfig(decoder=decoder, arch=arch,
+                            tied=tied_reader.flag("tie_word_embeddings"),
                             attention_bias=r.flag("attention_bias"), mlp_bias=mlp_bias,
                             dtype=dtype if isinstance(dtype, str) else None, token_ids=ids)
 
