@@ -227,7 +227,7 @@ def test_auto_falls_back_when_the_kernel_cannot_compile(monkeypatch):
     rng = np.random.default_rng(34)
     q, k, v = (x.astype(np.float32) for x in _inputs(rng, b=1, hkv=4, tq=64, tk=64))
 
-    def broken():
+    def broken(dtype=None, **_):
         raise compiler.KernelUnavailable("the numba_cpu kernel failed to compile: test")
 
     monkeypatch.setattr(compiler, "kernels", broken)
@@ -235,7 +235,7 @@ def test_auto_falls_back_when_the_kernel_cannot_compile(monkeypatch):
     want = sdpa(q, k, v, implementation="chunked")
     np.testing.assert_array_equal(got, want)
     assert polyattn.explain(q, k, v).implementation == "numba_cpu"
-    monkeypatch.setattr(compiler, "_compiled", ["failed to compile: test"])
+    monkeypatch.setattr(compiler, "_failed", ["failed to compile: test"])
     chosen = polyattn.explain(q, k, v)
     assert chosen.implementation == "chunked"
     assert "failed to compile" in chosen.candidates["numba_cpu"]
@@ -524,13 +524,45 @@ def test_warmup_caches_the_kernel_where_the_package_is_read_only(tmp_path):
 def test_warmup_says_what_happened_to_each_kernel(monkeypatch):
     """The forward kernel loaded from the cache and the backward one compiled (a forward
     call before warmup) is said so, not as one "loaded"."""
-    backward = compiler.backward_kernel(announce=False)
-    monkeypatch.setattr(compiler, "_compiled", ["loaded"])
-    monkeypatch.setattr(compiler, "_backward", [backward])
+    compiler.backward_kernel(announce=False)
     for state, said in (("compiled", "forward loaded from Numba's cache, backward compiled"),
                         ("loaded", "loaded")):
-        monkeypatch.setattr(compiler, "_backward_state", [state])
+        states = {(kind, dt): "loaded" if kind == "forward" else state
+                  for kind in ("forward", "backward") for dt in ("float32", "float64")}
+        monkeypatch.setattr(compiler, "_states", states)
         assert compiler.warmup()[0] == said
+
+
+def test_a_call_compiles_the_kernels_of_its_own_dtype_only(tmp_path):
+    """A float32 call compiles (or loads) the float32 kernels alone, forward then
+    backward; float64 is compiled at its own first call; explain() says which."""
+    import subprocess
+
+    code = """
+import numpy as np
+from polyattn import attention_vjp
+from polyattn.backends.numba_cpu import compiler
+x = np.zeros((1, 1, 8, 4), dtype=np.float32)
+out, pull = attention_vjp(x, x, x, implementation="numba_cpu")
+print(sorted(compiler._states))
+pull(out)
+print(sorted(compiler._states))
+print(compiler.cache_state())
+y = x.astype(np.float64)
+attention_vjp(y, y, y, implementation="numba_cpu")[1](y)
+print(sorted(compiler._states))
+print(len(compiler.kernels()["forward"].overloads), len(compiler.backward_kernel().overloads))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[0] == "[('forward', 'float32')]"
+    assert lines[1] == "[('backward', 'float32'), ('forward', 'float32')]"
+    assert "forward float32" in lines[2] and "float64" not in lines[2]
+    assert lines[3] == ("[('backward', 'float32'), ('backward', 'float64'), "
+                        "('forward', 'float32'), ('forward', 'float64')]")
+    assert lines[4] == "2 2"
 
 
 _NARROW = """
@@ -733,21 +765,23 @@ def test_the_compile_notice_is_a_log_record_the_user_can_silence(monkeypatch, ca
     monkeypatch.setattr(compiler, "_cached",
                         lambda function, sig: (seen["hit"], "/some/cache/folder"))
     with caplog.at_level(logging.WARNING, logger="polyattn"):
-        compiler._announce_compile("forward", [(None, None), (None, None)])
+        compiler._announce_compile("forward", (np.float32, np.float64),
+                                   [(None, None), (None, None)])
     assert [r.name for r in caplog.records] == ["polyattn.numba_cpu"]
+    assert "(float32 and float64)" in caplog.records[0].getMessage()
     assert "/some/cache/folder" in caplog.records[0].getMessage()
     assert "`python -m polyattn warmup`" in caplog.records[0].getMessage()
     caplog.clear()
     for hit in (True, None):
         seen["hit"] = hit
         with caplog.at_level(logging.WARNING, logger="polyattn"):
-            compiler._announce_compile("forward", [(None, None)])
+            compiler._announce_compile("forward", (np.float32,), [(None, None)])
     assert not caplog.records
     seen["hit"] = False
     parent = logging.getLogger("polyattn")
     monkeypatch.setattr(parent, "level", logging.ERROR)
     caplog.set_level(logging.ERROR, logger="polyattn")
-    compiler._announce_compile("backward", [(None, None)])
+    compiler._announce_compile("backward", (np.float64,), [(None, None)])
     assert not [r for r in caplog.records if r.name.startswith("polyattn")]
 
 

@@ -50,7 +50,7 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
             return why_not
     if usable and "compiled" in needs:
         try:
-            compiler.kernels()
+            compiler.kernels("float64" if "64" in str(problem.compute_dtype) else "float32")
         except compiler.KernelUnavailable as exc:
             return str(exc)
     return None if usable else why

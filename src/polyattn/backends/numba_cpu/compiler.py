@@ -1,12 +1,12 @@
 """Compiling the kernels of :mod:`.kernels`, and what Numba's cache holds of them.
 
 :func:`kernels` and :func:`backward_kernel` compile the forward and backward kernels
-for their two signatures (float32, float64) on first use, or load them from Numba's
-cache on disk; a compile that the cache cannot spare is announced first, in one line
-on the logger ``"polyattn.numba_cpu"`` (a child of ``"polyattn"``), naming
-``python -m polyattn warmup``. :func:`availability` says whether the kernels can run
-at all, :func:`cache_state` where they stand. This module imports Numba only inside
-its functions.
+for the dtype a call computes in (float32 or float64; the other one when it is called
+too) on first use, or load them from Numba's cache on disk; a compile that the cache
+cannot spare is announced first, in one line on the logger ``"polyattn.numba_cpu"`` (a
+child of ``"polyattn"``), naming ``python -m polyattn warmup``. :func:`availability`
+says whether the kernels can run at all, :func:`cache_state` where they stand. This
+module imports Numba only inside its functions.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def availability() -> tuple[bool, str]:
         import numba
     except ImportError as exc:
         return False, f"{exc.name or 'Numba'} is not installed; pip install 'polyattn[numba]'"
-    if _compiled and _compiled[0].startswith("failed"):
-        return False, _compiled[0]
+    if _failed:
+        return False, _failed[0]
     return True, f"Numba {numba.__version__}"
 
 
@@ -44,13 +44,15 @@ class KernelUnavailable(RuntimeError):
 
 #: The kernel's functions, defined (not yet compiled) on first use.
 _definitions: dict[str, Any] = {}
-#: What happened when :func:`kernels` compiled: "compiled", "loaded" (from Numba's cache)
-#: or "failed: <why>"; empty before.
-_compiled: list[str] = []
-#: The compiled backward kernel, once :func:`backward_kernel` compiled it, and what
-#: happened then ("compiled" or "loaded").
-_backward: list[Any] = []
-_backward_state: list[str] = []
+#: ``"failed to compile: <why>"`` once the forward kernel failed to compile (every later
+#: call says so); empty before.
+_failed: list[str] = []
+#: What happened to each kernel for each dtype it was asked for: ("forward" or
+#: "backward", "float32" or "float64") -> "compiled" or "loaded" (from Numba's cache).
+#: A dtype is compiled on its first call, the other one only when it is called too.
+_states: dict[tuple[str, str], str] = {}
+#: The kernels' dtypes.
+DTYPES = (np.float32, np.float64)
 
 
 def _dispatchers() -> dict[str, Any]:
@@ -63,7 +65,7 @@ def _dispatchers() -> dict[str, Any]:
             from polyattn.backends.numba_cpu import kernels as compiled
 
             _definitions.update({name: getattr(compiled, name) for name in
-                                 ("exp32", "exp64", "attend_item", "forward")})
+                                 ("exp32", "exp64", "attend_item", "forward", "backward")})
         return _definitions
 
 
@@ -71,7 +73,20 @@ def signatures() -> list[Any]:
     """The forward kernel's signatures: float32 and float64."""
     from polyattn.backends.numba_cpu import kernels as compiled
 
-    return [compiled.signature(np.float32), compiled.signature(np.float64)]
+    return [compiled.signature(dt) for dt in DTYPES]
+
+
+def _signature(kind: str, dt: Any) -> Any:
+    from polyattn.backends.numba_cpu import kernels as compiled
+
+    return (compiled.signature if kind == "forward" else compiled.backward_signature)(dt)
+
+
+def _wanted(dtype: Any) -> tuple[Any, ...]:
+    """The kernel dtypes a call of ``dtype`` needs (``None``: both)."""
+    if dtype is None:
+        return DTYPES
+    return (np.float64,) if np.dtype(dtype) == np.float64 else (np.float32,)
 
 
 def _cached(function: Any, sig: Any) -> tuple[bool | None, str]:
@@ -85,20 +100,47 @@ def _cached(function: Any, sig: Any) -> tuple[bool | None, str]:
         return None, type(exc).__name__
 
 
-def _announce_compile(what: str, wanted: list[tuple[Any, Any]]) -> None:
+def _announce_compile(what: str, dtypes: tuple[Any, ...],
+                      wanted: list[tuple[Any, Any]]) -> None:
     """One line on :data:`logger` before a compile that Numba's cache cannot spare."""
     found = [_cached(function, sig) for function, sig in wanted]
     if any(hit is False for hit, _ in found):
         where = next(path for hit, path in found if hit is False)
+        names = " and ".join(np.dtype(dt).name for dt in dtypes)
+        seconds = {"forward": 12, "backward": 30}[what] * len(dtypes)
         logger.warning(
-            "polyattn: compiling the numba_cpu %s kernel (float32 and float64), which "
-            "Numba's cache (%s) does not hold yet: this call waits for it (about 25 s forward "
-            "and a minute backward of CPU time, more under load; once per machine); "
-            "`python -m polyattn warmup` compiles it ahead", what, where)
+            "polyattn: compiling the numba_cpu %s kernel (%s), which Numba's cache (%s) "
+            "does not hold yet: this call waits for it (about %d s of CPU time, more under "
+            "load; once per machine); `python -m polyattn warmup` compiles it ahead",
+            what, names, where, seconds)
 
 
-def kernels(*, announce: bool = True) -> dict[str, Any]:
-    """The compiled functions (compiled, or loaded from Numba's cache, on first use).
+def _compile(kind: str, dtype: Any, announce: bool) -> Any:
+    """The ``kind`` kernel compiled (or loaded from the cache) for the dtypes a call of
+    ``dtype`` needs; under :data:`_lock`. Between compiles the dispatcher compiles
+    nothing at call time: every call converts to its signatures ("A" layout, read-only
+    inputs) instead of compiling one more specialisation per memory layout."""
+    function = _definitions[kind]
+    missing = tuple(dt for dt in _wanted(dtype) if (kind, np.dtype(dt).name) not in _states)
+    if announce and missing:
+        _announce_compile(kind, missing, [(function, _signature(kind, dt)) for dt in missing])
+    for dt in missing:
+        hits = sum(function.stats.cache_hits.values())
+        function.disable_compile(False)
+        try:
+            with quiet():
+                function.compile(_signature(kind, dt))
+        finally:
+            if function.overloads:
+                function.disable_compile(True)
+        loaded = sum(function.stats.cache_hits.values()) > hits
+        _states[(kind, np.dtype(dt).name)] = "loaded" if loaded else "compiled"
+    return function
+
+
+def kernels(dtype: Any = None, *, announce: bool = True) -> dict[str, Any]:
+    """The kernel's functions, the forward kernel compiled (or loaded from Numba's cache)
+    for ``dtype``'s computation (float32, or float64; ``None``: both) on first use.
 
     A compile that Numba's cache cannot spare is announced on :data:`logger` first
     (``announce=False``: not, as for ``python -m polyattn warmup``). Raises
@@ -106,64 +148,46 @@ def kernels(*, announce: bool = True) -> dict[str, Any]:
     """
     found = _dispatchers()
     with _lock:
-        if _compiled and _compiled[0].startswith("failed"):
-            raise KernelUnavailable(f"the numba_cpu kernel {_compiled[0]}")
-        if not _compiled:
-            forward = found["forward"]
-            if announce:
-                _announce_compile("forward", [(forward, sig) for sig in signatures()])
-            hits = sum(forward.stats.cache_hits.values())
-            try:
-                with quiet():
-                    for sig in signatures():
-                        forward.compile(sig)
-                # every call converts to these signatures ("A" layout, read-only inputs)
-                # instead of compiling one more specialisation per memory layout
-                forward.disable_compile()
-            except Exception as exc:  # a compiler error of any kind: report, fall back
-                _compiled.append(f"failed to compile: {type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
-                raise KernelUnavailable(f"the numba_cpu kernel {_compiled[0]}") from exc
-            loaded = sum(forward.stats.cache_hits.values()) - hits
-            _compiled.append("loaded" if loaded == len(signatures()) else "compiled")
+        if _failed:
+            raise KernelUnavailable(f"the numba_cpu kernel {_failed[0]}")
+        try:
+            _compile("forward", dtype, announce)
+        except Exception as exc:  # a compiler error of any kind: report, fall back
+            _failed.append(f"failed to compile: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}")
+            raise KernelUnavailable(f"the numba_cpu kernel {_failed[0]}") from exc
         return found
 
 
-def backward_kernel(*, announce: bool = True) -> Any:
-    """The compiled backward kernel (compiled, or loaded from the cache, on first use;
-    announced as by :func:`kernels`)."""
-    kernels(announce=announce)
-    from polyattn.backends.numba_cpu import kernels as compiled
-
+def backward_kernel(dtype: Any = None, *, announce: bool = True) -> Any:
+    """The backward kernel compiled (or loaded from the cache) for ``dtype``'s computation
+    (``None``: both) on first use, announced as by :func:`kernels`."""
+    kernels(dtype, announce=announce)
     with _lock:
-        if not _backward:
-            if announce:
-                _announce_compile("backward", [(compiled.backward,
-                                                compiled.backward_signature(dt))
-                                               for dt in (np.float32, np.float64)])
-            hits = sum(compiled.backward.stats.cache_hits.values())
-            try:
-                with quiet():
-                    for dt in (np.float32, np.float64):
-                        compiled.backward.compile(compiled.backward_signature(dt))
-                compiled.backward.disable_compile()
-            except Exception as exc:  # a compiler error of any kind: report it
-                raise KernelUnavailable(f"the numba_cpu backward kernel failed to compile: "
-                                        f"{type(exc).__name__}: {exc}") from exc
-            loaded = sum(compiled.backward.stats.cache_hits.values()) - hits
-            _backward.append(compiled.backward)
-            _backward_state.append("loaded" if loaded == 2 else "compiled")
-    return _backward[0]
+        try:
+            return _compile("backward", dtype, announce)
+        except Exception as exc:  # a compiler error of any kind: report it
+            raise KernelUnavailable(f"the numba_cpu backward kernel failed to compile: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+
+
+def _state_of(kind: str) -> str | None:
+    """"compiled", "loaded" or "compiled and loaded" (one dtype each): what happened to
+    the ``kind`` kernel in this process; ``None`` if nothing yet."""
+    seen = sorted({state for (k, _), state in _states.items() if k == kind})
+    return " and ".join(seen) if seen else None
 
 
 def cache_state() -> str:
     """Whether the compiled kernel is ready: in this process, in Numba's cache on disk
     (then the first call loads it in well under a second), or not yet compiled."""
-    if _compiled:
-        if _compiled[0].startswith("failed"):
-            return _compiled[0]
-        return ("loaded from Numba's cache in this process" if _compiled[0] == "loaded"
-                else "compiled in this process")
+    if _failed:
+        return _failed[0]
+    if _states:
+        said = {"compiled": "compiled", "loaded": "loaded from Numba's cache"}
+        done = ", ".join(f"{kind} {name} {said[state]}"
+                         for (kind, name), state in sorted(_states.items(), reverse=True))
+        return f"{done} in this process"
     return cache_state_on_disk()
 
 
@@ -173,8 +197,7 @@ def cache_state_on_disk() -> str:
         from polyattn.backends.numba_cpu import kernels as compiled
 
         wanted = [(_dispatchers()["forward"], sig) for sig in signatures()]
-        wanted += [(compiled.backward, compiled.backward_signature(dt))
-                   for dt in (np.float32, np.float64)]
+        wanted += [(compiled.backward, compiled.backward_signature(dt)) for dt in DTYPES]
     except Exception as exc:  # Numba's cache internals differ: say so rather than guess
         return f"cache state unknown ({type(exc).__name__})"
     looked = [_cached(function, sig) for function, sig in wanted]
@@ -203,14 +226,14 @@ def warmup() -> tuple[str, float]:
     start = time.perf_counter()
     kernels(announce=False)
     backward_kernel(announce=False)
-    for dtype in (np.float32, np.float64):
+    for dtype in DTYPES:
         exp(np.zeros(4, dtype=dtype))
-    forward, backward = _compiled[0], _backward_state[0]
+    forward, backward = _state_of("forward"), _state_of("backward")
     if forward == backward:
-        return forward, time.perf_counter() - start
+        return str(forward), time.perf_counter() - start
     words = {"loaded": "loaded from Numba's cache", "compiled": "compiled"}
-    return (f"forward {words.get(forward, forward)}, backward {words[backward]}",
-            time.perf_counter() - start)
+    return (f"forward {words.get(str(forward), forward)}, "
+            f"backward {words.get(str(backward), backward)}", time.perf_counter() - start)
 
 
 def tiles() -> str:
@@ -229,7 +252,7 @@ EXP_MIN = {np.dtype(np.float32): -87.33654, np.dtype(np.float64): -708.396418532
 def exp(x: np.ndarray) -> np.ndarray:
     """The kernel's exponential of a 1-D float32 or float64 array (for tests and checks)."""
     out = np.array(x, copy=True, order="C")
-    kernels()["exp32" if out.dtype == np.float32 else "exp64"](out, out.dtype.type(0.0))
+    _dispatchers()["exp32" if out.dtype == np.float32 else "exp64"](out, out.dtype.type(0.0))
     return out
 
 
