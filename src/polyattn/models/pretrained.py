@@ -37,6 +37,17 @@ terms:
 Each layer's attention is one call of
 :func:`polyattn.scaled_dot_product_attention` with the keywords above, and
 the past keys and values of decoding live in :class:`polyattn.KVCache`.
+The model's ``config`` (a :class:`DecoderConfig`) says what each layer does:
+``config.layers[i].window`` is the ``left`` of ``window=(left, 0)`` (a
+transformers ``sliding_window`` of W keeps the W - 1 keys before each
+query and the query itself), ``config.layers[i].rope`` names the rotary
+embedding in ``config.ropes`` (its frequencies from
+:func:`polyattn.rotary_frequencies`).
+
+Rotary angles are computed in float64 for a float64 model (transformers
+computes them in float32 whatever the model's dtype), float32 otherwise.
+bfloat16 and float16 models normalise in float32, as transformers does.
+
 Shapes: ``B`` sequences, ``T`` tokens, ``V`` tokens in the vocabulary.
 """
 
@@ -51,14 +62,15 @@ import numpy as np
 
 from polyattn._interop import library_name
 from polyattn.models._arrays import _resolve
-from polyattn.models._decoder_config import DecoderConfig
+from polyattn.models._decoder_config import DecoderConfig, LayerSpec, RopeSpec
 from polyattn.models._generation import CausalLM
 from polyattn.models._hf_config import ARCHITECTURES, CheckpointConfig, read_config
 from polyattn.models._hf_tokenizer import CheckpointTokenizer, load_tokenizer
 from polyattn.models._hf_weights import decoder_params
 from polyattn.models._safetensors import Checkpoint
 
-__all__ = ["ARCHITECTURES", "CheckpointTokenizer", "PretrainedLM", "from_pretrained"]
+__all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointTokenizer", "DecoderConfig",
+           "LayerSpec", "PretrainedLM", "RopeSpec", "from_pretrained"]
 
 #: A checkpoint's ``dtype`` and the dtype it is loaded in by default where the
 #: library lacks it (NumPy and CuPy have no bfloat16).
