@@ -75,7 +75,7 @@ class Decoder:
         head's and key head's features (QK-norm); ``"sinks"`` (H,), learned
         sink logits; ``"post_attn_norm"`` and ``"post_ffn_norm"`` (D,), the
         norms of the attention's and the feed-forward network's outputs
-        (Gemma; its ``1 + w`` weights are stored as ``1 + w``). A mixture
+        (Gemma, whose norms scale by ``1 + w``: ``config.norm_offset``). A mixture
         of experts has instead ``"router"`` (D, X), ``"b_router"`` (X,),
         ``"w_gate_up"`` (X, D, 2·F), ``"b_gate_up"`` (X, 2·F), ``"w_down"``
         (X, F, D) and ``"b_down"`` (X, D).
@@ -305,6 +305,12 @@ class Decoder:
             logits = xp.tanh(logits / cap) * cap
         return logits
 
+    def _norm(self, x: Array, weight: Array) -> Array:
+        """The model's RMSNorm of ``x`` with ``weight`` (Gemma's scales by ``1 + weight``)."""
+        c = self.spec
+        return rms_norm(x, weight, eps=c.rms_norm_eps, offset=c.norm_offset,
+                        scale_in_float32=c.norm_scale_in_float32)
+
     def _embed(self, flat_ids: Array) -> Array:
         """Token embeddings (N, D), scaled in the model's dtype where the model says so."""
         xp = self.xp
@@ -337,7 +343,7 @@ class Decoder:
                                xp.arange(cache.capacity, dtype=self._int, device=self.device))
         for i in range(c.num_layers):
             x = self._layer(i, x, b, t, positions, cache, key_lengths, masks)
-        x = rms_norm(x, self.params["norm"], eps=c.rms_norm_eps)
+        x = self._norm(x, self.params["norm"])
         return xp.reshape(x, (b, t, c.hidden_size))                     # (B, T, D)
 
     def _check_context(self, t: int, cache: Cache | None) -> None:
@@ -365,7 +371,7 @@ class Decoder:
         if "qk_norm" in lp:
             # Qwen3, Gemma 3: each head's query and key normalised over its E features
             # (the weights (H+Hkv, 1, E): the query heads' rows, then the key heads')
-            qk = rms_norm(qk, lp["qk_norm"], eps=c.rms_norm_eps)
+            qk = self._norm(qk, lp["qk_norm"])
         # queries and keys rotated in one call: the same positions for every head
         inv_freq, base, factor = self._ropes[c.layer(i).rope]
         if inv_freq is None:
@@ -416,7 +422,7 @@ class Decoder:
         """Decoder layer ``i`` on the residual stream x (B·T, D)."""
         xp, c = self.xp, self.spec
         lp = self.params["layers"][i]
-        h = rms_norm(x, lp["attn_norm"], eps=c.rms_norm_eps)
+        h = self._norm(x, lp["attn_norm"])
         q, k, v = self._project_qkv(i, h, b, t, positions)
         out = self._attend(i, q, k, v, cache, key_lengths, masks)       # (B, H, T, E)
         out = xp.permute_dims(out, (0, 2, 1, 3))                        # (B, T, H, E)
@@ -425,12 +431,12 @@ class Decoder:
         if "b_o" in lp:
             out = out + lp["b_o"]
         if "post_attn_norm" in lp:                                      # Gemma
-            out = rms_norm(out, lp["post_attn_norm"], eps=c.rms_norm_eps)
+            out = self._norm(out, lp["post_attn_norm"])
         x = x + out
-        h = rms_norm(x, lp["ffn_norm"], eps=c.rms_norm_eps)
+        h = self._norm(x, lp["ffn_norm"])
         h = self._feed_forward(lp, h)
         if "post_ffn_norm" in lp:                                       # Gemma
-            h = rms_norm(h, lp["post_ffn_norm"], eps=c.rms_norm_eps)
+            h = self._norm(h, lp["post_ffn_norm"])
         return x + h
 
     def _feed_forward(self, lp: dict[str, Any], h: Array) -> Array:
@@ -468,7 +474,7 @@ class Decoder:
         positions = xp.arange(t, dtype=self._int, device=self.device)    # (T,)
         maps = []
         for i in range(c.num_layers):
-            h = rms_norm(x, self.params["layers"][i]["attn_norm"], eps=c.rms_norm_eps)
+            h = self._norm(x, self.params["layers"][i]["attn_norm"])
             q, k, _ = self._project_qkv(i, h, 1, t, positions)
             left = c.layer(i).window
             alpha = polyattn.attention_weights(

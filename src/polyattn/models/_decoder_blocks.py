@@ -19,11 +19,14 @@ Array = Any
 Namespace = Any
 
 
-def rms_norm(x: Array, weight: Array, /, *, eps: float) -> Array:
+def rms_norm(x: Array, weight: Array, /, *, eps: float, offset: float = 0.0,
+             scale_in_float32: bool = False) -> Array:
     """Divide the last axis by its root mean square, then scale: Llama's RMSNorm.
 
+    The scale is ``offset + weight`` (Gemma's RMSNorm has ``offset`` 1).
     float16 and bfloat16 inputs are normalised in float32 and cast back (as
-    transformers does).
+    transformers does): before the scale, or after it with
+    ``scale_in_float32`` (Gemma, gpt-oss).
 
     Examples
     --------
@@ -31,13 +34,19 @@ def rms_norm(x: Array, weight: Array, /, *, eps: float) -> Array:
     >>> from polyattn.models.smollm2 import rms_norm
     >>> rms_norm(np.array([3.0, 4.0]), np.array([1.0, 2.0]), eps=0.0).round(4)
     array([0.8485, 2.2627])
+    >>> rms_norm(np.array([3.0, 4.0]), np.array([0.0, 1.0]), eps=0.0, offset=1.0).round(4)
+    array([0.8485, 2.2627])
     """
     xp = array_namespace(x, weight)
     low = x.dtype in (xp.float16, getattr(xp, "bfloat16", xp.float16))
     h = xp.astype(x, xp.float32) if low else x
     inv = 1.0 / xp.sqrt(xp.mean(h * h, axis=-1, keepdims=True) + eps)
     h = h * inv
-    return weight * (xp.astype(h, x.dtype) if low else h)
+    if low and scale_in_float32:
+        w = xp.astype(weight, xp.float32)
+        return xp.astype(h * (w + offset if offset else w), x.dtype)
+    w = weight + offset if offset else weight
+    return w * (xp.astype(h, x.dtype) if low else h)
 
 
 def silu(x: Array, /) -> Array:

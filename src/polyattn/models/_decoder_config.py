@@ -71,6 +71,11 @@ class DecoderConfig:
     embed_scale : float or None
         Multiplies the token embeddings, in the model's dtype (Gemma:
         ``sqrt(hidden_size)``).
+    norm_offset : float
+        Every RMSNorm scales by ``norm_offset + w`` (Gemma: 1).
+    norm_scale_in_float32 : bool
+        float16 and bfloat16 models scale the float32 normalised features
+        before casting them back (Gemma, gpt-oss), rather than after (Llama).
     activation : {"silu", "gelu_tanh"}
         The gated feed-forward network's activation.
     num_experts, experts_per_token : int
@@ -105,6 +110,8 @@ class DecoderConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     embed_scale: float | None = None
+    norm_offset: float = 0.0
+    norm_scale_in_float32: bool = False
     activation: str = "silu"
     num_experts: int = 0
     experts_per_token: int = 0

@@ -186,7 +186,7 @@ def read_config(raw: Mapping[str, Any], file: Path) -> CheckpointConfig:
         if activation != "gelu_pytorch_tanh":
             raise r.fail("hidden_activation", f"{activation!r} is not supported (Gemma's is "
                          "'gelu_pytorch_tanh')")
-        extra = {"activation": "gelu_tanh",
+        extra = {"activation": "gelu_tanh", "norm_offset": 1.0, "norm_scale_in_float32": True,
                  "attn_scale": r.real("query_pre_attn_scalar") ** -0.5,  # type: ignore[operator]
                  "embed_scale": math.sqrt(hidden),
                  "attn_softcap": r.real("attn_logit_softcapping"),
@@ -198,6 +198,7 @@ def read_config(raw: Mapping[str, Any], file: Path) -> CheckpointConfig:
             raise r.fail("num_experts_per_tok", f"({top_k}) must be at most "
                          f"`num_local_experts` ({experts})")
         extra = {"num_experts": experts, "experts_per_token": top_k,
+                 "norm_scale_in_float32": True,
                  "swiglu_alpha": r.real("swiglu_alpha"),
                  "swiglu_limit": r.real("swiglu_limit")}
     else:

@@ -4,8 +4,8 @@ wants them.
 transformers stores ``nn.Linear`` weights (out, in); the decoder multiplies
 ``x @ w`` with ``w`` (in, out), so they are transposed, and the queries',
 keys' and values' projections (and the gate's and up's) are put side by
-side. Gemma's RMSNorm multiplies by ``1 + w``: ``1 + w`` is stored (computed
-in float64). gpt-oss's experts hold their gate and up features interleaved
+side (norm weights stay as stored: Gemma's ``1 + w`` is the decoder's
+``norm_offset``). gpt-oss's experts hold their gate and up features interleaved
 (gate in the even columns): they are put into two halves. Every tensor is
 checked for its shape, and a tensor the model would not read is an error
 rather than silently dropped.
@@ -69,8 +69,7 @@ def decoder_params(tensors: Mapping[str, np.ndarray], cfg: CheckpointConfig,
     gemma = cfg.arch in ("gemma2", "gemma3")
 
     def norm(name: str, size: int = d, what: str = "(hidden_size,)") -> np.ndarray:
-        w = get(name, (size,), what)
-        return 1.0 + w.astype(np.float64) if gemma else w
+        return get(name, (size,), what)
 
     params: dict[str, Any] = {
         "embed": get(prefix + "embed_tokens.weight", (c.vocab_size, d),
