@@ -53,3 +53,25 @@ def test_packed_benchmark_case_runs(kind, monkeypatch):
     assert {"torch mask", "torch dense"} <= set(row["ms"])
     for impl in packed.IMPLEMENTATIONS:
         assert row["guard_max_abs_error"][impl] < 1e-5, row
+
+
+def test_tiles_benchmark_report():
+    """benchmarks/tiles.py's configurations and its table (the children that time the
+    kernels compile them for each target: the numba_cpu session's business, not here)."""
+    import tiles
+
+    configs = tiles.configurations(False)
+    assert [c[0] for c in configs] == ["host", "haswell", "haswell, 4 x 2 tiles"]
+    assert configs[1][1] == {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": ""}
+    case = {"shape": [1, 8, 64, 16], "causal": True, "dtype": "float32"}
+    runs = {label: [{"vector_bytes": 32, "tile_rows": rows or 6,
+                     "cases": [dict(case, **{"forward/torch": f, "backward/torch": 2 * f})]}
+                    for f in (0.5 * scale, 0.7 * scale)]
+            for (label, _, rows), scale in zip(configs, (1.0, 1.2, 0.9), strict=True)}
+    env = {"date": "2026-01-01", "cpu": "x", "cpu_count": 2, "simd": "avx2",
+           "versions": {"torch": "t"}, "torch_threads": 2, "load_average_start": [1.0]}
+    text = tiles.markdown(env, runs, "python benchmarks/tiles.py")
+    assert "| float32 (1, 8, 64, 16) causal | 0.600 / 1.200 | 0.720 / 1.440 |" in text
+    assert "- haswell, forward: 1.200" in text and "- haswell, 4 x 2 tiles, backward: 0.900" \
+        in text
+
