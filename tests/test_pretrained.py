@@ -392,6 +392,21 @@ def test_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
     assert _relative(model(ids), ref) <= TOLERANCE["float32"]
 
 
+@pytest.mark.parametrize(("arch", "change", "windows"), [
+    # transformers' Qwen3 attention slides only with use_sliding_window (its config then
+    # sets sliding_window to None), whatever layer_types says
+    ("qwen3", lambda c: c.update(use_sliding_window=False), [None, None, None]),
+    # and its Llama reads no layer_types at all
+    ("llama", lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=4),
+     [None, None]),
+    # Gemma 3 without layer_types: five sliding layers to one full one
+    ("gemma3", lambda c: c.pop("layer_types"), [7, 7, 7]),
+])
+def test_layer_kinds_follow_transformers(checkpoints, tmp_path, arch, change, windows):
+    folder = _edited(checkpoints, tmp_path, arch, change)
+    assert [s.window for s in from_pretrained(folder).config.layers] == windows
+
+
 # --------------------------------------------------------------------------
 # Rotary scaling against transformers' formulas
 # --------------------------------------------------------------------------

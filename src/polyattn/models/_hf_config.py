@@ -234,7 +234,13 @@ def read_config(raw: Mapping[str, Any], file: Path) -> CheckpointConfig:
 
 
 def _layer_types(r: _Reader, n: int) -> list[str]:
-    """Each layer's kind: ``layer_types``, else the architecture's pattern."""
+    """Each layer's kind: ``layer_types``, else the architecture's pattern.
+
+    As in transformers, Llama has no sliding layers (it reads no
+    ``layer_types``), and Qwen3's slide only with ``use_sliding_window``.
+    """
+    if r.arch == "llama" or (r.arch == "qwen3" and not r.flag("use_sliding_window")):
+        return ["full_attention"] * n
     given = r.raw.get("layer_types")
     if given is not None:
         if not (isinstance(given, list) and len(given) == n):
@@ -251,7 +257,7 @@ def _layer_types(r: _Reader, n: int) -> list[str]:
         pattern = r.integer("sliding_window_pattern") or 6
         return ["sliding_attention" if (i + 1) % pattern else "full_attention"
                 for i in range(n)]
-    if r.arch == "qwen3" and r.flag("use_sliding_window"):
+    if r.arch == "qwen3":
         first = r.integer("max_window_layers", minimum=0)
         first = 28 if first is None else first
         return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
