@@ -515,6 +515,28 @@ def test_reader_agrees_with_safetensors(checkpoints, tmp_path):
     np.testing.assert_array_equal(llama["lm_head.weight"], theirs["lm_head.weight"])
 
 
+def test_damaged_safetensors_files_are_named(checkpoints, tmp_path):
+    import shutil
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(checkpoints["llama"], folder)
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:-100])                                       # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .* do not fit .*"
+                                         r"truncated"):
+        from_pretrained(folder)
+    file.write_bytes(b"\xff" * 64)                                      # not one at all
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a safetensors file"):
+        from_pretrained(folder)
+    file.unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match=r"lists model-00001-of-00002\.safetensors, which is "
+                                         r"not in"):
+        from_pretrained(folder)
+
+
 def test_tokenizer_and_special_ids(checkpoints):
     model = from_pretrained(checkpoints["gemma2"])
     tok = model.tokenizer
