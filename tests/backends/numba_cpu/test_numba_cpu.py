@@ -309,6 +309,62 @@ def test_backward_parts_of_dq_and_their_work_items(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+_LAYER = """
+import hashlib, sys
+import numba
+import numpy as np
+from polyattn import attention_vjp
+rng = np.random.default_rng(37)
+q = rng.standard_normal((2, 4, 333, 16))
+k, v = (rng.standard_normal((2, 2, 333, 16)) for _ in range(2))
+out, pull = attention_vjp(q, k, v, is_causal=True, enable_gqa=True, window=(200, 0),
+                          implementation="numba_cpu")
+grads = pull(rng.standard_normal(out.shape))
+print(numba.threading_layer(), numba.get_num_threads(),
+      hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes()
+                              for a in (out, *grads))).hexdigest())
+"""
+
+
+def test_items_are_shared_out_by_the_kernel_whatever_the_threading_layer():
+    """Each loop of a kernel takes the next work item from an atomic counter: every item
+    runs once (the counter ends one past the last item per loop), and the results are
+    bitwise the same under TBB, OpenMP and the work queue (those that load here)."""
+    import subprocess
+
+    from polyattn.backends.numba_cpu import threads
+
+    rng = np.random.default_rng(38)
+    q = rng.standard_normal((1, 3, 200, 8))
+    call = Call(q, q, q, None, Rules(200, 200, causal=True), 0.5)
+    items = call.query_items()
+    out, lse = np.empty((1, 3, 200, 8)), np.empty((1, 3, 200))
+    counter = threads.counter()
+    loops = min(int(counter[1]), len(items))
+    threads.run(compiler.kernels(np.float64)["forward"], *call.common(), items, call.fparams,
+                call.iparams, out, lse, counter)
+    assert counter[0] == len(items) + loops
+    np.testing.assert_allclose(out, sdpa(q, q, q, is_causal=True, scale=0.5,
+                                         implementation="reference"), rtol=1e-12, atol=1e-13)
+
+    seen = {}
+    for layer in ("tbb", "omp", "workqueue"):
+        run = subprocess.run([sys.executable, "-c", _LAYER, layer], capture_output=True,
+                             text=True, timeout=900, check=False,
+                             env=dict(os.environ, NUMBA_NUM_THREADS="2",
+                                      NUMBA_THREADING_LAYER=layer))
+        if run.returncode == 0:
+            name, count, digest = run.stdout.split()
+            assert (name, count) == (layer, "2")
+            seen[layer] = digest
+    import platform
+
+    # the numba extra installs TBB on x86-64; asked for by name, it loads
+    assert "workqueue" in seen and ("tbb" in seen or platform.machine() not in (
+        "x86_64", "AMD64")), seen
+    assert len(set(seen.values())) == 1, seen
+
+
 # --- the register tiles ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -393,7 +449,8 @@ def test_calls_skip_numba_dispatch_but_not_its_checks():
     call = Call(q, q, q, None, Rules(40, 40, causal=True), 0.5)
     out = np.empty((1, 2, 40, 8), np.float32)
     lse = np.empty((1, 2, 40), np.float32)
-    args = (*call.common(), call.query_items(), call.fparams, call.iparams, out, lse)
+    args = (*call.common(), call.query_items(), call.fparams, call.iparams, out, lse,
+            threads.counter())
     assert threads._entry(forward, args) is not forward            # the entry point
     wrong = list(args)
     wrong[-1] = lse.astype(np.float64)                              # lse in another dtype

@@ -53,7 +53,7 @@ def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: A
     items = key_items(call.lengths, hkv, call.block_k, parts)
     if items.size:
         threads.run(compiler.backward_kernel(dt), *call.common(), go, lse3, dd, items,
-                    call.fparams, call.iparams, dq_parts, dk, dv)
+                    call.fparams, call.iparams, dq_parts, dk, dv, threads.counter())
     dq = dq_parts[0]
     for part in dq_parts[1:]:                      # in order: the same sum every time
         dq += part

@@ -23,6 +23,7 @@ from polyattn.backends.numba_cpu.tiles import (
     half_1,
     half_4,
     half_rows,
+    next_item,
     softmax_step,
     tile_1,
     tile_2,
@@ -596,11 +597,18 @@ def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: A
 @njit(parallel=True, nogil=True, fastmath=fastmath, cache=True)
 def forward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
             mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
-            items: Any, fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
-    for t in prange(items.shape[0]):
-        attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes, segments,
-                    user, items[t],
-                    fparams, iparams, out, lse)
+            items: Any, fparams: Any, iparams: Any, out: Any, lse: Any, counter: Any) -> None:
+    """The work items, each attended by whichever thread takes it first: ``counter[1]``
+    loops (one per thread), each taking the next item from ``counter[0]`` (zero on
+    entry) until none is left, so that items of unequal cost balance under any
+    threading layer (:func:`.threads.counter`)."""
+    n = items.shape[0]
+    for _ in prange(min(counter[1], n)):
+        t = next_item(counter)
+        while t < n:
+            attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
+                        segments, user, items[t], fparams, iparams, out, lse)
+            t = next_item(counter)
 
 
 def signature(dt: Any) -> Any:
@@ -618,7 +626,7 @@ def signature(dt: Any) -> Any:
                   arr(dt, 2), arr(t.int64, 3), user_type(dt), arr(t.int64, 2), arr(dt, 1),
                   i1,
                   arr(dt, 4, False),
-                  arr(dt, 3, False))
+                  arr(dt, 3, False), arr(t.int64, 1, False))
 
 
 # --- the backward pass (FlashAttention-2: scores recomputed from q, k and the saved lse) ---
@@ -782,12 +790,17 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
 def backward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any, mmap: Any,
              lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any, go: Any,
              lse: Any, dd: Any, items: Any, fparams: Any, iparams: Any, dq: Any, dk: Any,
-             dv: Any) -> None:
+             dv: Any, counter: Any) -> None:
     """dQ, dK and dV over the key items (:func:`grad_key_item`: each writes its own rows
-    of dK and dV, and adds to its own part of dQ)."""
-    for t in prange(items.shape[0]):
-        grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                      segments, user, go, lse, dd, items[t], fparams, iparams, dq, dk, dv)
+    of dK and dV, and adds to its own part of dQ), handed out as by :func:`forward`."""
+    n = items.shape[0]
+    for _ in prange(min(counter[1], n)):
+        t = next_item(counter)
+        while t < n:
+            grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
+                          segments, user, go, lse, dd, items[t], fparams, iparams, dq, dk,
+                          dv)
+            t = next_item(counter)
 
 
 def backward_signature(dt: Any) -> Any:
@@ -803,4 +816,5 @@ def backward_signature(dt: Any) -> Any:
                   arr(dt, 2), arr(t.int64, 3), user_type(dt), arr(dt, 4), arr(dt, 3),
                   arr(dt, 3), i2,
                   arr(dt, 1), i1,
-                  arr(dt, 5, False), arr(dt, 4, False), arr(dt, 4, False))
+                  arr(dt, 5, False), arr(dt, 4, False), arr(dt, 4, False),
+                  arr(t.int64, 1, False))

@@ -91,8 +91,8 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, rules: Rules, scale: floa
     lse = np.empty((n_batch, h, tq), dtype=call.dtype)
     items = call.query_items()
     if items.size:
-        threads.run(compiler.kernels(call.dtype)["forward"], *call.common(), items, call.fparams,
-                    call.iparams, out, lse)
+        threads.run(compiler.kernels(call.dtype)["forward"], *call.common(), items,
+                    call.fparams, call.iparams, out, lse, threads.counter())
     return out.reshape((*call.batch, h, tq, call.ev)), lse.reshape((*call.batch, h, tq))
 
 

@@ -37,10 +37,11 @@ def _preload_tbb() -> None:
 def choose_threading_layer(numba: Any) -> None:
     """Prefer a threading layer that is safe with concurrent callers: TBB (also fork-safe),
     else OpenMP; Numba's own "workqueue" is used only when neither loads, and then calls
-    are serialised (:func:`_serialised`). ``NUMBA_THREADING_LAYER`` set by the user wins."""
+    are serialised (:func:`_serialised`). ``NUMBA_THREADING_LAYER`` set by the user wins
+    (``tbb`` included: its library is made loadable first)."""
+    _preload_tbb()
     if os.environ.get("NUMBA_THREADING_LAYER"):
         return
-    _preload_tbb()
     safe = []
     for layer, module in (("tbb", "tbbpool"), ("omp", "omppool")):
         try:
@@ -83,6 +84,17 @@ def run(kernel: Any, *args: Any) -> None:
             numba.set_parallel_chunksize(before)
         if not _layer:
             _layer.append(str(numba.threading_layer()))
+
+
+def counter() -> Any:
+    """A kernel's last argument: ``[0, threads]``, the index of the next work item (the
+    threads take items by incrementing it, atomically) and how many loops take them (one
+    per Numba thread). The kernel balances its items itself, whatever the threading
+    layer's own scheduling (TBB's is dynamic, OpenMP's static)."""
+    import numba
+    import numpy as np
+
+    return np.array([0, numba.get_num_threads()], dtype=np.int64)
 
 
 #: Per compiled kernel and dtype of its first argument: its entry point and what each

@@ -310,6 +310,25 @@ def _exp_sum(typingctx: Any, ptr: Any, count: Any, shift: Any) -> Any:
 exp_sum: Any = intrinsic(_exp_sum)
 
 
+def _next_item(typingctx: Any, counter: Any) -> Any:
+    """``counter[0]``, incremented by one in the same atomic step: the index of the next
+    work item for the thread that asks (each index is handed out once)."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64
+            and counter.ndim == 1 and counter.mutable):
+        return None
+    sig = types.int64(counter)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", array.data, ir.Constant(ir.IntType(64), 1),
+                                  "monotonic")
+
+    return sig, codegen
+
+
+next_item: Any = intrinsic(_next_item)
+
+
 #: Tiles of TILE_ROWS, 8, 4, 2 and 1 rows (any row count is a sum of them) by
 #: TILE_VECTORS vectors.
 tile_rows: Any = _tile(TILE_ROWS, TILE_VECTORS)
