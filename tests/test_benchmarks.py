@@ -75,3 +75,26 @@ def test_tiles_benchmark_report():
     assert "- haswell, forward: 1.200" in text and "- haswell, 4 x 2 tiles, backward: 0.900" \
         in text
 
+
+def test_decode_pretrained_benchmark_runs_on_tiny_checkpoints(tmp_path):
+    """benchmarks/decode_pretrained.py builds tiny random checkpoints, decodes them with
+    every contender (transformers' sdpa where the architecture allows it) and writes its
+    report; polyattn's greedy tokens are transformers eager's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("threadpoolctl")
+    import json
+
+    import decode_pretrained
+
+    assert decode_pretrained.main(["--random", "gemma3_text", "--random", "gpt_oss", "--tiny",
+                                   "--new-tokens", "3", "--rounds", "1", "--threads", "1",
+                                   "--out", str(tmp_path)]) == 0
+    [report] = [json.loads(f.read_text()) for f in tmp_path.glob("decode-pretrained-*.json")]
+    gemma3, gpt_oss = report["models"]
+    assert set(gemma3["summary"]) == {"polyattn numpy", "polyattn torch",
+                                      "transformers eager", "transformers sdpa"}
+    assert set(gpt_oss["unsupported"]) == {"transformers sdpa"}
+    for model in (gemma3, gpt_oss):
+        assert model["prompt_tokens"] == list(decode_pretrained.PROMPT_LENGTHS)
+        assert all(s["same_tokens"] for s in model["summary"].values()), model["summary"]
+    assert "| polyattn numpy |" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
