@@ -259,20 +259,7 @@ def bench_checkpoint(folder: Path, label: str, *, new_tokens: int, rounds: int
                 runs[name].append(run)
         print(f"{label}: round {r + 1}/{rounds} done", flush=True)
 
-    summary: dict[str, dict[str, Any]] = {}
-    base_tokens = {run["prompt"]: run["tokens"] for run in runs[BASELINE]}
-    for name, rs in runs.items():
-        prefill = statistics.median(run["prefill_s"] for run in rs)
-        decode = statistics.median(t for run in rs for t in run["step_s"])
-        summary[name] = {"prefill_ms": prefill * 1e3, "decode_ms": decode * 1e3,
-                         "tokens_per_s": 1.0 / decode,
-                         "same_tokens": all(run["tokens"] == base_tokens[run["prompt"]]
-                                            for run in rs)}
-    for s in summary.values():
-        s["prefill_ratio"] = s["prefill_ms"] / summary[BASELINE]["prefill_ms"]
-        s["decode_ratio"] = s["decode_ms"] / summary[BASELINE]["decode_ms"]
-        if "transformers sdpa" in summary:
-            s["decode_ratio_sdpa"] = s["decode_ms"] / summary["transformers sdpa"]["decode_ms"]
+    summary = summarize(runs)
     spec, ckpt = model.spec, model.checkpoint
     description = {
         "model_type": spec.model_type, "layers": spec.num_layers, "hidden": spec.hidden_size,
@@ -295,6 +282,28 @@ def bench_checkpoint(folder: Path, label: str, *, new_tokens: int, rounds: int
     del decoders, model
     gc.collect()
     return result
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Medians (and the decode steps' quartiles) per contender, ratios to transformers
+    eager (and to sdpa where it ran), and whether the greedy tokens are eager's."""
+    summary: dict[str, dict[str, Any]] = {}
+    base_tokens = {run["prompt"]: run["tokens"] for run in runs[BASELINE]}
+    for name, rs in runs.items():
+        prefill = statistics.median(run["prefill_s"] for run in rs)
+        steps = [t for run in rs for t in run["step_s"]]
+        q1, decode, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else steps * 3
+        summary[name] = {"prefill_ms": prefill * 1e3, "decode_ms": decode * 1e3,
+                         "decode_ms_quartiles": [q1 * 1e3, q3 * 1e3],
+                         "tokens_per_s": 1.0 / decode,
+                         "same_tokens": all(run["tokens"] == base_tokens[run["prompt"]]
+                                            for run in rs)}
+    for s in summary.values():
+        s["prefill_ratio"] = s["prefill_ms"] / summary[BASELINE]["prefill_ms"]
+        s["decode_ratio"] = s["decode_ms"] / summary[BASELINE]["decode_ms"]
+        if "transformers sdpa" in summary:
+            s["decode_ratio_sdpa"] = s["decode_ms"] / summary["transformers sdpa"]["decode_ms"]
+    return summary
 
 
 def _arrays(params: Any, tied: bool) -> list[Any]:
@@ -344,7 +353,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"float32, batch 1), {report['rounds']} rounds interleaved",
         "",
         "prefill = the prompt in, the first token's logits out (median over prompts and "
-        "rounds); decode = one more token (median over all steps); ratio = time / "
+        "rounds); decode = one more token (median over all steps, and the quartiles of "
+        "the steps' times); ratio = time / "
         "transformers eager's time (< 1: faster); same tokens = the greedy tokens of "
         "transformers eager for every prompt and round.",
     ]
@@ -363,17 +373,18 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"## {m['label']}", "",
                   f"{d['model_type']}: {', '.join(features)}; prompts of "
                   f"{m['prompt_tokens']} tokens.", "",
-                  "| contender | prefill ms | decode ms/token | tokens/s | prefill ratio "
-                  "| decode ratio | decode / sdpa | same tokens |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| contender | prefill ms | decode ms/token | quartiles | tokens/s "
+                  "| prefill ratio | decode ratio | decode / sdpa | same tokens |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for name, s in m["summary"].items():
             sdpa = f"{s['decode_ratio_sdpa']:.2f}" if "decode_ratio_sdpa" in s else "–"
+            q1, q3 = s["decode_ms_quartiles"]
             lines.append(
                 f"| {name} | {s['prefill_ms']:.1f} | {s['decode_ms']:.1f} | "
-                f"{s['tokens_per_s']:.1f} | {s['prefill_ratio']:.2f} | "
+                f"{q1:.0f}–{q3:.0f} | {s['tokens_per_s']:.1f} | {s['prefill_ratio']:.2f} | "
                 f"**{s['decode_ratio']:.2f}** | {sdpa} | {'yes' if s['same_tokens'] else 'no'} |")
         for name in m["unsupported"]:
-            lines.append(f"| {name} | – | – | – | – | – | – | not supported by transformers "
+            lines.append(f"| {name} | – | – | – | – | – | – | – | not supported by transformers "
                          "for this architecture |")
     lines.append("")
     return "\n".join(lines)
