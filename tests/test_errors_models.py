@@ -181,6 +181,33 @@ def _from_pretrained(name: str, shapes=None, **config) -> Callable[[], object]:
     return call
 
 
+def _overlapping() -> Callable[[], object]:
+    """A checkpoint whose ``model.norm.weight`` is given bytes inside another tensor's."""
+    def call():
+        import json
+
+        from polyattn.models import from_pretrained
+
+        folder = _checkpoint("hf-overlap")
+        file = folder / "model.safetensors"
+        data = file.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header["model.norm.weight"]["data_offsets"] = [4, 36]       # inside the embeddings
+        head = json.dumps(header).encode()
+        file.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n:])
+        return from_pretrained(folder)
+    return call
+
+
+def _from_pretrained_as(name: str, **kwargs) -> Callable[[], object]:
+    def call():
+        from polyattn.models import from_pretrained
+
+        return from_pretrained(_checkpoint(name), **kwargs)
+    return call
+
+
 CASES = [
     # the GGUF reader
     Case("empty file", "smollm2.load", _load_gguf("empty.gguf", b""),
@@ -235,6 +262,18 @@ CASES = [
          _from_pretrained("hf-shape", intermediate_size=10),
          ValueError, ("`model.layers.0.mlp.gate_proj.weight`", "[12, 8]", "expected [10, 8]",
                       "(intermediate_size, hidden_size)")),
+    Case("config.json without model_type", "from_pretrained",
+         _from_pretrained("hf-no-type", model_type=None),
+         ValueError, ("config.json", "has no `model_type`", "supported: gemma2")),
+    Case("tensors sharing bytes", "from_pretrained", _overlapping(),
+         ValueError, ("model.safetensors", "tensors 'model.embed_tokens.weight' and "
+                      "'model.norm.weight' overlap", "corrupt")),
+    Case("dtype not floating", "from_pretrained", _from_pretrained_as("hf-int", dtype="int32"),
+         TypeError, ("`dtype` must be a real floating dtype", "for numpy", "'int32'")),
+    Case("dtype of another library", "from_pretrained",
+         lambda: _require("torch") or _from_pretrained_as(
+             "hf-torch-dtype", dtype=__import__("torch").float64)(),
+         TypeError, ("`dtype`", "of numpy", "torch.float64, a torch dtype")),
     Case("text without tokenizer.json", "PretrainedLM.tokenizer.encode",
          lambda: _from_pretrained("hf-no-tokenizer")().tokenizer.encode("hi"),
          FileNotFoundError, ("has no tokenizer.json", "pass token ids to generate()")),

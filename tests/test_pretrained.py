@@ -523,8 +523,8 @@ def test_damaged_safetensors_files_are_named(checkpoints, tmp_path):
     file = folder / "model.safetensors"
     data = file.read_bytes()
     file.write_bytes(data[:-100])                                       # truncated
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .* do not fit .*"
-                                         r"truncated"):
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .* beyond the file's "
+                                         r"\d+ bytes of data: the file is truncated"):
         from_pretrained(folder)
     file.write_bytes(b"\xff" * 64)                                      # not one at all
     with pytest.raises(ValueError, match=r"model\.safetensors: not a safetensors file"):
@@ -566,6 +566,186 @@ def test_dtype_default_and_cast(checkpoints):
     assert model.params["embed"].dtype == torch.float64
 
 
+def _float64_checkpoint(checkpoints, tmp_path):
+    """The Llama checkpoint with its weights stored in float64 (config.json says so too)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "f64"
+    shutil.copytree(checkpoints["llama"], folder)
+    file = folder / "model.safetensors"
+    save_file({k: v.astype(np.float64) for k, v in load_file(str(file)).items()}, str(file),
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "float64"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_jax_float64_however_it_is_asked_for(checkpoints, tmp_path):
+    """A dtype object, a module for ``xp`` or a float64 checkpoint: 64-bit mode is switched
+    on as for ``xp="jax", dtype="float64"``, never a silent float32."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    f64 = _float64_checkpoint(checkpoints, tmp_path)
+    calls = [lambda: from_pretrained(checkpoints["llama"], xp="jax", dtype=jnp.float64),
+             lambda: from_pretrained(checkpoints["llama"], xp=jnp, dtype="float64"),
+             lambda: from_pretrained(checkpoints["llama"], xp=jnp, dtype=np.float64),
+             lambda: from_pretrained(f64, xp=jnp)]
+    before = jax.config.jax_enable_x64
+    try:
+        for k, call in enumerate(calls):
+            jax.config.update("jax_enable_x64", False)
+            model = call()
+            assert model.dtype == jnp.float64, k
+            assert model.params["embed"].dtype == jnp.float64, k
+            assert to_numpy(model([[5, 6, 7]])).dtype == np.float64, k
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+def test_dtype_given_by_numpy_or_another_library(checkpoints):
+    """NumPy dtypes name one dtype and are taken by name anywhere; another library's dtype
+    and Python's float are refused with the module's TypeError."""
+    folder = checkpoints["llama"]
+    assert from_pretrained(folder, xp="torch", dtype=np.float32).dtype == torch.float32
+    assert from_pretrained(folder, xp=torch, dtype=np.dtype("float64")).dtype == torch.float64
+    assert from_pretrained(folder, dtype=np.dtype("float64")).dtype == np.float64
+    with pytest.raises(TypeError, match=r"`dtype` must be a real floating dtype of numpy .*"
+                                        r"got torch\.float64, a torch dtype"):
+        from_pretrained(folder, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"`dtype` must be a real floating dtype; got Python's "
+                                        r"float"):
+        from_pretrained(folder, dtype=float)
+    with pytest.raises(TypeError, match=r"`dtype` must be a real floating dtype: one of "
+                                        r"float16, bfloat16, float32, float64 for torch; got "
+                                        r"'int32'"):
+        from_pretrained(folder, xp="torch", dtype="int32")
+    with pytest.raises(TypeError, match=r"real floating dtype.*got torch\.int64"):
+        from_pretrained(folder, xp=torch, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"`dtype` must be one of float16, float32, float64 "
+                                         r"for numpy; got 'bfloat16'"):
+        from_pretrained(folder, dtype="bfloat16")
+
+
+def test_jax_device_by_name_and_a_library_not_installed(checkpoints):
+    folder = checkpoints["llama"]
+    if importlib.util.find_spec("jax") is not None:
+        import jax
+
+        model = from_pretrained(folder, xp="jax", device="cpu")
+        assert model.params["embed"].devices() == {jax.devices("cpu")[0]}
+        with pytest.raises(ValueError, match=r"`device` 'cpu:99' is not a JAX device here; "
+                                             r"JAX has cpu:0"):
+            from_pretrained(folder, xp="jax", device="cpu:99")
+    if importlib.util.find_spec("cupy") is None:
+        with pytest.raises(ModuleNotFoundError, match=r"`xp` 'cupy' needs cupy, which cannot "
+                                                      r"be imported .*install it with pip "
+                                                      r"install 'polyattn\[cuda\]'"):
+            from_pretrained(folder, xp="cupy")
+
+
+def test_home_folder_is_expanded(checkpoints, monkeypatch):
+    monkeypatch.setenv("HOME", str(checkpoints["llama"].parent))
+    model = from_pretrained("~/llama")
+    assert model.path == checkpoints["llama"]
+
+
+def test_special_tokens_and_decoding_checks(checkpoints):
+    """<pad>, <eos> and <bos> are special in tokenizer.json; ids are checked as SmolLM2's
+    tokenizer checks them."""
+    tok = from_pretrained(checkpoints["llama"]).tokenizer
+    assert [tok.is_special(i) for i in (0, 1, 2, 3, 100)] == [True, True, True, False, False]
+    assert tok.decode([2, 5, 1]) == "<bos> w5 <eos>"
+    assert tok.decode([2, 5, 1], skip_special_tokens=True) == "w5"
+    with pytest.raises(ValueError, match=r"`token_ids` must lie in \[0, 128\) \(the "
+                                         r"vocabulary\); got -1"):
+        tok.decode([-1])
+    with pytest.raises(ValueError, match=r"must lie in \[0, 128\).*got 128"):
+        tok.decode([5, 128])
+    with pytest.raises(TypeError, match=r"`token_ids` must hold ints; got float 1\.5 at "
+                                        r"index 0"):
+        tok.decode([1.5])
+    with pytest.raises(ValueError, match=r"`token_id` must lie in \[0, 128\)"):
+        tok.is_special(-1)
+
+
+def test_padding_may_be_any_integer(checkpoints, xp, device):
+    """Only the first lengths[b] ids of each row are checked; the padding (-1 here, or past
+    the vocabulary) never reaches the embedding, and the caller's array is left as it was."""
+    model = _load(checkpoints["llama"], xp, device, "float64")
+    for padded in (np.array([[5, 6, 7], [8, -1, -1]]), [[5, 6, 7], [8, 999, 999]],
+                   xp.asarray(np.array([[5, 6, 7], [8, -1, -1]]), device=device)):
+        kept = to_numpy(padded).copy() if not isinstance(padded, list) else None
+        logits = to_numpy(model(padded, lengths=[3, 1]))
+        np.testing.assert_allclose(logits[0], to_numpy(model([5, 6, 7])), rtol=1e-12,
+                                   atol=1e-12)
+        np.testing.assert_allclose(logits[1, 0], to_numpy(model([8]))[0], rtol=1e-12,
+                                   atol=1e-12)
+        if kept is not None:
+            np.testing.assert_array_equal(to_numpy(padded), kept)
+    with pytest.raises(ValueError, match=r"`token_ids` must lie in \[0, 128\).*got -1"):
+        model(np.array([[5, 6, 7], [8, -1, -1]]), lengths=[3, 2])
+    with pytest.raises(ValueError, match=r"`token_ids` must lie in \[0, 128\).*got -1"):
+        model(np.array([[5, 6, 7], [8, -1, -1]]))
+
+
+def test_token_ids_of_any_library_and_integer_dtype(checkpoints, xp, device):
+    """Ids of another library are read on the host (as generate() reads them); integer
+    dtypes other than the model's index dtype (uint8) are converted."""
+    model = _load(checkpoints["llama"], xp, device, "float64")
+    want = to_numpy(model([[5, 6, 7]]))
+    for ids in (torch.tensor([[5, 6, 7]]), torch.tensor([[5, 6, 7]], dtype=torch.uint8),
+                np.array([[5, 6, 7]], dtype=np.uint8), np.array([[5, 6, 7]], dtype=np.int16),
+                xp.asarray(np.array([[5, 6, 7]], dtype=np.uint8), device=device)):
+        np.testing.assert_array_equal(to_numpy(model(ids)), want)
+    assert model.generate(torch.tensor([5, 6, 7]), 2, stop_at_eos=False) == \
+        model.generate([5, 6, 7], 2, stop_at_eos=False)
+    with pytest.raises(TypeError, match=r"`token_ids` must be integers; got dtype"):
+        model(torch.tensor([[5.0, 6.0]]))
+
+
+def test_overlapping_tensors_and_inconsistent_headers_are_named(checkpoints, tmp_path):
+    """Two tensors sharing bytes are refused (as the safetensors library refuses them); a
+    shape that disagrees with its offsets is told apart from a truncated file."""
+    import shutil
+
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    folder = tmp_path / "overlap"
+    shutil.copytree(checkpoints["llama"], folder)
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+
+    def write(edited):
+        head = json.dumps(edited).encode()
+        head += b" " * (-len(head) % 8)
+        file.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n:])
+
+    edited = json.loads(json.dumps(header))
+    start = edited["lm_head.weight"]["data_offsets"][0]
+    size = 4 * int(np.prod(edited["model.norm.weight"]["shape"]))
+    edited["model.norm.weight"]["data_offsets"] = [start + 4, start + 4 + size]
+    write(edited)
+    with pytest.raises(SafetensorError):
+        load_file(str(file))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensors 'lm_head\.weight' and "
+                                         r"'model\.norm\.weight' overlap"):
+        from_pretrained(folder)
+    edited = json.loads(json.dumps(header))
+    edited["model.norm.weight"]["shape"] = [3]
+    write(edited)
+    with pytest.raises(ValueError, match=r"tensor 'model\.norm\.weight' \(F32 \[3\]\) has "
+                                         r"bytes \[\d+, \d+\), 256 bytes, but its dtype and "
+                                         r"shape take 12: the header is inconsistent"):
+        from_pretrained(folder)
+
+
 # --------------------------------------------------------------------------
 # Errors: one each, naming the file, the field and its value
 # --------------------------------------------------------------------------
@@ -587,7 +767,13 @@ def _edited(checkpoints, tmp_path, arch, change):
      r"config.json: `model_type` 'mistral' is not supported; supported: gemma2, gemma3, "
      r"gemma3_text, gpt_oss, llama, qwen3"),
     ("llama", lambda c: c["rope_parameters"].update(rope_type="dynamic"),
-     r"config.json: `rope_parameters` .* is not supported: .*rope_type 'dynamic'"),
+     r"config.json: `rope_parameters` .* is not supported: `rope_parameters` has rope_type "
+     r"'dynamic', which is not implemented"),
+    ("llama", lambda c: c.update(rope_scaling=c.pop("rope_parameters") | {"rope_type": "dynamic"}),
+     r"config.json: `rope_scaling` .* is not supported: `rope_scaling` has rope_type "
+     r"'dynamic'"),
+    ("llama", lambda c: c.pop("model_type"),
+     r"config.json: has no `model_type`, which names the architecture; supported: gemma2, "),
     ("llama", lambda c: c.update(hidden_act="gelu"),
      r"config.json: `hidden_act` 'gelu' is not supported"),
     ("gpt_oss", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}),

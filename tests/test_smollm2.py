@@ -351,9 +351,9 @@ def test_input_errors(model_np):
     if importlib.util.find_spec("torch") is not None:
         import torch
 
-        with pytest.raises(TypeError, match="`token_ids` is a torch array but the model "
-                                            "holds numpy arrays"):
-            model_np(torch.tensor([[1, 2]]))
+        # ids of another library are read on the host, as generate() reads them
+        np.testing.assert_array_equal(model_np(torch.tensor([[1, 2]])),
+                                      model_np(np.array([[1, 2]])))
 
 
 def test_cli_generate_streams_the_continuation(prompt_ids, reference, capsys):

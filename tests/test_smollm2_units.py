@@ -404,9 +404,17 @@ def test_generation_past_the_context_is_refused_before_allocating(tiny, monkeypa
                                          r"float64\); ask for at most 59 new tokens$"):
         tiny.generate([[1, 2], [1, 2, 3, 4, 5]], 60)
     with pytest.raises(ValueError, match=r"^a prompt of 64 tokens and `max_new_tokens` = 1 "
-                                         r"make 65 tokens.*; shorten the prompt to fewer than "
-                                         r"64 tokens$"):
+                                         r"make 65 tokens.*; shorten the prompt to at most "
+                                         r"63 tokens$"):
         tiny.generate([1] * 64, 1)
+    # the prompt's room is the context less the new tokens
+    with pytest.raises(ValueError, match=r"^a prompt of 70 tokens and `max_new_tokens` = 2 "
+                                         r"make 72 tokens.*; shorten the prompt to at most "
+                                         r"62 tokens$"):
+        tiny.generate([1] * 70, 2)
+    with pytest.raises(ValueError, match=r"ask for at most 63 new tokens and shorten the "
+                                         r"prompt$"):
+        tiny.generate([1] * 70, 64)
 
 
 def test_generation_up_to_the_context_works(tiny):
@@ -600,3 +608,15 @@ def test_sampling_at_a_cold_temperature_is_greedy_without_warnings(tiny, tempera
     greedy = tiny.generate(prompt, 4)
     cold = tiny.generate(prompt, 4, temperature=temperature, seed=0)
     assert cold == greedy
+
+
+def test_padding_may_be_any_integer(tiny):
+    """SmolLM2 is the same decoder: with ``lengths`` only each row's real ids are checked,
+    so padding may be -1 or past the vocabulary, and the caller's array is not changed."""
+    ids = np.array([[5, 6, 7], [8, -1, VOCAB + 3]])
+    logits = tiny(ids, lengths=[3, 1])
+    np.testing.assert_allclose(logits[0], tiny([5, 6, 7]), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(logits[1, 0], tiny([8])[0], rtol=1e-12, atol=1e-12)
+    assert ids.tolist() == [[5, 6, 7], [8, -1, VOCAB + 3]]
+    with pytest.raises(ValueError, match=r"`token_ids` must lie in \[0, \d+\).*got -1"):
+        tiny(ids, lengths=[3, 2])

@@ -120,40 +120,68 @@ class Decoder:
 
     # -- inputs ------------------------------------------------------------
 
-    def _ids(self, token_ids: Any) -> Array:
-        """Token ids as an integer array (B, T) of the model's namespace and device.
+    def _ids(self, token_ids: Any, lengths: Any = None) -> Array:
+        """Token ids as an integer array (B, T) of the model's namespace, device and index
+        dtype.
 
-        Checked: integers, (T,) or (B, T) with T >= 1, every id in [0, V).
+        Checked: integers, (T,) or (B, T) with T >= 1, every id in [0, V); with
+        ``lengths``, only each row's first ``lengths[b]`` ids are checked, and the
+        padding after them is replaced by 0 (in a new array: the caller's is not
+        touched) so that any value will do. An array of the model's library stays on
+        its device (an integer dtype other than the model's index dtype, e.g. uint8,
+        is converted); lists and arrays of other libraries are read on the host.
         """
         xp = self.xp
-        host: np.ndarray | None = None
-        if hasattr(token_ids, "shape") and hasattr(token_ids, "dtype") and not isinstance(
-                token_ids, np.ndarray):
+        if self._same_library(token_ids):
             ids = token_ids
-            lib = library_name(array_namespace(ids))
-            if lib != library_name(xp):
-                raise TypeError(f"`token_ids` is a {lib} array but the model holds "
-                                f"{library_name(xp)} arrays; pass a list, a NumPy array or "
-                                f"a {library_name(xp)} array")
-        else:
-            try:
-                host = np.asarray(token_ids)
-            except ValueError as exc:
-                raise ValueError(
-                    "`token_ids` must be rectangular, (T,) or (B, T); got rows of different "
-                    "lengths. Right-pad the rows to one length and pass `lengths=` (the real "
-                    "tokens per row), or use generate(), which takes prompts of different "
-                    "lengths") from exc
-            if host.size and not np.issubdtype(host.dtype, np.integer):
-                raise TypeError(f"`token_ids` must be integers; got dtype {host.dtype}")
-            ids = xp.asarray(host.astype(np.int64), dtype=self._int, device=self.device)
-        if not xp.isdtype(ids.dtype, "integral"):
-            raise TypeError(f"`token_ids` must be integers; got dtype {ids.dtype}")
-        if ids.ndim not in (1, 2) or ids.shape[-1] == 0 or (ids.ndim == 2 and ids.shape[0] == 0):
+            if not xp.isdtype(ids.dtype, "integral"):
+                raise TypeError(f"`token_ids` must be integers; got dtype {ids.dtype}")
+            self._check_shape(ids.shape)
+            if ids.dtype != self._int:
+                ids = xp.astype(ids, self._int)
+            if ids.ndim == 1:
+                ids = xp.reshape(ids, (1, ids.shape[0]))
+            host_lengths = self._host_lengths(lengths, *ids.shape)
+            if host_lengths is not None:
+                valid = xp.asarray(np.arange(ids.shape[1]) < host_lengths[:, None],
+                                   device=self.device)                  # (B, T)
+                ids = xp.where(valid, ids, xp.zeros_like(ids))
+            self._check_range(ids)
+            return ids
+        try:
+            host = np.asarray(token_ids if isinstance(token_ids, (list, tuple, np.ndarray))
+                              or not hasattr(token_ids, "shape") else _to_numpy(token_ids))
+        except ValueError as exc:
+            raise ValueError(
+                "`token_ids` must be rectangular, (T,) or (B, T); got rows of different "
+                "lengths. Right-pad the rows to one length and pass `lengths=` (the real "
+                "tokens per row), or use generate(), which takes prompts of different "
+                "lengths") from exc
+        if host.size and not np.issubdtype(host.dtype, np.integer):
+            raise TypeError(f"`token_ids` must be integers; got dtype {host.dtype}")
+        self._check_shape(host.shape)
+        host = host.reshape(-1, host.shape[-1])
+        host_lengths = self._host_lengths(lengths, *host.shape)
+        if host_lengths is not None:
+            host = np.where(np.arange(host.shape[1]) < host_lengths[:, None], host, 0)
+        self._check_range(host)
+        return xp.asarray(host.astype(np.int64), dtype=self._int, device=self.device)
+
+    def _same_library(self, token_ids: Any) -> bool:
+        """Whether ``token_ids`` is an array of the model's own library (not NumPy's)."""
+        if isinstance(token_ids, np.ndarray) or not (
+                hasattr(token_ids, "shape") and hasattr(token_ids, "dtype")):
+            return False
+        try:
+            return library_name(array_namespace(token_ids)) == library_name(self.xp)
+        except TypeError:
+            return False
+
+    @staticmethod
+    def _check_shape(shape: tuple[int, ...]) -> None:
+        if len(shape) not in (1, 2) or shape[-1] == 0 or (len(shape) == 2 and shape[0] == 0):
             raise ValueError(f"`token_ids` must be (T,) or (B, T) with B, T >= 1; got shape "
-                             f"{tuple(ids.shape)}")
-        self._check_range(host if host is not None else ids)
-        return ids if ids.ndim == 2 else xp.reshape(ids, (1, ids.shape[0]))
+                             f"{tuple(shape)}")
 
     def _check_range(self, ids: Array) -> None:
         """Every id in [0, V); on the host, or by two reductions where the values are at hand."""
@@ -167,7 +195,9 @@ class Decoder:
             raise ValueError(f"`token_ids` must lie in [0, {vocab}) (the vocabulary); got "
                              f"{low if low < 0 else high}")
 
-    def _lengths(self, lengths: Any, b: int, t: int) -> Array | None:
+    @staticmethod
+    def _host_lengths(lengths: Any, b: int, t: int) -> np.ndarray | None:
+        """``lengths`` checked, as NumPy int64 (B,); ``None`` for none."""
         if lengths is None:
             return None
         host = np.asarray(_to_numpy(lengths) if not isinstance(lengths, (list, tuple, int))
@@ -177,8 +207,13 @@ class Decoder:
                              f"`token_ids`; got {host!r}")
         if host.min() < 1 or host.max() > t:
             raise ValueError(f"`lengths` must lie in [1, T] = [1, {t}]; got {host.tolist()}")
-        return self.xp.asarray(np.broadcast_to(host, (b,)).astype(np.int64), dtype=self._int,
-                               device=self.device)
+        return np.broadcast_to(host, (b,)).astype(np.int64)
+
+    def _lengths(self, lengths: Any, b: int, t: int) -> Array | None:
+        host = self._host_lengths(lengths, b, t)
+        if host is None:
+            return None
+        return self.xp.asarray(host, dtype=self._int, device=self.device)
 
     def cache_nbytes(self, batch_size: int, capacity: int) -> int:
         """Bytes the keys and values of :meth:`new_cache` ``(batch_size, capacity)`` take.
@@ -256,8 +291,10 @@ class Decoder:
         Parameters
         ----------
         token_ids : integer array or nested list, (T,) or (B, T)
-            The tokens; rows of a batch right-padded to one length (any
-            token id will do as padding).
+            The tokens, of any array library (read on the host unless of the
+            model's own) and integer dtype; rows of a batch right-padded to
+            one length (with ``lengths``, any integer will do as padding, -1
+            too: only each row's first ``lengths[b]`` ids are checked).
         cache : Cache, optional
             Past tokens (from :meth:`new_cache`). Row ``b``'s tokens take the
             positions ``cache.lengths[b] …`` and are appended to it, so
@@ -278,12 +315,16 @@ class Decoder:
 
         Raises
         ------
+        TypeError
+            ``token_ids`` are not integers.
         ValueError
-            ``T`` is more than the model's context (``config.context_length``)
-            without a cache, or the cache has room for more than the context
-            (one made with :meth:`new_cache` never has).
+            An id (of the first ``lengths[b]`` of each row) lies outside
+            ``[0, V)``; ``T`` is more than the model's context
+            (``config.context_length``) without a cache, or the cache has
+            room for more than the context (one made with :meth:`new_cache`
+            never has).
         """
-        ids = self._ids(token_ids)
+        ids = self._ids(token_ids, lengths)
         logits = self.logits(self._hidden(ids, cache, lengths))         # (B, T, V)
         ndim = token_ids.ndim if hasattr(token_ids, "ndim") else np.ndim(token_ids)
         if ndim == 1:
@@ -293,7 +334,7 @@ class Decoder:
     def hidden_states(self, token_ids: Any, cache: Cache | None = None, *,
                       lengths: Any = None) -> Array:
         """The final normalised hidden states (B, T, D); see :meth:`__call__`."""
-        return self._hidden(self._ids(token_ids), cache, lengths)
+        return self._hidden(self._ids(token_ids, lengths), cache, lengths)
 
     def logits(self, hidden: Array, /) -> Array:
         """Logits (…, V) of final hidden states (…, D): ``lm_head``, then the final softcap

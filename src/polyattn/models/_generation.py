@@ -112,7 +112,9 @@ class CausalLM(Decoder):
         t, b, ctx = max(len(p) for p in prompts), len(prompts), self.config.context_length
         if t + max_new_tokens > ctx:
             fix = (f"ask for at most {ctx - t} new tokens" if t < ctx else
-                   f"shorten the prompt to fewer than {ctx} tokens")
+                   f"shorten the prompt to at most {ctx - max_new_tokens} tokens"
+                   if max_new_tokens < ctx else
+                   f"ask for at most {ctx - 1} new tokens and shorten the prompt")
             longest = " (the longest)" if b > 1 else ""
             raise self._too_long(f"a prompt of {_plural(t, 'token')}{longest} and "
                                  f"`max_new_tokens` = {max_new_tokens} make",

@@ -127,9 +127,9 @@ def read_config(raw: Mapping[str, Any], file: Path) -> CheckpointConfig:
         raise ValueError(f"{file}: not a JSON object")
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
-        shown = "missing" if model_type is None else repr(model_type)
-        raise ValueError(f"{file}: `model_type` {shown} is not supported; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}")
+        what = ("has no `model_type`, which names the architecture" if model_type is None
+                else f"`model_type` {model_type!r} is not supported")
+        raise ValueError(f"{file}: {what}; supported: {', '.join(sorted(ARCHITECTURES))}")
     arch = ARCHITECTURES[model_type]
     where, top = "", raw
     if model_type == "gemma3":                 # the multimodal checkpoint: its text model
@@ -309,6 +309,9 @@ def _rope(r: _Reader, where: str, params: Mapping[str, Any], head_dim: int,
     try:
         theta, factor = polyattn.rotary_frequencies(head_dim, base=float(base), scaling=p)
     except (TypeError, ValueError) as exc:
-        raise r.fail(where, f"{dict(params)!r:.300} is not supported: {exc}") from None
+        # rotary_frequencies names its argument `scaling`: name config.json's field instead
+        field = where.split(".")[0]
+        why = str(exc).replace("`scaling", f"`{field}")
+        raise r.fail(where, f"{dict(params)!r:.300} is not supported: {why}") from None
     return RopeSpec(base=float(base), inv_freq=tuple(float(t) for t in theta),
                     attention_factor=factor)

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyattn.models._token_ids import check_token_id, check_token_ids
+
 
 def _read_json(file: Path) -> dict[str, Any]:
     """A JSON object from ``file``; ``{}`` when the file is absent."""
@@ -87,15 +89,32 @@ class CheckpointTokenizer:
         return list(tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """The text of token ids (special tokens included unless ``skip_special_tokens``)."""
-        return str(self._require().decode([int(i) for i in ids],
-                                          skip_special_tokens=skip_special_tokens))
+        """The text of token ids (special tokens included unless ``skip_special_tokens``).
+
+        Raises
+        ------
+        TypeError
+            An id is not an integer (the message gives its index).
+        ValueError
+            An id lies outside ``[0, vocab_size)``.
+        """
+        tok = self._require()
+        checked = check_token_ids(ids, self.vocab_size or 0)
+        return str(tok.decode(checked, skip_special_tokens=skip_special_tokens))
 
     def is_special(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a special token (``<bos>``, ``<|im_end|>``, …)."""
+        """Whether ``token_id`` is a special token (``<bos>``, ``<|im_end|>``, …): one of
+        ``tokenizer.json``'s added tokens marked ``special``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``token_id`` is not an integer, or lies outside the vocabulary.
+        """
         tok = self._require()
-        return tok.decode([int(token_id)], skip_special_tokens=True) == "" and \
-            tok.decode([int(token_id)]) != ""
+        i = check_token_id(token_id, self.vocab_size or 0)
+        added = tok.get_added_tokens_decoder().get(i)
+        return bool(added is not None and added.special)
 
 
 def load_tokenizer(folder: Path, token_ids: Mapping[str, Any]) -> CheckpointTokenizer:

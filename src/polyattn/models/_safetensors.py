@@ -75,12 +75,34 @@ def read_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                                    f"read; read: {', '.join(DTYPES)}")
         count = int(np.prod(shape, dtype=np.int64))
         itemsize = np.dtype(DTYPES[dtype]).itemsize
-        if not 0 <= start <= stop <= data_size or stop - start != count * itemsize:
-            raise SafetensorsError(f"{file}: tensor {name!r} ({dtype} {list(shape)}) has bytes "
-                                   f"[{start}, {stop}), which do not fit it or the file's "
-                                   f"{data_size} bytes of data (truncated?)")
+        what = f"{file}: tensor {name!r} ({dtype} {list(shape)}) has bytes [{start}, {stop})"
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
+            raise SafetensorsError(f"{what}, which is not a range of bytes")
+        if stop - start != count * itemsize:
+            raise SafetensorsError(f"{what}, {stop - start} bytes, but its dtype and shape "
+                                   f"take {count * itemsize}: the header is inconsistent")
+        if stop > data_size:
+            raise SafetensorsError(f"{what}, beyond the file's {data_size} bytes of data: "
+                                   f"the file is truncated")
         tensors[name] = TensorInfo(file, dtype, shape, data_start + start, data_start + stop)
+    _check_overlaps(file, tensors, data_start)
     return tensors, metadata
+
+
+def _check_overlaps(file: Path, tensors: dict[str, TensorInfo], data_start: int) -> None:
+    """No two tensors share bytes (the ``safetensors`` library refuses such a file too)."""
+    last: tuple[str, TensorInfo] | None = None
+    for name, info in sorted(((n, i) for n, i in tensors.items() if i.stop > i.start),
+                             key=lambda item: (item[1].start, item[1].stop)):
+        if last is not None and info.start < last[1].stop:
+            first, other = last
+            raise SafetensorsError(
+                f"{file}: tensors {first!r} and {name!r} overlap (`data_offsets` "
+                f"[{other.start - data_start}, {other.stop - data_start}] and "
+                f"[{info.start - data_start}, {info.stop - data_start}]): the header is "
+                f"corrupt")
+        if last is None or info.stop > last[1].stop:
+            last = (name, info)
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

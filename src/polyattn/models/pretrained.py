@@ -154,43 +154,59 @@ def from_pretrained(path: str | os.PathLike[str], /, *, xp: Any = None, dtype: A
     Parameters
     ----------
     path : path-like
-        The folder: ``config.json`` and ``*.safetensors`` (or a
+        A local folder (nothing is downloaded: fetch a Hub model first, e.g.
+        with ``huggingface-cli download``; ``~`` is expanded):
+        ``config.json`` and ``*.safetensors`` (or a
         ``model.safetensors.index.json`` and its shards); ``tokenizer.json``,
         ``generation_config.json`` and ``tokenizer_config.json`` where
         present.
     xp : namespace or str, optional
         The array library: a namespace or module (``numpy``, ``torch``,
         ``cupy``, ``jax.numpy``), or its name (``"torch"`` picks CUDA when
-        available; ``"jax"`` switches on 64-bit mode for ``"float64"``).
-        Default NumPy.
+        available). Default NumPy. On JAX a float64 model, however its
+        dtype is given (or a float64 checkpoint by default), switches on
+        64-bit mode (``jax_enable_x64``), as JAX would otherwise give float32.
     dtype : str or dtype, optional
         ``"float32"``, ``"float64"``, ``"float16"`` or ``"bfloat16"`` (where
-        the library has it). Default: the checkpoint's dtype
-        (``config.json``'s ``dtype``, else its weights'), except that a
-        bfloat16 checkpoint is loaded in float32 on libraries without
-        bfloat16 (NumPy, CuPy). Weights are cast to it; bfloat16 weights are
-        first widened to float32 exactly.
+        the library has it), the library's own dtype (``torch.float64``), or
+        a NumPy dtype, taken by its name on any library (``np.float32``).
+        Python's ``float`` is refused (its width differs between libraries).
+        Default: the checkpoint's dtype (``config.json``'s ``dtype``, else
+        its weights'), except that a bfloat16 checkpoint is loaded in float32
+        on libraries without bfloat16 (NumPy, CuPy). Weights are cast to it;
+        bfloat16 weights are first widened to float32 exactly.
     device : optional
-        Where the weights go (e.g. ``"cuda"`` for torch).
+        Where the weights go (e.g. ``"cuda"`` for torch); on JAX a
+        ``jax.Device`` or a name (``"cpu"``, ``"gpu"``, ``"gpu:1"``).
 
     Returns
     -------
     PretrainedLM
+        Its ``tokenizer.eos_ids`` are what ``generate`` and ``stream`` stop
+        at: ``generation_config.json``'s ``eos_token_id``, else
+        ``config.json``'s, else ``tokenizer_config.json``'s ``eos_token``.
+        A checkpoint that names none has no end-of-sequence token: as with
+        transformers, generation then runs to ``max_new_tokens``.
 
     Raises
     ------
     FileNotFoundError
         ``path`` is not a folder, or lacks ``config.json`` or safetensors
         files.
+    ModuleNotFoundError
+        ``xp`` names a library that is not installed (the message says what
+        to install).
     ValueError
         An architecture or a configuration field that is not supported,
         a malformed or truncated file, a tensor missing, of the wrong shape
         or left unread; the message names the file, the field or tensor,
         and its value, e.g. ``config.json: `model_type` 'mistral' is not
         supported; supported: gemma2, gemma3, gemma3_text, gpt_oss, llama,
-        qwen3``.
+        qwen3``; also ``dtype`` a floating dtype the library lacks
+        (``"bfloat16"`` on NumPy), ``device`` a name of no JAX device.
     TypeError
-        ``dtype`` is not a real floating dtype.
+        ``dtype`` is not a real floating dtype (``"int32"``, Python's
+        ``float``), or is another library's (``torch.float64`` on NumPy).
 
     Examples
     --------
@@ -237,7 +253,7 @@ def from_pretrained(path: str | os.PathLike[str], /, *, xp: Any = None, dtype: A
     >>> ids = model.tokenizer.encode("The capital of France is")      # doctest: +SKIP
     >>> model.tokenizer.decode(model.generate(ids, 8))                # doctest: +SKIP
     """
-    folder = Path(path)
+    folder = Path(path).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder: give the folder of a transformers "
                                 "checkpoint (config.json and *.safetensors)")
