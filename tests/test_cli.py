@@ -629,7 +629,19 @@ def test_generate_refuses_a_prompt_longer_than_the_context(capsys, monkeypatch):
                           "polyattn generate")
     assert ("the prompt is 16 tokens, which leaves no room in the model's context of 16 "
             "tokens for --max-new-tokens 1") in line
-    assert "shorten the prompt to fewer than 16 tokens" in line
+    assert "shorten the prompt to at most 15 tokens" in line
+
+
+def test_generate_names_the_room_left_for_the_prompt(capsys, monkeypatch):
+    """The prompt may take the context less --max-new-tokens, not the whole context."""
+    _serve(monkeypatch, _tiny_model(context_length=16))
+    line = one_line_error(capsys, ["generate", "x" * 20, "--max-new-tokens", "2"],
+                          "polyattn generate")
+    assert "the prompt is 20 tokens" in line and line.endswith(
+        "shorten the prompt to at most 14 tokens")
+    line = one_line_error(capsys, ["generate", "x" * 20, "--max-new-tokens", "16"],
+                          "polyattn generate")
+    assert line.endswith("give --max-new-tokens 15 or less and shorten the prompt")
 
 
 def test_generate_passes_on_the_models_own_refusal_in_one_line(capsys, monkeypatch):
@@ -931,3 +943,69 @@ def test_minilm_says_when_the_sentence_is_cut_and_shows_32_tokens(capsys):
     table = lines[header:lines.index("", header)]
     assert len(table) == 1 + 32 and all(len(row.split()) == 1 + 32 for row in table[1:])
     assert sum("attends most to" in ln for ln in lines) == 32
+
+
+# --- generate: the timing line, --model without tokenizer.json, the help ----------------------
+
+def test_generate_speed_leaves_out_the_first_decode_step(capsys, monkeypatch):
+    """The second token's time (JAX compiles the decoding there) is given on its own, and
+    the speed is that of the tokens after it."""
+    from polyattn.cli import generate as gen
+
+    now = [0.0]
+
+    class Compiling:
+        tokenizer = _Tokenizer()
+
+        def stream(self, ids, max_new_tokens, **kwargs):
+            for step in range(5):
+                now[0] += (0.5, 4.0, 0.03, 0.03, 0.03)[step]   # prompt, compile, steady
+                yield ord("a")
+
+    monkeypatch.setattr(gen, "time", type("Clock", (), {"perf_counter": lambda: now[0]}))
+    _serve(monkeypatch, Compiling())
+    assert cli.main(["generate", "Hi", "--max-new-tokens", "5"]) == 0
+    err = capsys.readouterr().err
+    assert ("5 tokens in 4.59 s: prompt of 2 tokens 500 ms, first decode step 4000 ms, then "
+            "33.3 tokens/s (numpy, float32;") in err, err
+
+
+def test_generate_two_tokens_time_the_one_decode_step(capsys, monkeypatch):
+    _serve(monkeypatch, _tiny_model())
+    assert cli.main(["generate", "Hi", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"2 tokens in [\d.]+ s: prompt of 2 tokens \d+ ms, first decode step "
+                        r"\d+ ms \(numpy, float32; model read in [\d.]+ s\)\n", err), err
+
+
+def test_generate_model_without_tokenizer_json_says_the_command_needs_it(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    line = one_line_error(capsys, ["generate", "hi", "--model", str(tmp_path)],
+                          "polyattn generate")
+    assert f"--model {tmp_path}: the folder has no tokenizer.json, which generate needs" in line
+    assert "generate() and stream()" not in line
+
+
+def test_generate_help_describes_any_model_and_the_dtypes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "8192 tokens for SmolLM2; with --model, the checkpoint's max_position_embeddings" \
+        in help_text
+    assert "(default float32); bfloat16 and float16 are not offered here" in help_text
+
+
+def test_generate_prints_nothing_for_ids_past_the_tokenizer():
+    """Checkpoints may pad their embeddings past the tokenizer's vocabulary; such an id has
+    no text, and the tokenizer (which checks ids) is not asked for it."""
+    from polyattn.cli.generate import _Text
+
+    class Words:
+        vocab_size = 3
+
+        def decode(self, ids, skip_special_tokens=False):
+            assert all(0 <= i < 3 for i in ids)
+            return " ".join("abc"[i] for i in ids)
+
+    shown = _Text(Words(), [0])
+    assert [shown.add(1), shown.add(7), shown.add(2)] == [" b", "", " c"]

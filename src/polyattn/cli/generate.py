@@ -65,10 +65,11 @@ def check_context(model: Any, prompt_tokens: int, args: argparse.Namespace) -> N
     except (AttributeError, TypeError, ValueError):
         memory = ""
     if prompt_tokens >= limit:
+        fix = (f"shorten the prompt to at most {limit - new:,} tokens" if new < limit else
+               f"give --max-new-tokens {limit - 1:,} or less and shorten the prompt")
         raise CLIError(f"the prompt is {_plural(prompt_tokens, 'token')}, which leaves no room "
                        f"in the model's context of {limit:,} tokens for --max-new-tokens {new}"
-                       f" ({total:,} tokens{memory}); shorten the prompt to fewer than "
-                       f"{limit:,} tokens")
+                       f" ({total:,} tokens{memory}); {fix}")
     raise CLIError(f"--max-new-tokens {new} and the prompt's "
                    f"{_plural(prompt_tokens, 'token')} make {total:,} tokens, more than the "
                    f"model's context of {limit:,} tokens{memory}; give --max-new-tokens "
@@ -154,6 +155,10 @@ def _check_checkpoint(folder: str, args: argparse.Namespace) -> None:
     if args.chat:
         raise CLIError("--chat puts the prompt in SmolLM2's chat template; with --model, write "
                        "the model's own template into the prompt")
+    if not (path / "tokenizer.json").is_file():
+        raise CLIError(f"--model {folder}: the folder has no tokenizer.json, which generate "
+                       "needs to turn the prompt into tokens and back; copy the checkpoint's "
+                       "tokenizer.json into it")
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -184,7 +189,9 @@ class _Text:
     comes); a checkpoint's tokenizer decodes the prompt and the tokens so far
     together (a token's leading space may depend on what precedes it), and
     the text new since the last token is printed, a trailing U+FFFD (a
-    character not yet whole) held back. Special tokens are not printed.
+    character not yet whole) held back. Special tokens are not printed, nor
+    ids past the tokenizer's vocabulary (embedding rows some checkpoints pad
+    their vocabulary with).
     """
 
     def __init__(self, tok: Any, prompt: list[int]) -> None:
@@ -202,6 +209,9 @@ class _Text:
             if self.tok.tokens[token] in self.special:
                 return ""
             return str(self.utf8.decode(self.tok.token_bytes(token)))
+        vocab = getattr(self.tok, "vocab_size", None)
+        if isinstance(vocab, int) and not 0 <= token < vocab:
+            return ""               # a row of the embeddings past the tokenizer's: no text
         self.ids.append(token)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         whole = text.rstrip("\ufffd")
@@ -242,7 +252,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # --max-new-tokens) is left out, not shown as U+FFFD.
     shown = _Text(tok, list(ids))
     count = 0
-    first = end = loaded
+    first = second = end = loaded
     try:
         for token in model.stream(ids, args.max_new_tokens, temperature=args.temperature,
                                   seed=args.seed):
@@ -250,6 +260,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if count == 1:
                 first = time.perf_counter()
                 print(echo, end="", flush=True)
+            elif count == 2:
+                second = time.perf_counter()
             print(shown.add(token), end="", flush=True)
     except KeyboardInterrupt:
         if count:
@@ -269,18 +281,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not count:
         print(echo, end="")
     print()
-    print(timing_line(count, len(ids), (start, loaded, first, end), args), file=sys.stderr)
+    print(timing_line(count, len(ids), (start, loaded, first, end), args, second=second),
+          file=sys.stderr)
     return 0
 
 
 def timing_line(count: int, prompt_tokens: int, times: tuple[float, float, float, float],
-                args: argparse.Namespace) -> str:
+                args: argparse.Namespace, *, second: float | None = None) -> str:
     """``generate``'s last line (on stderr): the tokens, the time, the speed.
 
     ``times`` are the clock's readings when the model began to be read, was
-    read, gave its first token and its last. The decoding speed is of the
-    tokens after the first (the first one's time is the prompt's), so it is
-    left out for a single token.
+    read, gave its first token and its last; ``second``, when it gave its
+    second. The first token's time is the prompt's. The first decode step
+    (the second token) is timed on its own where ``second`` is given, as it
+    may include one-off work (JAX compiles the decoding there): the speed is
+    then that of the tokens after it, the steady decoding rate. Without
+    ``second`` the speed is of every token after the first. No speed is
+    given for a single token.
 
     Examples
     --------
@@ -288,6 +305,8 @@ def timing_line(count: int, prompt_tokens: int, times: tuple[float, float, float
     >>> args = SimpleNamespace(backend="numpy", dtype="float32")
     >>> timing_line(11, 3, (0.0, 1.0, 1.25, 2.25), args)  # doctest: +ELLIPSIS
     '11 tokens in 1.25 s: prompt of 3 tokens 250 ms, then 10.0 tokens/s (numpy, float32; ...'
+    >>> timing_line(11, 3, (0.0, 1.0, 1.25, 2.25), args, second=1.35)  # doctest: +ELLIPSIS
+    '11 tokens in 1.25 s: prompt of 3 tokens 250 ms, first decode step 100 ms, then 10.0 ...'
     >>> timing_line(1, 3, (0.0, 1.0, 1.25, 1.25), args)
     '1 token in 0.25 s: prompt of 3 tokens 250 ms (numpy, float32; model read in 1.0 s)'
     """
@@ -295,6 +314,10 @@ def timing_line(count: int, prompt_tokens: int, times: tuple[float, float, float
     text = f"{_plural(count, 'token')} in {end - loaded:.2f} s"
     if count:
         text += f": prompt of {_plural(prompt_tokens, 'token')} {(first - loaded) * 1e3:.0f} ms"
-    if count > 1 and end > first:
+    if second is not None and count > 1 and second >= first:
+        text += f", first decode step {(second - first) * 1e3:.0f} ms"
+        if count > 2 and end > second:
+            text += f", then {(count - 2) / (end - second):.1f} tokens/s"
+    elif count > 1 and end > first:
         text += f", then {(count - 1) / (end - first):.1f} tokens/s"
     return f"{text} ({args.backend}, {args.dtype}; model read in {loaded - start:.1f} s)"

@@ -79,9 +79,13 @@ def build_parser(prog: str | None = None) -> ArgumentParser:
     gen.add_argument("prompt", help='the text to continue, e.g. "The capital of France is"')
     gen.add_argument("--max-new-tokens", type=integer, default=32,
                      help="tokens to produce, at most (default 32); the prompt and "
-                          "these must fit in the model's context (8192 tokens for SmolLM2)")
+                          "these must fit in the model's context (8192 tokens for SmolLM2; "
+                          "with --model, the checkpoint's max_position_embeddings)")
     gen.add_argument("--backend", choices=GENERATE_BACKENDS, default="numpy")
-    gen.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    gen.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                     help="the dtype the weights are cast to and computed in (default "
+                          "float32); bfloat16 and float16 are not offered here (from Python, "
+                          "from_pretrained(dtype=...) takes them on torch and JAX)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help=f"0 (default): greedy; from {MIN_TEMPERATURE:g} up: sampled at "
                           "this temperature")
