@@ -223,7 +223,7 @@ def environment() -> dict[str, Any]:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": {name: os.environ.get(name) for name in
                 ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
-                 "OMP_NUM_THREADS", "POLYATTN_SCORE_BUDGET")},
+                 "OMP_NUM_THREADS", "POLYATTN_SCORE_BUDGET", "NUMBA_THREADING_LAYER")},
     }
 
 
@@ -553,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['peak_extra_mib']['polyattn']:.1f} MiB", flush=True)
     env["load_average_end"] = list(os.getloadavg())
     env["elapsed_s"] = time.perf_counter() - started
+    if numba_cpu_usable():
+        from polyattn.backends.numba_cpu import threads
+
+        layer = threads.threading_layer() or "not run"
+        env["numba_cpu_tiles"] += f"; Numba threading layer: {layer}"
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"cpu-{env['date']}"
