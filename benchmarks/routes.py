@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -75,7 +76,9 @@ def torch_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: i
     fns = {"auto": forward("auto"), "numba_cpu": forward("numba_cpu"), "own": forward(None),
            "auto fb": both("auto"), "numba_cpu fb": both("numba_cpu"), "own fb": both(None)}
     err = float((forward("auto")() - forward(None)()).abs().max())
-    return _row("torch", (b, h, t, e), causal, dtype, choice, reps, fns, err)
+    row = _row("torch", (b, h, t, e), causal, dtype, choice, reps, fns, err)
+    row["auto fb runs"] = polyattn.explain(*leaves, is_causal=causal).implementation
+    return row
 
 
 def jax_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int,
@@ -117,7 +120,8 @@ def _row(library: str, case: tuple[int, ...], causal: bool, dtype: str, choice: 
              for name in med if not name.startswith("own")}
     b, h, t, _ = case
     return {"library": library, "case": list(case), "causal": causal, "dtype": dtype,
-            "scores": b * h * t * t, "auto runs": choice, "median_s": med,
+            "scores": b * h * t * t, "auto runs": choice, "auto fb runs": choice,
+            "median_s": med,
             "ratio_to_own": ratio, "max_abs_diff_auto_vs_own": err, "reps": reps}
 
 
@@ -138,7 +142,7 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         " under `jax.jit`); fb = forward + backward (torch `backward()`, `jax.grad` jitted). "
         "Median of the rounds, contenders interleaved.",
         "",
-        "| library | case (B, H, T, E) | causal | dtype | scores | auto runs | auto | "
+        "| library | case (B, H, T, E) | causal | dtype | scores | auto runs (fb) | auto | "
         "numba_cpu | auto fb | numba_cpu fb | own ms | own fb ms |",
         "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -146,22 +150,29 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
         rat, med = r["ratio_to_own"], r["median_s"]
         lines.append(
             f"| {r['library']} | {tuple(r['case'])} | {'yes' if r['causal'] else 'no'} "
-            f"| {r['dtype']} | {r['scores']} | {r['auto runs']} | **{rat['auto']:.3f}** "
+            f"| {r['dtype']} | {r['scores']} | {_runs(r)} | **{rat['auto']:.3f}** "
             f"| {rat['numba_cpu']:.3f} | **{rat['auto fb']:.3f}** | {rat['numba_cpu fb']:.3f} "
             f"| {med['own'] * 1e3:.2f} | {med['own fb'] * 1e3:.2f} |")
     lines += ["", *summary(rows), ""]
     return "\n".join(lines)
 
 
+def _runs(row: dict[str, Any]) -> str:
+    """What "auto" ran, forward (and under autograd where that differs)."""
+    fb = row.get("auto fb runs", row["auto runs"])
+    return row["auto runs"] if fb == row["auto runs"] else f"{row['auto runs']} ({fb})"
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     """Medians and worst cases of "auto" against the targets, over the cases where it runs
-    numba_cpu (the others run the library's own call)."""
+    numba_cpu, forward and under autograd (the others run the library's own call)."""
     out = []
     for library in ("torch", "jax"):
-        mine = [r for r in rows if r["library"] == library and r["auto runs"] == "numba_cpu"]
         for key, label in (("auto", "forward"), ("auto fb", "forward+backward"
                                                  if library == "torch" else "grad")):
-            values = [r["ratio_to_own"][key] for r in mine]
+            runs = "auto runs" if key == "auto" else "auto fb runs"
+            values = [r["ratio_to_own"][key] for r in rows if r["library"] == library
+                      and r.get(runs, r["auto runs"]) == "numba_cpu"]
             if not values:
                 continue
             target = TARGETS[f"{library} {label}"]
@@ -171,12 +182,30 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _cases(text: str) -> list[tuple[int, int, int, int]]:
+    """``--cases``: (B, H, T, E) tuples separated by ``;``."""
+    cases = []
+    for part in text.split(";"):
+        numbers = tuple(int(x) for x in part.split(","))
+        if len(numbers) != 4 or min(numbers) < 1:
+            raise argparse.ArgumentTypeError(
+                f"each case is four positive integers B,H,T,E; got {part!r}")
+        cases.append(numbers)
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per case")
     parser.add_argument("--libraries", default="torch,jax")
     parser.add_argument("--dtypes", default="float32,float64")
     parser.add_argument("--max-t", type=int, default=4096, help="longest sequence")
+    parser.add_argument("--cases", type=_cases, default=CASES,
+                        help="(B, H, T, E) cases instead of the default ones, e.g. "
+                             "'1,8,512,64;2,8,512,64'")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--name", default="",
+                        help="appended to the results' file names (routes-cpu-<date>-<name>)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args(argv)
 
@@ -196,23 +225,24 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"torch": torch_case, "jax": jax_case}
     for library in args.libraries.split(","):
         for dtype in args.dtypes.split(","):
-            for case in CASES:
+            for case in args.cases:
                 if case[2] > args.max_t:
                     continue
-                for causal in (False, True):
+                for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[
+                        args.causal]:
                     row = runners[library](*case, causal, dtype, args.reps, rng)
                     rows.append(row)
                     rat = row["ratio_to_own"]
                     print(f"{library} {dtype} {case} causal={causal}: auto -> "
-                          f"{row['auto runs']}; auto {rat['auto']:.3f}, numba_cpu "
+                          f"{_runs(row)}; auto {rat['auto']:.3f}, numba_cpu "
                           f"{rat['numba_cpu']:.3f}, auto fb {rat['auto fb']:.3f}, numba_cpu fb "
                           f"{rat['numba_cpu fb']:.3f}", flush=True)
     env["load_average_end"] = list(os.getloadavg())
     env["numba_threading_layer"] = launch.threading_layer()
     env["elapsed_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"routes-cpu-{env['date']}"
-    command = "python benchmarks/routes.py " + " ".join(
+    stem = args.out / f"routes-cpu-{env['date']}{'-' + args.name if args.name else ''}"
+    command = "python benchmarks/routes.py " + shlex.join(
         argv if argv is not None else sys.argv[1:])
     if all(os.environ.get(n) is None for n in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):
         command = "env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE " + command

@@ -48,12 +48,18 @@ HOST_KERNEL_PREFERENCE = ("numba_cpu", *CPU_PREFERENCE)
 #: (benchmarks/results/routes-cpu-*.md).
 JAX_NUMBA_CPU_MIN_SCORES = 2**20
 #: The same on torch CPU tensors, where torch's own fused attention is close to the kernel:
-#: from 2**21 score elements numba_cpu took 0.51-0.78x torch's time forward with a causal
-#: mask and 0.75-0.89x without (0.9-1.5x at 2**19 and less); forward and backward 0.67-0.98x
-#: with a causal mask, 1.0-1.4x without. So it runs ahead of torch's own call from there
-#: forward, with autograd where the call is causal, and for calls whose rules torch would
+#: from 2**21 score elements numba_cpu took 0.49-0.80x torch's time forward with a causal
+#: mask and 0.70-0.96x without (0.9-1.5x at 2**19 and less); so it runs ahead of torch's
+#: own call from there, forward, and with autograd where the call is causal, in float64,
+#: or from :data:`TORCH_NUMBA_CPU_GRAD_MIN_SCORES`, and for calls whose rules torch would
 #: take as a dense mask or not at all (benchmarks/results/routes-cpu-*.md).
 TORCH_NUMBA_CPU_MIN_SCORES = 2**21
+#: Under torch autograd without a causal mask in float32 (or narrower), where the kernel's
+#: forward and backward passes together measured faster than torch's from 2**23 score
+#: elements (0.80-0.91x), not below (0.93-1.11x at 2**21 and 2**22); in float64 they took
+#: 0.58-0.79x torch's time from 2**21, as with a causal mask (AMD EPYC Zen 4, 2 cores;
+#: benchmarks/results/routes-cpu-2026-12-05-torch-grad-crossover.md).
+TORCH_NUMBA_CPU_GRAD_MIN_SCORES = 2**23
 #: Every implementation, in the order ``explain()`` lists those a preference list leaves out.
 IMPLEMENTATIONS = ("native", "numba_cuda", "distributed", "numba_cpu", "reference", "chunked")
 #: What "auto" runs where the backend it chose fails to compile (numba_cpu compiles on first use).
@@ -164,8 +170,9 @@ def auto_rule(name: str, problem: Problem, budget: Budget, *,
 def host_kernel_rule(problem: Problem,
                      native_runs: Callable[[], bool] = lambda: True) -> str | None:
     """Why ``"auto"`` passes over numba_cpu on torch or JAX CPU arrays (``None``: it runs):
-    below the crossover; or, under torch autograd without a causal mask, for torch's own
-    attention, where that can run the call (it cannot give ``lse``, nor take sinks)."""
+    below the crossover; or, under torch autograd without a causal mask in float32 below
+    :data:`TORCH_NUMBA_CPU_GRAD_MIN_SCORES`, for torch's own attention, where that can run
+    the call (it cannot give ``lse``, nor take sinks)."""
     lib = library_name(problem.xp)
     least = TORCH_NUMBA_CPU_MIN_SCORES if lib == "torch" else JAX_NUMBA_CPU_MIN_SCORES
     if problem.score_elements < least:
@@ -174,7 +181,10 @@ def host_kernel_rule(problem: Problem,
                 f"measured faster than {lib}'s own attention")
     if lib != "torch" or not problem.rules.simple:
         return None
-    if problem.requires_grad and not problem.rules.causal and native_runs():
-        return ("without a causal mask, torch's own attention with its backward pass "
-                "measured as fast as the kernel's or faster (TORCH_NUMBA_CPU_MIN_SCORES)")
+    if (problem.requires_grad and not problem.rules.causal
+            and problem.score_elements < TORCH_NUMBA_CPU_GRAD_MIN_SCORES
+            and problem.compute_dtype != problem.xp.float64 and native_runs()):
+        return (f"without a causal mask, below {TORCH_NUMBA_CPU_GRAD_MIN_SCORES} score "
+                "elements (TORCH_NUMBA_CPU_GRAD_MIN_SCORES), torch's own attention with its "
+                "backward pass measured as fast as the kernel's or faster in float32")
     return None

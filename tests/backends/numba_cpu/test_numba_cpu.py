@@ -826,6 +826,8 @@ def test_the_compile_notice_is_a_log_record_the_user_can_silence(monkeypatch, ca
                                    [(None, None), (None, None)])
     assert [r.name for r in caplog.records] == ["polyattn.numba_cpu"]
     assert "(float32 and float64)" in caplog.records[0].getMessage()
+    assert f"about {2 * compiler.SECONDS['forward']} s of CPU time" in caplog.records[
+        0].getMessage()                                # the measured seconds, per dtype
     assert "/some/cache/folder" in caplog.records[0].getMessage()
     assert "`python -m polyattn warmup`" in caplog.records[0].getMessage()
     caplog.clear()

@@ -381,11 +381,22 @@ def test_auto_on_torch_takes_the_kernel_where_it_measured_faster(monkeypatch):
     assert polyattn.explain(x, x, x, window=(64, 0)).implementation == "numba_cpu"
     assert polyattn.explain(x, x, x, softcap=20.0).implementation == "numba_cpu"
     # with autograd: the kernel where the call is causal; without a causal mask torch's
-    # own backward pass measured as fast, on calls it expresses
+    # own backward pass measured as fast in float32 below its own crossover, on calls it
+    # expresses
     leaf = x.clone().requires_grad_()
     assert polyattn.explain(leaf, x, x, is_causal=True).implementation == "numba_cpu"
     e = polyattn.explain(leaf, x, x)
     assert e.implementation == "native" and "backward" in e.candidates["numba_cpu"]
+    assert "TORCH_NUMBA_CPU_GRAD_MIN_SCORES" in e.candidates["numba_cpu"]
+    wide = torch.zeros((4, 8, t, 64))               # 4 · 8 · 512² = the grad crossover
+    assert wide.numel() // 64 * t == _preferences.TORCH_NUMBA_CPU_GRAD_MIN_SCORES
+    wide_leaf = wide.clone().requires_grad_()
+    assert polyattn.explain(wide_leaf, wide, wide).implementation == "numba_cpu"
+    assert polyattn.explain(wide_leaf[:3], wide[:3], wide[:3]).implementation == "native"
+    # in float64 the kernel's backward pass measured faster from the forward's crossover
+    double = x.double()
+    e = polyattn.explain(double.clone().requires_grad_(), double, double)
+    assert e.implementation == "numba_cpu", e
     assert polyattn.explain(leaf, x, x, softcap=20.0).implementation == "numba_cpu"
     # ... but not where torch's own attention cannot run the call (lse, sinks)
     assert polyattn.explain(leaf, x, x, return_lse=True).implementation == "numba_cpu"
