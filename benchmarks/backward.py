@@ -222,6 +222,9 @@ def run_case(b: int, h: int, t: int, e: int, causal: bool, dtype: str, reps: int
                        "torch": _backward(med, "torch")},
         "gflops": {name: fl / med[name] / 1e9 for name in ("polyattn", "torch", "naive")
                    if name in med},
+        # by pass: the forward's two products, the backward's five (total minus forward)
+        "gflops_by_pass": {"forward": fl * 2 / 7 / med["polyattn forward"] / 1e9,
+                           "backward": fl * 5 / 7 / _backward(med, "polyattn") / 1e9},
         "peak_extra_mib": memory,
         "io_mib": io_mib,
         "working_mib": {name: mib - io_mib for name, mib in memory.items()},
@@ -280,6 +283,17 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"by pass (medians over the cases): forward {statistics.median(fwd):.2f}× "
                    f"torch's forward, backward ≈ {statistics.median(bwd):.2f}× torch's "
                    "backward (total minus forward)")
+        for dtype in ("float32", "float64"):
+            passes = [r["gflops_by_pass"] for r in main
+                      if r["dtype"] == dtype and "gflops_by_pass" in r]
+            if passes:
+                f_rate = [p["forward"] for p in passes]
+                b_rate = [p["backward"] for p in passes]
+                out.append(f"polyattn GFLOP/s by pass, {dtype} (two products forward, five "
+                           f"backward): forward median {statistics.median(f_rate):.0f} "
+                           f"({min(f_rate):.0f}–{max(f_rate):.0f}), backward median "
+                           f"{statistics.median(b_rate):.0f} "
+                           f"({min(b_rate):.0f}–{max(b_rate):.0f})")
     for r in rows:
         if list(r["case"]) == list(MEMORY_CASE) and r["causal"] and r["dtype"] == "float32":
             mib = r["peak_extra_mib"]["polyattn"]

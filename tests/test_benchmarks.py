@@ -36,6 +36,9 @@ def test_backward_benchmark_case_runs(causal):
     assert {"polyattn", "torch", "numpy_path", "naive"} <= set(row["median_s"])
     assert {"polyattn", "polyattn forward", "polyattn backward"} <= set(row["ratio_to_torch"])
     assert max(row["rel_diff_vs_torch"].values()) < 1e-5, row
+    assert row["gflops_by_pass"]["forward"] > 0
+    summary = backward.targets([row])
+    assert any(line.startswith("polyattn GFLOP/s by pass, float32") for line in summary)
 
 
 @pytest.mark.parametrize("kind", ["equal", "random"])

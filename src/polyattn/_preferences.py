@@ -56,7 +56,7 @@ JAX_NUMBA_CPU_MIN_SCORES = 2**20
 TORCH_NUMBA_CPU_MIN_SCORES = 2**21
 #: Under torch autograd without a causal mask in float32 (or narrower), where the kernel's
 #: forward and backward passes together measured faster than torch's from 2**23 score
-#: elements (0.80-0.91x), not below (0.93-1.11x at 2**21 and 2**22); in float64 they took
+#: elements (0.78-0.91x), not below (0.91-1.02x at 2**21 and 2**22); in float64 they took
 #: 0.58-0.79x torch's time from 2**21, as with a causal mask (AMD EPYC Zen 4, 2 cores;
 #: benchmarks/results/routes-cpu-2026-12-05-torch-grad-crossover.md).
 TORCH_NUMBA_CPU_GRAD_MIN_SCORES = 2**23
