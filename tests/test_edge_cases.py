@@ -591,6 +591,35 @@ def test_torch_non_contiguous_tensors(dtype_name, monkeypatch):
         assert_lse_close(lse, ref_lse, dtype_name)
 
 
+@pytest.mark.parametrize("shapes", [((1, 2, 3, 4), (1, 2, 0, 4)), ((1, 2, 0, 4), (1, 2, 5, 4)),
+                                    ((0, 2, 3, 4), (0, 2, 5, 4))], ids=["no_keys", "no_queries",
+                                                                       "no_batch"])
+def test_torch_autograd_runs_through_problems_without_scores(shapes, monkeypatch):
+    """With no scores (Tk, Tq or B of 0) the output is still on torch's autograd graph:
+    backward() runs and gives zero gradients shaped like the inputs, also for NaN inputs
+    and a float mask that needs gradients (as a fully masked row does)."""
+    torch = pytest.importorskip("torch")
+    q_shape, k_shape = shapes
+    for case in (n for n in CASES
+                 if public_name(n) != "numba_cuda" and public_name(n) not in ONLY_ON):
+        name = use_implementation(case, Backend.TORCH, monkeypatch)
+        q = torch.full(q_shape, float("nan"), dtype=torch.float64, requires_grad=True)
+        k, v = (torch.ones(k_shape, dtype=torch.float64, requires_grad=True) for _ in "kv")
+        mask = torch.zeros((*q_shape[:-1], k_shape[-2]), dtype=torch.float64,
+                           requires_grad=True)
+        out, lse = polyattn.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, return_lse=True, implementation=name)
+        assert out.requires_grad and lse.requires_grad, name
+        assert not torch.isnan(out).any() and out.shape == (*q_shape[:-1], 4)
+        (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
+        for x in (q, k, v, mask):
+            assert x.grad is not None and x.grad.shape == x.shape, name
+            assert not x.grad.any(), name
+        with torch.no_grad():
+            assert not polyattn.scaled_dot_product_attention(
+                q, k, v, implementation=name).requires_grad
+
+
 def read_only(*arrays):
     out = []
     for a in arrays:

@@ -31,6 +31,16 @@ def _empty_problem(problem: Problem) -> tuple[Array, Array]:
     ev = v.shape[-1] if v is not None else 0
     out = xp.zeros((*q.shape[:-1], ev), dtype=problem.compute_dtype, device=dev)
     lse = xp.full(tuple(q.shape[:-1]), NEG_INF, dtype=problem.compute_dtype, device=dev)
+    if problem.requires_grad:
+        # torch autograd: joined to the inputs that need gradients by a sum over none of
+        # their elements (exactly 0, whatever they hold), so that backward() runs and
+        # gives them zero gradients, as a fully masked row does
+        user = problem.rules.user
+        tracked = [x for x in (q, problem.k, v, problem.mask, problem.rules.alibi,
+                               *(() if user is None else user.mod_args))
+                   if getattr(x, "requires_grad", False)]
+        zero = sum(xp.sum(x[..., :0]) for x in tracked)
+        out, lse = out + zero, lse + zero
     return out, lse
 
 
