@@ -121,6 +121,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
         print(f"numba_cpu kernel: {numba_cpu.cache_state()}")
         print(f"numba_cpu tiles: {numba_cpu.tiles()}")
+        from polyattn.backends.numba_cpu import threads
+
+        print(f"numba_cpu threading layer: {threads.layer_in_words()}")
     else:
         print(f"numba_cpu kernel: not usable ({why})")
     print(f"CPUs: {cpu_summary()}")

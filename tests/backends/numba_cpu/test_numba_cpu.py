@@ -365,6 +365,34 @@ def test_items_are_shared_out_by_the_kernel_whatever_the_threading_layer():
     assert len(set(seen.values())) == 1, seen
 
 
+_WORDS = """
+import numpy as np
+from polyattn import scaled_dot_product_attention as sdpa
+from polyattn.backends.numba_cpu import threads
+print(threads.layer_in_words())
+x = np.zeros((1, 1, 8, 4))
+sdpa(x, x, x, implementation="numba_cpu")
+print(threads.layer_in_words())
+"""
+
+
+def test_info_says_which_threading_layer_the_kernel_takes():
+    """``polyattn info``'s threading layer: the one the first call will take (the one
+    asked for by NUMBA_THREADING_LAYER), then the one in use."""
+    import subprocess
+
+    for layer in ("omp", "workqueue"):
+        run = subprocess.run([sys.executable, "-c", _WORDS], capture_output=True, text=True,
+                             timeout=900, check=False,
+                             env=dict(os.environ, NUMBA_THREADING_LAYER=layer))
+        if run.returncode != 0 and layer == "omp":
+            continue                          # no OpenMP runtime here
+        assert run.returncode == 0, run.stderr[-3000:]
+        before, after = run.stdout.strip().splitlines()
+        assert before == f"{layer} at the first call (NUMBA_THREADING_LAYER)"
+        assert after == f"{layer} (in use in this process)"
+
+
 # --- the register tiles ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -604,7 +632,8 @@ out, pull = attention_vjp(x, x, x, implementation="numba_cpu")
 print(sorted(compiler._states))
 pull(out)
 print(sorted(compiler._states))
-print(compiler.cache_state())
+print(compiler.cache_state(np.float32))
+print(compiler.cache_state(np.float64))
 y = x.astype(np.float64)
 attention_vjp(y, y, y, implementation="numba_cpu")[1](y)
 print(sorted(compiler._states))
@@ -616,10 +645,14 @@ print(len(compiler.kernels()["forward"].overloads), len(compiler.backward_kernel
     lines = run.stdout.strip().splitlines()
     assert lines[0] == "[('forward', 'float32')]"
     assert lines[1] == "[('backward', 'float32'), ('forward', 'float32')]"
-    assert "forward float32" in lines[2] and "float64" not in lines[2]
-    assert lines[3] == ("[('backward', 'float32'), ('backward', 'float64'), "
+    assert lines[2].startswith("forward and backward, float32: ")
+    assert "in this process" in lines[2] and "float64" not in lines[2]
+    # float64 is said to be cached or still to compile, not ready in this process
+    assert lines[3].startswith("forward and backward, float64: ")
+    assert "in this process" not in lines[3]
+    assert lines[4] == ("[('backward', 'float32'), ('backward', 'float64'), "
                         "('forward', 'float32'), ('forward', 'float64')]")
-    assert lines[4] == "2 2"
+    assert lines[5] == "2 2"
 
 
 _NARROW = """

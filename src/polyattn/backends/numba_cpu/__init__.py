@@ -29,8 +29,7 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
     lib = library_name(problem.xp)
     if lib != "numpy" and not problem.torch_cpu and not problem.jax_cpu:
         where = (" on a GPU" if problem.on_cuda or lib in ("jax", "cupy") else
-                 " traced by torch.compile or a torch.func transform" if lib == "torch"
-                 else "")
+                 _torch_where(problem) if lib == "torch" else "")
         return (f"it takes NumPy arrays, and torch and JAX arrays on the CPU; these are "
                 f"{lib} arrays{where}")
     rules = problem.rules
@@ -54,6 +53,24 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
         except compiler.KernelUnavailable as exc:
             return str(exc)
     return None if usable else why
+
+
+def _torch_where(problem: Any) -> str:
+    """What keeps these torch tensors from being viewed as NumPy arrays, in words."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return " traced by torch.compile"
+    for x in (problem.q, problem.k, problem.v, problem.mask):
+        if x is None:
+            continue
+        if x.device.type != "cpu":
+            return f" on the {x.device.type} device"
+        if x.is_sparse:
+            return " in a sparse layout"
+        if type(x) is not torch.Tensor:
+            return f" of the subclass {type(x).__name__}"
+    return " traced by a torch.func transform"
 
 
 def _torch_gradients(problem: Any, needs: frozenset[str]) -> str | None:
@@ -90,5 +107,6 @@ def describe(problem: Any) -> dict[str, str]:
     """Whether the kernel is compiled, cached on disk or still to compile; its tiles."""
     from polyattn.backends.numba_cpu import compiler, launch
 
-    return {"module": launch.__name__, "numba_cpu kernel": compiler.cache_state(),
+    dtype = "float64" if "float64" in str(problem.compute_dtype) else "float32"
+    return {"module": launch.__name__, "numba_cpu kernel": compiler.cache_state(dtype),
             "numba_cpu tiles": compiler.tiles()}

@@ -183,44 +183,67 @@ def _state_of(kind: str) -> str | None:
     return " and ".join(seen) if seen else None
 
 
-def cache_state() -> str:
-    """Whether the compiled kernel is ready: in this process, in Numba's cache on disk
-    (then the first call loads it in well under a second), or not yet compiled."""
+def _kernel_state(kind: str, dt: Any, in_process: bool) -> tuple[str, str]:
+    """(where the ``kind`` kernel for dtype ``dt`` stands, in words; Numba's cache folder
+    or why it is unknown)."""
+    name = np.dtype(dt).name
+    if in_process and (kind, name) in _states:
+        return {"compiled": "compiled in this process",
+                "loaded": "loaded from Numba's cache in this process"}[_states[(kind, name)]], ""
+    try:
+        hit, where = _cached(_dispatchers()[kind], _signature(kind, dt))
+    except Exception as exc:  # Numba's cache internals differ: say so rather than guess
+        hit, where = None, type(exc).__name__
+    if hit is None:
+        return f"cache state unknown ({where})", where
+    if hit:
+        return f"cached in {where}", where
+    first = "call" if kind == "forward" else "backward pass"
+    return f"to compile at the first {first} (about {SECONDS[kind]} s of CPU time each)", where
+
+
+def _names(pairs: list[tuple[str, str]]) -> str:
+    """"forward and backward, float32 and float64" where the pairs are all of those, else
+    each pair ("forward float32, backward float64")."""
+    kinds = sorted({k for k, _ in pairs}, key=("forward", "backward").index)
+    dtypes = sorted({d for _, d in pairs})
+    if len(pairs) == len(kinds) * len(dtypes):
+        return f"{' and '.join(kinds)}, {' and '.join(dtypes)}"
+    return ", ".join(f"{k} {d}" for k, d in pairs)
+
+
+def _states_in_words(dtype: Any, in_process: bool) -> str:
+    """The forward and backward kernels of ``dtype``'s computation (``None``: float32 and
+    float64), grouped by where they stand."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    cache = ""
+    for kind in ("forward", "backward"):
+        for dt in _wanted(dtype):
+            state, where = _kernel_state(kind, dt, in_process)
+            groups.setdefault(state, []).append((kind, np.dtype(dt).name))
+            if state.startswith("to compile"):
+                cache = where
+    said = "; ".join(f"{_names(pairs)}: {state}" for state, pairs in groups.items())
+    if cache:
+        said += (f" (Numba's cache: {cache}); `python -m polyattn warmup` compiles them "
+                 "ahead")
+    return said
+
+
+def cache_state(dtype: Any = None) -> str:
+    """Whether the compiled kernels (forward and backward) for ``dtype``'s computation
+    (float32 or float64; ``None``: both) are ready: compiled or loaded in this process,
+    in Numba's cache on disk (then the first call loads them in well under a second), or
+    still to compile, each kernel and dtype in its own words."""
     if _failed:
         return _failed[0]
-    if _states:
-        said = {"compiled": "compiled", "loaded": "loaded from Numba's cache"}
-        done = ", ".join(f"{kind} {name} {said[state]}"
-                         for (kind, name), state in sorted(_states.items(), reverse=True))
-        return f"{done} in this process"
-    return cache_state_on_disk()
+    return _states_in_words(dtype, True)
 
 
-def cache_state_on_disk() -> str:
-    """Whether Numba's cache on disk holds the compiled kernel for this machine."""
-    try:
-        from polyattn.backends.numba_cpu import kernels as compiled
-
-        wanted = [(_dispatchers()["forward"], sig) for sig in signatures()]
-        wanted += [(compiled.backward, compiled.backward_signature(dt)) for dt in DTYPES]
-    except Exception as exc:  # Numba's cache internals differ: say so rather than guess
-        return f"cache state unknown ({type(exc).__name__})"
-    looked = [_cached(function, sig) for function, sig in wanted]
-    for hit, why in looked:
-        if hit is None:
-            return f"cache state unknown ({why})"
-    found = [bool(hit) for hit, _ in looked]
-    where = looked[-1][1]
-    if all(found[:2]) and all(found[2:]):
-        return f"compiled kernels (forward and backward) cached in {where}"
-    if all(found[:2]):
-        return (f"forward kernel cached in {where}; the backward kernel compiles on the first "
-                f"attention_vjp (about {SECONDS['backward']} s of CPU time per dtype) unless "
-                "`python -m polyattn warmup` ran")
-    return (f"not cached yet (cache: {where}): the first call compiles it for its dtype "
-            f"(about {SECONDS['forward']} s of CPU time, the backward kernel about "
-            f"{SECONDS['backward']} s more at the first attention_vjp); "
-            "`python -m polyattn warmup` compiles it ahead")
+def cache_state_on_disk(dtype: Any = None) -> str:
+    """Whether Numba's cache on disk holds the compiled kernels for this machine, as
+    :func:`cache_state` says it (what this process did aside)."""
+    return _states_in_words(dtype, False)
 
 
 def warmup() -> tuple[str, float]:

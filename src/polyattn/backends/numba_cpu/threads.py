@@ -9,6 +9,7 @@ made one at a time. This module imports Numba only inside its functions.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import sys
@@ -57,6 +58,63 @@ def choose_threading_layer(numba: Any) -> None:
 def threading_layer() -> str:
     """The Numba threading layer the kernel runs on ("" before its first call)."""
     return _layer[0] if _layer else ""
+
+
+def _layer_and_how() -> tuple[str, str]:
+    """(the threading layer the kernel runs on or will take at its first call, how that is
+    known: "in use", "asked" (NUMBA_THREADING_LAYER) or "first call")."""
+    import numba
+
+    try:
+        return numba.threading_layer(), "in use"
+    except ValueError:                   # no parallel code has run yet
+        pass
+    asked = os.environ.get("NUMBA_THREADING_LAYER")
+    if asked:
+        return asked, "asked"
+    return _first_layer(), "first call"
+
+
+@functools.cache
+def _first_layer() -> str:
+    """The layer :func:`choose_threading_layer` will get: TBB, else OpenMP, else the work
+    queue."""
+    _preload_tbb()
+    for layer, module in (("tbb", "tbbpool"), ("omp", "omppool")):
+        try:
+            __import__(f"numba.np.ufunc.{module}")
+        except ImportError:
+            continue
+        return layer
+    return "workqueue"
+
+
+def layer_in_words() -> str:
+    """The threading layer the kernel runs on, or the one its first call will take (for
+    ``polyattn info``): Numba's layer, once any parallel code of the process started it."""
+    layer, how = _layer_and_how()
+    return {"in use": f"{layer} (in use in this process)",
+            "asked": f"{layer} at the first call (NUMBA_THREADING_LAYER)",
+            "first call": f"{layer} at the first call" + (
+                " (neither TBB nor OpenMP loads: calls run one at a time)"
+                if layer == "workqueue" else "")}[how]
+
+
+def beside_spinning_torch() -> bool:
+    """Whether the kernel's threads share the cores with torch's OpenMP threads while
+    those keep spinning after each torch operation (OpenMP's default wait policy): where
+    torch runs on OpenMP, the kernel does not (TBB, the work queue), and
+    ``OMP_WAIT_POLICY`` is not ``PASSIVE``."""
+    if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+        return False
+    return _torch_on_openmp() and _layer_and_how()[0] != "omp"
+
+
+@functools.cache
+def _torch_on_openmp() -> bool:
+    import torch
+
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 @contextmanager
