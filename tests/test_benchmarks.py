@@ -101,3 +101,19 @@ def test_decode_pretrained_benchmark_runs_on_tiny_checkpoints(tmp_path):
         assert model["prompt_tokens"] == list(decode_pretrained.PROMPT_LENGTHS)
         assert all(s["same_tokens"] for s in model["summary"].values()), model["summary"]
     assert "| polyattn numpy |" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+
+
+def test_after_torch_op_benchmark_case_runs(tmp_path):
+    """benchmarks/after_torch_op.py times torch's attention and numba_cpu after a torch
+    product and back to back, and writes its report."""
+    pytest.importorskip("numba")
+    import after_torch_op
+
+    row = after_torch_op.time_case((1, 2, 64, 8), True, 1)
+    for impl in ("native", "numba_cpu"):
+        assert set(row[impl]) == {"after_op_ms", "back_to_back_ms"}
+    assert row["ratio_after_op"] > 0 and row["ratio_back_to_back"] > 0
+    env = {"date": "d", "cpu": "c", "cpu_count": 2, "simd": "s", "numba_threading_layer": "tbb",
+           "versions": {"torch": "t"}, "torch_threads": 2}
+    text = after_torch_op.markdown(env, [row], "cmd")
+    assert "| (1, 2, 64, 8) | yes |" in text and "Numba threading layer: tbb" in text

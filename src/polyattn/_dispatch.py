@@ -22,6 +22,8 @@ from polyattn._preferences import (
     CHOSEN_BECAUSE,
     FALLBACK,
     IMPLEMENTATIONS,
+    JAX_NUMBA_CPU_MIN_SCORES,
+    TORCH_NUMBA_CPU_MIN_SCORES,
     Budget,
     auto_rule,
     numba_cpu_setting,
@@ -98,8 +100,10 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
                 f"{n}: {why}" for n, why in candidates.items()))
         lib = library_name(problem.xp)
         key = "numba_cpu host" if name == "numba_cpu" and lib != "numpy" else name
+        least = TORCH_NUMBA_CPU_MIN_SCORES if lib == "torch" else JAX_NUMBA_CPU_MIN_SCORES
         reason = CHOSEN_BECAUSE[key].format(library=lib, LIBRARY=lib.upper(),
-                                            budget=budget.words())
+                                            budget=budget.words(),
+                                            scores=problem.score_elements, least=least)
     else:
         name, reason = requested, "requested by the caller"
         if name == "numba_cpu":

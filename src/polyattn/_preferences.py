@@ -54,6 +54,14 @@ JAX_NUMBA_CPU_MIN_SCORES = 2**20
 #: or from :data:`TORCH_NUMBA_CPU_GRAD_MIN_SCORES`, and for calls whose rules torch would
 #: take as a dense mask or not at all (benchmarks/results/routes-cpu-*.md).
 TORCH_NUMBA_CPU_MIN_SCORES = 2**21
+#: Without a causal mask, where the kernel's threads share the cores with torch's OpenMP
+#: threads, which keep spinning for a while after each torch operation (the kernel on TBB
+#: or the work queue, ``OMP_WAIT_POLICY`` not ``PASSIVE``): a forward call made right after
+#: a torch matrix product took 1.11-1.27x torch's time at 2**21 and 2**22 score elements,
+#: 0.84-0.95x from 2**24; on Numba's OpenMP layer, or with OMP_WAIT_POLICY=PASSIVE,
+#: 0.84-0.93x from 2**21 (AMD EPYC Zen 4, 2 cores;
+#: benchmarks/results/after-torch-op-cpu-2026-12-05-*.md).
+TORCH_NUMBA_CPU_SPIN_MIN_SCORES = 2**24
 #: Under torch autograd without a causal mask in float32 (or narrower), where the kernel's
 #: forward and backward passes together measured faster than torch's from 2**23 score
 #: elements (0.78-0.91x), not below (0.91-1.02x at 2**21 and 2**22); in float64 they took
@@ -136,8 +144,9 @@ CHOSEN_BECAUSE = {
                  "the budget, 'auto' takes numba_cpu ahead of the NumPy fast path "
                  "(numpy_chunked) on NumPy arrays (NUMPY_BLOCKED_PREFERENCE; "
                  "POLYATTN_NUMBA_CPU=0 leaves it out)",
-    "numba_cpu host": "{library} CPU arrays whose score matrix reaches the crossover "
-                      "({LIBRARY}_NUMBA_CPU_MIN_SCORES) from which the fused kernel measured "
+    "numba_cpu host": "{library} CPU arrays whose score matrix, of {scores} elements, "
+                      "reaches the {least} ({LIBRARY}_NUMBA_CPU_MIN_SCORES) from which the "
+                      "fused kernel measured "
                       "faster than {library}'s own attention; it runs on NumPy views of "
                       "them (HOST_KERNEL_PREFERENCE; POLYATTN_NUMBA_CPU=0 leaves it out)",
     "reference": "{budget}, so it is materialised",
@@ -155,8 +164,9 @@ def auto_rule(name: str, problem: Problem, budget: Budget, *,
     if name == "numba_cpu" and not budget.numpy:
         return host_kernel_rule(problem, native_runs)
     if name in ("chunked", "numba_cpu") and budget.fits:
-        return (f"{budget.words()}, so it is materialised" +
-                ("; the blocked paths run above it" if name == "numba_cpu" else ""))
+        return (f"{budget.words()}, so " +
+                ("it is materialised; the blocked paths run above it" if name == "numba_cpu"
+                 else "the reference path, which materialises it, comes first"))
     rules = problem.rules
     if name != "native" or rules.simple or budget.fits:
         return None
@@ -167,6 +177,17 @@ def auto_rule(name: str, problem: Problem, budget: Budget, *,
             "while the blocked path skips the key blocks no query can see")
 
 
+def _jax_cpu_devices() -> int:
+    """How many CPU devices JAX has in this process (``--xla_force_host_platform_device_count``
+    makes more than one)."""
+    import jax
+
+    try:
+        return len(jax.devices("cpu"))
+    except RuntimeError:              # no CPU backend
+        return 0
+
+
 def host_kernel_rule(problem: Problem,
                      native_runs: Callable[[], bool] = lambda: True) -> str | None:
     """Why ``"auto"`` passes over numba_cpu on torch or JAX CPU arrays (``None``: it runs):
@@ -174,6 +195,12 @@ def host_kernel_rule(problem: Problem,
     :data:`TORCH_NUMBA_CPU_GRAD_MIN_SCORES`, for torch's own attention, where that can run
     the call (it cannot give ``lse``, nor take sinks)."""
     lib = library_name(problem.xp)
+    if lib == "jax":
+        devices = _jax_cpu_devices()
+        if devices > 1:
+            return (f"the process has {devices} JAX CPU devices: the kernel runs as a host "
+                    "callback placed on one of them, which gathers arrays sharded over them "
+                    "and leaves its result unsharded; JAX's own attention keeps the sharding")
     least = TORCH_NUMBA_CPU_MIN_SCORES if lib == "torch" else JAX_NUMBA_CPU_MIN_SCORES
     if problem.score_elements < least:
         return (f"the score matrix has {problem.score_elements} elements, below the "
@@ -181,6 +208,18 @@ def host_kernel_rule(problem: Problem,
                 f"measured faster than {lib}'s own attention")
     if lib != "torch" or not problem.rules.simple:
         return None
+    if (not problem.rules.causal and problem.score_elements < TORCH_NUMBA_CPU_SPIN_MIN_SCORES
+            and native_runs()):
+        from polyattn.backends.numba_cpu import threads
+
+        if threads.beside_spinning_torch():
+            return (f"without a causal mask, the score matrix has {problem.score_elements} "
+                    f"elements, below the {TORCH_NUMBA_CPU_SPIN_MIN_SCORES} "
+                    "(TORCH_NUMBA_CPU_SPIN_MIN_SCORES) from which the kernel measured faster "
+                    "than torch's own attention right after other torch work, whose OpenMP "
+                    "threads keep spinning beside the kernel's (Numba's "
+                    f"{threads.layer_in_words()}); NUMBA_THREADING_LAYER=omp, or "
+                    "OMP_WAIT_POLICY=PASSIVE set before torch starts, lifts this")
     if (problem.requires_grad and not problem.rules.causal
             and problem.score_elements < TORCH_NUMBA_CPU_GRAD_MIN_SCORES
             and problem.compute_dtype != problem.xp.float64 and native_runs()):

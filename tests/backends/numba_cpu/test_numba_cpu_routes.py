@@ -368,6 +368,7 @@ def test_auto_on_torch_takes_the_kernel_where_it_measured_faster(monkeypatch):
     from polyattn import _preferences
 
     monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")   # torch's threads do not spin
     t = 512                                     # 8 · 512² = TORCH_NUMBA_CPU_MIN_SCORES
     assert 8 * t * t == _preferences.TORCH_NUMBA_CPU_MIN_SCORES
     x = torch.zeros((1, 8, t, 64))
@@ -404,6 +405,76 @@ def test_auto_on_torch_takes_the_kernel_where_it_measured_faster(monkeypatch):
     assert polyattn.explain(leaf, x, x, sinks=sinks).implementation == "numba_cpu"
     monkeypatch.setenv("POLYATTN_NUMBA_CPU", "0")
     assert polyattn.explain(x, x, x, is_causal=True).implementation == "native"
+
+
+_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np, polyattn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+mesh = Mesh(np.array(jax.devices()), ("b",))
+spec = NamedSharding(mesh, PartitionSpec("b"))
+x = jax.device_put(jnp.ones((2, 4, 1024, 64), jnp.float32), spec)
+e = polyattn.explain(x, x, x, is_causal=True)
+print(e.implementation)
+print(e.candidates["numba_cpu"])
+f = lambda x: polyattn.scaled_dot_product_attention(x, x, x, is_causal=True)
+o = jax.jit(f)(x)
+print(o.sharding == spec, abs(float((o + x).sum()) / 2**20 - 1) < 1e-5)
+print(jax.jit(jax.grad(lambda x: f(x).sum()))(x).sharding == spec)
+"""
+
+
+def test_auto_on_torch_leaves_short_calls_to_torch_beside_its_spinning_threads(
+        monkeypatch):
+    """Without a causal mask and below TORCH_NUMBA_CPU_SPIN_MIN_SCORES, where the kernel's
+    threads would share the cores with torch's spinning OpenMP threads, "auto" takes
+    torch's own attention and says how to lift it; not with OMP_WAIT_POLICY=PASSIVE, on
+    Numba's OpenMP layer, with a causal mask, or from the crossover."""
+    torch = pytest.importorskip("torch")
+    from polyattn import _preferences
+    from polyattn.backends.numba_cpu import threads
+
+    monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    x = torch.zeros((1, 8, 512, 64))
+    big = torch.zeros((2, 8, 1024, 64))          # 2 · 8 · 1024² = the crossover
+    assert 2 * 8 * 1024 * 1024 == _preferences.TORCH_NUMBA_CPU_SPIN_MIN_SCORES
+    monkeypatch.setattr(threads, "_torch_on_openmp", lambda: True)
+    for layer, spins in (("tbb", True), ("workqueue", True), ("omp", False)):
+        monkeypatch.setattr(threads, "_layer_and_how", lambda layer=layer: (layer, "asked"))
+        assert threads.beside_spinning_torch() is spins
+        e = polyattn.explain(x, x, x)
+        assert e.implementation == ("native" if spins else "numba_cpu"), e
+        if spins:
+            why = e.candidates["numba_cpu"]
+            assert "TORCH_NUMBA_CPU_SPIN_MIN_SCORES" in why and "OMP_WAIT_POLICY" in why
+        assert polyattn.explain(x, x, x, is_causal=True).implementation == "numba_cpu"
+        assert polyattn.explain(big, big, big).implementation == "numba_cpu"
+    monkeypatch.setattr(threads, "_layer_and_how", lambda: ("tbb", "asked"))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert not threads.beside_spinning_torch()
+    assert polyattn.explain(x, x, x).implementation == "numba_cpu"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(threads, "_torch_on_openmp", lambda: False)
+    assert not threads.beside_spinning_torch()
+
+
+def test_auto_on_jax_keeps_arrays_sharded_over_several_cpu_devices(jax):
+    """With several JAX CPU devices "auto" leaves the kernel (a host callback on one
+    device) to JAX's own attention, which keeps a sharded input's sharding, forward and
+    under jax.grad, and says why."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    run = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0] == "native"
+    assert "2 JAX CPU devices" in lines[1]
+    assert lines[2] == "True True"                  # and it adds to a sharded array
+    assert lines[3] == "True"
 
 
 def test_auto_on_jax_takes_the_kernel_from_its_crossover_under_jit_too(jax, monkeypatch):
