@@ -217,7 +217,7 @@ def host_kernel_rule(problem: Problem,
                     f"elements, below the {TORCH_NUMBA_CPU_SPIN_MIN_SCORES} "
                     "(TORCH_NUMBA_CPU_SPIN_MIN_SCORES) from which the kernel measured faster "
                     "than torch's own attention right after other torch work, whose OpenMP "
-                    "threads keep spinning beside the kernel's (Numba's "
+                    "threads keep spinning beside the kernel's (Numba's threading layer: "
                     f"{threads.layer_in_words()}); NUMBA_THREADING_LAYER=omp, or "
                     "OMP_WAIT_POLICY=PASSIVE set before torch starts, lifts this")
     if (problem.requires_grad and not problem.rules.causal

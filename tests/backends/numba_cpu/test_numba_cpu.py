@@ -391,6 +391,29 @@ def test_info_says_which_threading_layer_the_kernel_takes():
         before, after = run.stdout.strip().splitlines()
         assert before == f"{layer} at the first call (NUMBA_THREADING_LAYER)"
         assert after == f"{layer} (in use in this process)"
+    # a priority the user sets is kept, and said
+    run = subprocess.run([sys.executable, "-c", _WORDS], capture_output=True, text=True,
+                         timeout=900, check=False,
+                         env=dict(os.environ, NUMBA_THREADING_LAYER_PRIORITY="workqueue tbb omp"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines() == [
+        "workqueue at the first call (NUMBA_THREADING_LAYER_PRIORITY)",
+        "workqueue (in use in this process)"]
+
+
+def test_threading_layer_selectors_and_unknown_layers_in_words(monkeypatch):
+    """NUMBA_THREADING_LAYER's selectors (threadsafe, …) are said to be selectors, and a
+    value Numba does not know is said to stop the kernel."""
+    from polyattn.backends.numba_cpu import threads
+
+    monkeypatch.setattr(threads, "_layer_and_how", lambda: ("threadsafe", "selector"))
+    assert "'threadsafe' layers" in threads.layer_in_words()
+    monkeypatch.setattr(threads, "_layer_and_how", lambda: ("bogus", "selector"))
+    assert "unknown to Numba" in threads.layer_in_words()
+    monkeypatch.undo()
+    monkeypatch.setenv("NUMBA_THREADING_LAYER", "Bogus")
+    if threads.threading_layer() == "":
+        assert threads._layer_and_how() == ("bogus", "selector")
 
 
 # --- the register tiles ---------------------------------------------------------------------

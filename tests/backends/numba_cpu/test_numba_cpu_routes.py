@@ -458,6 +458,17 @@ def test_auto_on_torch_leaves_short_calls_to_torch_beside_its_spinning_threads(
     assert not threads.beside_spinning_torch()
 
 
+def test_torch_tensors_the_kernel_cannot_view_are_named_for_what_they_are():
+    """Meta tensors are said to be on the meta device (not CPU tensors, not traced)."""
+    torch = pytest.importorskip("torch")
+    m = torch.zeros((1, 2, 8, 4), device="meta")
+    with pytest.raises(ValueError, match="torch arrays on the meta device"):
+        sdpa(m, m, m, implementation="numba_cpu")
+    e = polyattn.explain(m, m, m)
+    assert e.candidates["numba_cuda"] == ("inputs are torch arrays on the meta device, not "
+                                          "CUDA arrays")
+
+
 def test_auto_on_jax_keeps_arrays_sharded_over_several_cpu_devices(jax):
     """With several JAX CPU devices "auto" leaves the kernel (a host callback on one
     device) to JAX's own attention, which keeps a sharded input's sharding, forward and

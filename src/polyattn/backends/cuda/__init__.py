@@ -13,7 +13,7 @@ import importlib.util
 from types import ModuleType
 from typing import Any
 
-from polyattn._interop import library_name, simulator_enabled
+from polyattn._interop import device_of, library_name, simulator_enabled
 
 NAME = "numba_cuda"
 DIFFERENTIATED = "autograd"
@@ -37,7 +37,9 @@ def entry_points() -> ModuleType:
 def _availability(problem: Any) -> tuple[bool, str]:
     """(usable, why) of the kernels for these inputs."""
     if not problem.on_cuda and not simulator_enabled():
-        return False, f"inputs are {library_name(problem.xp)} arrays on the CPU, not CUDA arrays"
+        kind = getattr(device_of(problem.q), "type", None)
+        where = f"the {kind} device" if isinstance(kind, str) and kind != "cpu" else "the CPU"
+        return False, f"inputs are {library_name(problem.xp)} arrays on {where}, not CUDA arrays"
     try:
         module = entry_points()
     except ImportError as exc:

@@ -199,7 +199,7 @@ def _kernel_state(kind: str, dt: Any, in_process: bool) -> tuple[str, str]:
     if hit:
         return f"cached in {where}", where
     first = "call" if kind == "forward" else "backward pass"
-    return f"to compile at the first {first} (about {SECONDS[kind]} s of CPU time each)", where
+    return f"to compile at the first {first} (about {SECONDS[kind]} s of CPU time", where
 
 
 def _names(pairs: list[tuple[str, str]]) -> str:
@@ -223,7 +223,9 @@ def _states_in_words(dtype: Any, in_process: bool) -> str:
             groups.setdefault(state, []).append((kind, np.dtype(dt).name))
             if state.startswith("to compile"):
                 cache = where
-    said = "; ".join(f"{_names(pairs)}: {state}" for state, pairs in groups.items())
+    said = "; ".join(f"{_names(pairs)}: {state}" + (
+        "" if not state.startswith("to compile") else " each)" if len(pairs) > 1 else ")")
+        for state, pairs in groups.items())
     if cache:
         said += (f" (Numba's cache: {cache}); `python -m polyattn warmup` compiles them "
                  "ahead")

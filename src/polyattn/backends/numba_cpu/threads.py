@@ -39,9 +39,11 @@ def choose_threading_layer(numba: Any) -> None:
     """Prefer a threading layer that is safe with concurrent callers: TBB (also fork-safe),
     else OpenMP; Numba's own "workqueue" is used only when neither loads, and then calls
     are serialised (:func:`_serialised`). ``NUMBA_THREADING_LAYER`` set by the user wins
-    (``tbb`` included: its library is made loadable first)."""
+    (``tbb`` included: its library is made loadable first), and so does the order of
+    ``NUMBA_THREADING_LAYER_PRIORITY``."""
     _preload_tbb()
-    if os.environ.get("NUMBA_THREADING_LAYER"):
+    if os.environ.get("NUMBA_THREADING_LAYER") or os.environ.get(
+            "NUMBA_THREADING_LAYER_PRIORITY"):
         return
     safe = []
     for layer, module in (("tbb", "tbbpool"), ("omp", "omppool")):
@@ -69,21 +71,29 @@ def _layer_and_how() -> tuple[str, str]:
         return numba.threading_layer(), "in use"
     except ValueError:                   # no parallel code has run yet
         pass
-    asked = os.environ.get("NUMBA_THREADING_LAYER")
-    if asked:
+    asked = os.environ.get("NUMBA_THREADING_LAYER", "").strip().lower()
+    if asked in LAYERS:
         return asked, "asked"
+    if asked and asked != "default":
+        return asked, "selector"
     return _first_layer(), "first call"
+
+
+#: Numba's threading layers and their modules.
+LAYERS = {"tbb": "tbbpool", "omp": "omppool", "workqueue": "workqueue"}
 
 
 @functools.cache
 def _first_layer() -> str:
     """The layer :func:`choose_threading_layer` will get: TBB, else OpenMP, else the work
-    queue."""
+    queue (in the order of ``NUMBA_THREADING_LAYER_PRIORITY`` where that is set)."""
     _preload_tbb()
-    for layer, module in (("tbb", "tbbpool"), ("omp", "omppool")):
+    order = os.environ.get("NUMBA_THREADING_LAYER_PRIORITY", "").split() or [
+        "tbb", "omp", "workqueue"]
+    for layer in order:
         try:
-            __import__(f"numba.np.ufunc.{module}")
-        except ImportError:
+            __import__(f"numba.np.ufunc.{LAYERS[layer]}")
+        except (ImportError, KeyError):
             continue
         return layer
     return "workqueue"
@@ -93,9 +103,16 @@ def layer_in_words() -> str:
     """The threading layer the kernel runs on, or the one its first call will take (for
     ``polyattn info``): Numba's layer, once any parallel code of the process started it."""
     layer, how = _layer_and_how()
+    if how == "selector":
+        if layer not in ("safe", "threadsafe", "forksafe"):
+            return (f"NUMBA_THREADING_LAYER={layer!r} is unknown to Numba (tbb, omp, "
+                    "workqueue, default, safe, threadsafe, forksafe): the kernel cannot run")
+        return f"the first that loads of Numba's {layer!r} layers, at the first call"
     return {"in use": f"{layer} (in use in this process)",
             "asked": f"{layer} at the first call (NUMBA_THREADING_LAYER)",
             "first call": f"{layer} at the first call" + (
+                " (NUMBA_THREADING_LAYER_PRIORITY)"
+                if os.environ.get("NUMBA_THREADING_LAYER_PRIORITY") else
                 " (neither TBB nor OpenMP loads: calls run one at a time)"
                 if layer == "workqueue" else "")}[how]
 
