@@ -54,7 +54,9 @@ JAX_NUMBA_CPU_MIN_SCORES = 2**20
 #: or from :data:`TORCH_NUMBA_CPU_GRAD_MIN_SCORES`, and for calls whose rules torch would
 #: take as a dense mask or not at all (benchmarks/results/routes-cpu-*.md).
 TORCH_NUMBA_CPU_MIN_SCORES = 2**21
-#: Without a causal mask, where the kernel's threads share the cores with torch's OpenMP
+#: Without a causal mask in float32 (or narrower; float64's margin is wider: the kernel
+#: took 0.70-0.77x torch's time there back to back), where the kernel's threads share the
+#: cores with torch's OpenMP
 #: threads, which keep spinning for a while after each torch operation (the kernel on TBB
 #: or the work queue, ``OMP_WAIT_POLICY`` not ``PASSIVE``): a forward call made right after
 #: a torch matrix product took 1.11-1.27x torch's time at 2**21 and 2**22 score elements,
@@ -209,11 +211,12 @@ def host_kernel_rule(problem: Problem,
     if lib != "torch" or not problem.rules.simple:
         return None
     if (not problem.rules.causal and problem.score_elements < TORCH_NUMBA_CPU_SPIN_MIN_SCORES
-            and native_runs()):
+            and problem.compute_dtype != problem.xp.float64 and native_runs()):
         from polyattn.backends.numba_cpu import threads
 
         if threads.beside_spinning_torch():
-            return (f"without a causal mask, the score matrix has {problem.score_elements} "
+            return (f"without a causal mask in float32, the score matrix has "
+                    f"{problem.score_elements} "
                     f"elements, below the {TORCH_NUMBA_CPU_SPIN_MIN_SCORES} "
                     "(TORCH_NUMBA_CPU_SPIN_MIN_SCORES) from which the kernel measured faster "
                     "than torch's own attention right after other torch work, whose OpenMP "

@@ -425,10 +425,10 @@ print(jax.jit(jax.grad(lambda x: f(x).sum()))(x).sharding == spec)
 
 def test_auto_on_torch_leaves_short_calls_to_torch_beside_its_spinning_threads(
         monkeypatch):
-    """Without a causal mask and below TORCH_NUMBA_CPU_SPIN_MIN_SCORES, where the kernel's
-    threads would share the cores with torch's spinning OpenMP threads, "auto" takes
-    torch's own attention and says how to lift it; not with OMP_WAIT_POLICY=PASSIVE, on
-    Numba's OpenMP layer, with a causal mask, or from the crossover."""
+    """Without a causal mask in float32 and below TORCH_NUMBA_CPU_SPIN_MIN_SCORES, where
+    the kernel's threads would share the cores with torch's spinning OpenMP threads, "auto"
+    takes torch's own attention and says how to lift it; not with OMP_WAIT_POLICY=PASSIVE,
+    on Numba's OpenMP layer, with a causal mask, in float64, or from the crossover."""
     torch = pytest.importorskip("torch")
     from polyattn import _preferences
     from polyattn.backends.numba_cpu import threads
@@ -449,6 +449,8 @@ def test_auto_on_torch_leaves_short_calls_to_torch_beside_its_spinning_threads(
             assert "TORCH_NUMBA_CPU_SPIN_MIN_SCORES" in why and "OMP_WAIT_POLICY" in why
         assert polyattn.explain(x, x, x, is_causal=True).implementation == "numba_cpu"
         assert polyattn.explain(big, big, big).implementation == "numba_cpu"
+        double = x.double()                 # float64: the kernel's margin is wider
+        assert polyattn.explain(double, double, double).implementation == "numba_cpu"
     monkeypatch.setattr(threads, "_layer_and_how", lambda: ("tbb", "asked"))
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     assert not threads.beside_spinning_torch()
