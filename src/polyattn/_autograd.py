@@ -105,7 +105,7 @@ def passes(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
 
 def jax_bridge(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
     """``backend``'s passes on JAX CPU arrays through :mod:`polyattn._jax_bridge`'s
-    primitives (host callbacks under ``jax.jit``), JAX differentiating them in both modes
+    primitives (an XLA FFI handler under ``jax.jit``), JAX differentiating them in both modes
     with the chunked Array-API path (JAX operations) where the kernel has no pass."""
     from polyattn import _jax_bridge
     from polyattn.backends import family

@@ -11,7 +11,9 @@ seed), each carrying what else the call is (:class:`Call`, fixed while JAX trans
   ``out`` and ``lse``.
 
 Evaluated eagerly, each runs the implementation on NumPy views of the arrays (no copy in);
-compiled (``jax.jit``), it is a host callback (``jax.pure_callback``) doing the same. The
+compiled (``jax.jit``) on the CPU, it is an XLA FFI handler doing the same on XLA's buffers
+(:mod:`._jax_ffi`), and a host callback (``jax.pure_callback``, which copies) elsewhere
+and in a process with several devices. The
 forward's JVP rule is the forward plus the tangent; the tangent's transpose (what
 ``jax.grad`` and ``jax.vjp`` use) is the backward pass: so reverse mode runs the kernel
 both ways. The tangent itself, when forward mode asks for it (``jax.jvp``,
@@ -223,6 +225,27 @@ def _callback(host: Callable[..., tuple[Any, ...]], backward: bool) -> Callable[
     return body
 
 
+def _ffi(host: Callable[..., tuple[Any, ...]], backward: bool) -> Callable[..., Any]:
+    """The CPU lowering of a compiled primitive: ``host`` as :mod:`._jax_ffi`'s handler,
+    on XLA's buffers without a copy; as a host callback (:func:`_callback`) where the
+    process has several devices (the callback's sharding keeps the call on one)."""
+    import jax
+    from jax.interpreters import mlir
+
+    fallback = mlir.lower_fun(_callback(host, backward), multiple_results=True)
+
+    def rule(ctx: Any, *args: Any, call: Call) -> Any:
+        if jax.device_count() > 1:
+            return fallback(ctx, *args, call=call)
+        from polyattn import _jax_ffi
+
+        key = _jax_ffi.register(host, call, ctx.avals_in, ctx.avals_out)
+        lower = jax.ffi.ffi_lowering(_jax_ffi.ensure_registered())
+        return lower(ctx, *args, call=np.int64(key))
+
+    return rule
+
+
 def _eager(host: Callable[..., tuple[Any, ...]]) -> Callable[..., list[Array]]:
     def impl(*args: Array, call: Call) -> list[Array]:
         import jax.numpy as jnp
@@ -285,6 +308,8 @@ def primitives() -> Primitives:
                                                    multiple_results=True))
     mlir.register_lowering(backward, mlir.lower_fun(_callback(_backward_host, True),
                                                     multiple_results=True))
+    mlir.register_lowering(forward, _ffi(_forward_host, False), platform="cpu")
+    mlir.register_lowering(backward, _ffi(_backward_host, True), platform="cpu")
     mlir.register_lowering(tangent, mlir.lower_fun(_tangent_generic, multiple_results=True))
 
     def forward_jvp(primals: tuple[Array, ...], tangents: tuple[Any, ...], *, call: Call

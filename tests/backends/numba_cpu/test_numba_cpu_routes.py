@@ -420,6 +420,12 @@ f = lambda x: polyattn.scaled_dot_product_attention(x, x, x, is_causal=True)
 o = jax.jit(f)(x)
 print(o.sharding == spec, abs(float((o + x).sum()) / 2**20 - 1) < 1e-5)
 print(jax.jit(jax.grad(lambda x: f(x).sum()))(x).sharding == spec)
+y = jnp.ones((1, 2, 64, 16), jnp.float32) * jnp.arange(16.0) / 16
+g = jax.jit(lambda y: polyattn.scaled_dot_product_attention(y, y, y, is_causal=True,
+                                                            implementation="numba_cpu"))
+text = g.lower(y).as_text()
+print("xla_ffi_python_cpu_callback" in text, "polyattn_numba_cpu_host" in text,
+      bool(jnp.allclose(g(y), f(y), atol=1e-6)))
 """
 
 
@@ -488,6 +494,8 @@ def test_auto_on_jax_keeps_arrays_sharded_over_several_cpu_devices(jax):
     assert "2 JAX CPU devices" in lines[1]
     assert lines[2] == "True True"                  # and it adds to a sharded array
     assert lines[3] == "True"
+    # numba_cpu asked for by name stays a host callback (one device) among several devices
+    assert lines[4] == "True False True"
 
 
 def test_auto_on_jax_takes_the_kernel_from_its_crossover_under_jit_too(jax, monkeypatch):
@@ -542,3 +550,87 @@ def test_the_routes_benchmark_runs_and_reports(jax, tmp_path):
         assert all(x > 0 for x in row["ratio_to_own"].values())
         assert row["max_abs_diff_auto_vs_own"] < 1e-4
     assert "| torch | (1, 4, 64, 64) |" in report.with_suffix(".md").read_text()
+
+
+def test_jit_runs_the_kernel_on_xlas_buffers(jax, counted):
+    """Under ``jax.jit`` on the CPU the primitives lower to polyattn's XLA FFI handler, not
+    to ``jax.pure_callback``: forward and ``jax.grad`` are bitwise those of the eager
+    calls (the same kernel on the same values), and the operands are left as they were."""
+    import jax.numpy as jnp
+
+    (q, k, v), _ = _inputs()
+    jq, jk, jv = (jnp.asarray(x) for x in (q, k, v))
+
+    def f(q, k, v):
+        return sdpa(q, k, v, implementation="numba_cpu", is_causal=True, enable_gqa=True)
+
+    def loss(q, k, v):
+        return (f(q, k, v) ** 2).sum()
+
+    for fn in (f, jax.grad(loss, argnums=(0, 1, 2))):
+        text = jax.jit(fn).lower(jq, jk, jv).as_text()
+        assert "polyattn_numba_cpu_host" in text
+        assert "python_cpu_callback" not in text
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(jq, jk, jv)),
+                                  np.asarray(f(jq, jk, jv)))
+    eager = jax.grad(loss, argnums=(0, 1, 2))(jq, jk, jv)
+    for got, want in zip(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv), eager,
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for before, after in zip((q, k, v), (jq, jk, jv), strict=True):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    assert counted["forward"] == 4 and counted["backward"] == 2
+
+
+def _ffi_primitive(jax, host, result_shape, result_dtype):
+    """A one-result primitive whose CPU lowering is polyattn's FFI handler running
+    ``host(None, *operands)``."""
+    from jax.core import ShapedArray
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    from polyattn import _jax_ffi
+
+    p = Primitive(f"polyattn_test_{host.__name__}")
+    p.multiple_results = True
+    p.def_abstract_eval(lambda *avals: [ShapedArray(result_shape, result_dtype)])
+
+    def rule(ctx, *args):
+        key = _jax_ffi.register(host, None, ctx.avals_in, ctx.avals_out)
+        return jax.ffi.ffi_lowering(_jax_ffi.ensure_registered())(ctx, *args,
+                                                                  call=np.int64(key))
+
+    mlir.register_lowering(p, rule, platform="cpu")
+    return p
+
+
+def test_ffi_handler_reads_operands_in_place_and_reports_failures(jax):
+    """The handler hands the host function read-only NumPy views of the operands (empty
+    ones included) and copies its results into XLA's buffers; an exception, or a result
+    of another dtype or shape than the primitive's, reaches the caller as an error naming
+    it, not a crash."""
+    import jax.numpy as jnp
+
+    seen = {}
+
+    def total(_, x, empty):
+        seen["writeable"] = (x.flags.writeable, empty.shape)
+        return [np.asarray(x.sum(axis=0) + empty.size)]
+
+    add = _ffi_primitive(jax, total, (3,), np.float64)
+    x = jnp.arange(12.0).reshape(4, 3)
+    got = jax.jit(lambda x, e: add.bind(x, e)[0])(x, jnp.zeros((0, 2)))
+    np.testing.assert_array_equal(np.asarray(got), [18.0, 22.0, 26.0])
+    assert seen["writeable"] == (False, (0, 2))
+
+    def fails(_, x):
+        raise ValueError("no such rule")
+
+    def narrow(_, x):
+        return [np.zeros(3, np.float32)]
+
+    for host, message in ((fails, "polyattn: ValueError: no such rule"),
+                          (narrow, r"result 0 is float32\[3\], its buffer float64\[3\]")):
+        bad = _ffi_primitive(jax, host, (3,), np.float64)
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(jax.jit(lambda x, bad=bad: bad.bind(x)[0])(x))
