@@ -126,36 +126,47 @@ def _numpy_namespace() -> Any:
 
 
 def _on_host(call: Call, arrays: tuple[Any, ...],
-             run: Callable[[Problem, list[np.ndarray]], tuple[Any, ...]]) -> tuple[Any, ...]:
-    """``run(problem, extra)`` on the call rebuilt over NumPy views of its operands (the
-    first of ``arrays``; ``extra``: the rest), once per mapped index where mapped axes
-    cannot join the batch axes (an operand's mapped axis of size 1 is shared)."""
+             run: Callable[[Problem, list[np.ndarray], Any], tuple[Any, ...]],
+             into: Any = None) -> tuple[Any, ...]:
+    """``run(problem, extra, into)`` on the call rebuilt over NumPy views of its operands
+    (the first of ``arrays``; ``extra``: the rest), once per mapped index where mapped axes
+    cannot join the batch axes (an operand's mapped axis of size 1 is shared). ``into``:
+    arrays for the results, passed on where the backend writes into them
+    (``WRITES_INTO``)."""
     xp = _numpy_namespace()
     host = [np.asarray(a) for a in arrays]
     n = call.operands
+    into = into if getattr(call.backend, "WRITES_INTO", False) else None
     if not call.mapped or call.separable:
-        return tuple(np.asarray(r) for r in run(call.rebuild(host[:n], xp), host[n:]))
+        return tuple(np.asarray(r) for r in run(call.rebuild(host[:n], xp), host[n:], into))
     lead = tuple(int(s) for s in host[0].shape[:call.mapped])
     single = dataclasses.replace(call, mapped=0)
     pieces = []
     for index in np.ndindex(*lead):
         part = [a[tuple(i if a.shape[d] > 1 else 0 for d, i in enumerate(index))]
                 for a in host]
-        pieces.append([np.asarray(r) for r in run(single.rebuild(part[:n], xp), part[n:])])
+        pieces.append([np.asarray(r) for r in run(single.rebuild(part[:n], xp), part[n:],
+                                                  None)])
     return tuple(np.stack([p[r] for p in pieces]).reshape(*lead, *pieces[0][r].shape)
                  for r in range(len(pieces[0])))
 
 
-def _forward_host(call: Call, *arrays: Any) -> tuple[Any, ...]:
-    return _on_host(call, arrays, lambda problem, _: call.backend.forward(problem))
+def _forward_host(call: Call, *arrays: Any, into: Any = None) -> tuple[Any, ...]:
+    def run(problem: Problem, _: list[np.ndarray], into: Any) -> tuple[Any, ...]:
+        kw = {} if into is None else {"into": into}
+        return call.backend.forward(problem, **kw)
+
+    return _on_host(call, arrays, run, into)
 
 
-def _backward_host(call: Call, *arrays: Any) -> tuple[Any, ...]:
-    def run(problem: Problem, saved: list[np.ndarray]) -> tuple[Any, ...]:
+def _backward_host(call: Call, *arrays: Any, into: Any = None) -> tuple[Any, ...]:
+    def run(problem: Problem, saved: list[np.ndarray], into: Any) -> tuple[Any, ...]:
         out, lse, g_out, g_lse = saved
-        return call.backend.backward(problem, out, lse, np.ascontiguousarray(g_out), g_lse)
+        kw = {} if into is None else {"into": into}
+        return call.backend.backward(problem, out, lse, np.ascontiguousarray(g_out), g_lse,
+                                     **kw)
 
-    return _on_host(call, arrays, run)
+    return _on_host(call, arrays, run, into)
 
 
 # --- the differentiable stand-ins (JAX operations) -----------------------------------------

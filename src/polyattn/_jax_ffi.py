@@ -8,7 +8,9 @@ operands and four results of 12.6 MB each took about 40 ms of a 140 ms ``jax.gra
 (``benchmarks/routes.py``). Here one handler, registered with XLA once per process, is
 called by every compiled primitive with the key of its entry in :data:`_CALLS` (the
 host function, the call, the operands' and results' shapes and dtypes, kept for the
-life of the process: one small entry per lowering) as its one attribute.
+life of the process: one small entry per lowering) as its one attribute. The host
+function is given the result buffers (``into``) and may write its results there; a
+result elsewhere is copied in.
 
 The handler is a ``ctypes`` callback (it holds the GIL while it runs, as a
 ``pure_callback`` does); the structures below are those of XLA's FFI C API
@@ -173,18 +175,18 @@ def _run(frame_address: int) -> int | None:
         host, call, ins, outs = _CALLS[_key(frame.attrs)]
         operands = [_view(frame.args.items[i], *ins[i], writeable=False)
                     for i in range(frame.args.size)]
-        results = host(call, *operands)
-        if len(results) != frame.rets.size:
-            raise RuntimeError(f"{len(results)} results for {frame.rets.size} buffers")
-        for i, result in enumerate(results):
-            shape, dtype = outs[i]
+        targets = [_view(frame.rets.items[i], *outs[i], writeable=True)
+                   for i in range(frame.rets.size)]
+        results = host(call, *operands, into=targets)
+        if len(results) != len(targets):
+            raise RuntimeError(f"{len(results)} results for {len(targets)} buffers")
+        for i, (result, target) in enumerate(zip(results, targets, strict=True)):
             result = np.asarray(result)
-            if result.shape != shape or result.dtype != dtype:
+            if result.shape != target.shape or result.dtype != target.dtype:
                 raise RuntimeError(f"result {i} is {result.dtype}{list(result.shape)}, its "
-                                   f"buffer {dtype}{list(shape)}")
-            target = _view(frame.rets.items[i], shape, dtype, writeable=True)
-            if target.size:
-                np.copyto(target, result)
+                                   f"buffer {target.dtype}{list(target.shape)}")
+            if target.size and result.ctypes.data != target.ctypes.data:
+                np.copyto(target, result)           # not written in place
     except BaseException as exc:                     # every failure goes back to XLA
         return _error(frame, "polyattn: " + "".join(
             traceback.format_exception_only(type(exc), exc)).strip())

@@ -613,20 +613,29 @@ def test_ffi_handler_reads_operands_in_place_and_reports_failures(jax):
 
     seen = {}
 
-    def total(_, x, empty):
-        seen["writeable"] = (x.flags.writeable, empty.shape)
+    def total(_, x, empty, into):
+        seen["writeable"] = (x.flags.writeable, empty.shape, into[0].flags.writeable)
         return [np.asarray(x.sum(axis=0) + empty.size)]
+
+    def in_place(_, x, empty, into):
+        np.sum(x, axis=0, out=into[0])
+        seen["into"] = into[0].ctypes.data
+        return [into[0]]
 
     add = _ffi_primitive(jax, total, (3,), np.float64)
     x = jnp.arange(12.0).reshape(4, 3)
     got = jax.jit(lambda x, e: add.bind(x, e)[0])(x, jnp.zeros((0, 2)))
     np.testing.assert_array_equal(np.asarray(got), [18.0, 22.0, 26.0])
-    assert seen["writeable"] == (False, (0, 2))
+    assert seen["writeable"] == (False, (0, 2), True)
+    add = _ffi_primitive(jax, in_place, (3,), np.float64)
+    got = jax.jit(lambda x, e: add.bind(x, e)[0])(x, jnp.zeros((0, 2)))
+    np.testing.assert_array_equal(np.asarray(got), [18.0, 22.0, 26.0])
+    assert seen["into"] == got.unsafe_buffer_pointer()       # XLA's own result buffer
 
-    def fails(_, x):
+    def fails(_, x, into):
         raise ValueError("no such rule")
 
-    def narrow(_, x):
+    def narrow(_, x, into):
         return [np.zeros(3, np.float32)]
 
     for host, message in ((fails, "polyattn: ValueError: no such rule"),
@@ -634,3 +643,40 @@ def test_ffi_handler_reads_operands_in_place_and_reports_failures(jax):
         bad = _ffi_primitive(jax, host, (3,), np.float64)
         with pytest.raises(Exception, match=message):
             jax.block_until_ready(jax.jit(lambda x, bad=bad: bad.bind(x)[0])(x))
+
+
+@pytest.mark.parametrize("case", ["one part", "parts", "broadcast batch", "mismatched"])
+def test_kernel_writes_its_results_into_given_arrays(case):
+    """``into``: the forward and backward passes write their results into the arrays
+    given where those can take them (the results are views of them), bitwise as when they
+    allocate; where they cannot (an input's broadcast batch axis summed, another dtype),
+    the results are new arrays and the given ones are left alone."""
+    from polyattn.backends.numba_cpu import gradients
+    from polyattn.rules.visibility import Rules
+
+    rng = np.random.default_rng(3)
+    tk = 600 if case == "parts" else 40                  # 600 keys: three blocks, parts
+    q = rng.standard_normal((2, 2, 24, 8))
+    k, v = rng.standard_normal((2, 1, tk, 8)), rng.standard_normal((2, 1, tk, 8))
+    if case == "broadcast batch":
+        k, v = k[:1], v[:1]
+    kw = dict(mask=None, rules=Rules(24, tk, causal=False), scale=0.3, xp=np)
+    out, lse = launch.attention(q, k, v, **kw)
+    g = rng.standard_normal(out.shape)
+    want = launch.backward(q, k, v, out, lse, g, **kw)
+    if case == "parts":
+        assert gradients.part_count(2, 3, q.nbytes) > 1
+    dtype = np.float32 if case == "mismatched" else np.float64
+    into = [np.full(out.shape, np.nan, dtype), np.full(lse.shape, np.nan, dtype)]
+    got = launch.attention(q, k, v, into=into, **kw)
+    grads_into = [np.full(x.shape, np.nan, dtype) for x in (q, k, v)]
+    grads = launch.backward(q, k, v, out, lse, g, into=grads_into, **kw)
+    summed = ("dk", "dv") if case == "broadcast batch" else ()
+    for name, result, expected, given in zip(("out", "lse", "dq", "dk", "dv"),
+                                             (*got, *grads), (out, lse, *want),
+                                             (*into, *grads_into), strict=True):
+        np.testing.assert_array_equal(result, expected)
+        written = np.shares_memory(result, given)
+        assert written == (case != "mismatched" and name not in summed), name
+        if not written:
+            assert np.isnan(given).all()

@@ -89,18 +89,25 @@ def _torch_gradients(problem: Any, needs: frozenset[str]) -> str | None:
             "of query, key and value only")
 
 
-def forward(problem: Any) -> tuple[Any, Any]:
+#: :func:`forward` and :func:`backward` take ``into``: arrays (shaped and typed as their
+#: results) that they write their results into where they can (:mod:`polyattn._jax_ffi`
+#: hands them XLA's result buffers).
+WRITES_INTO = True
+
+
+def forward(problem: Any, into: Any = None) -> tuple[Any, Any]:
     from polyattn.backends.numba_cpu import launch
 
-    return launch.attention(problem.q, problem.k, problem.v, **problem.arguments())
+    return launch.attention(problem.q, problem.k, problem.v, into=into,
+                            **problem.arguments())
 
 
 def backward(problem: Any, out: Any, lse: Any, grad_out: Any,
-             grad_lse: Any) -> tuple[Any, Any, Any]:
+             grad_lse: Any, into: Any = None) -> tuple[Any, Any, Any]:
     from polyattn.backends.numba_cpu import launch
 
     return launch.backward(problem.q, problem.k, problem.v, out, lse, grad_out,
-                           grad_lse=grad_lse, **problem.arguments())
+                           grad_lse=grad_lse, into=into, **problem.arguments())
 
 
 def describe(problem: Any) -> dict[str, str]:

@@ -28,8 +28,11 @@ from polyattn.rules.visibility import Rules
 
 
 def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: Any,
-              rules: Rules, scale: float, grad_lse: Any) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) shaped like ``q``, ``k``, ``v`` (the caller sets ``np.errstate``)."""
+              rules: Rules, scale: float, grad_lse: Any, into: Any = None
+              ) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) shaped like ``q``, ``k``, ``v`` (the caller sets ``np.errstate``);
+    written into ``into``'s arrays where they can take them (C-contiguous, of those
+    shapes and the compute dtype, and no batch axis to sum)."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     call = Call(q, k, v, mask, rules, scale)
     n_batch, h, hkv, tq, tk = call.n_batch, call.h, call.hkv, call.tq, call.tk
@@ -45,21 +48,58 @@ def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: A
     if grad_lse is not None:
         dd -= np.broadcast_to(np.asarray(grad_lse, dtype=dt),
                               (*call.batch, h, tq)).reshape(n_batch, h, tq)
-    dk = np.zeros((n_batch, hkv, tk, call.e), dtype=dt)
-    dv = np.zeros((n_batch, hkv, tk, call.ev), dtype=dt)
+    dk = _zeros(into, 1, k.shape, (*call.batch, hkv, tk, call.e), dt)
+    dv = _zeros(into, 2, v.shape, (*call.batch, hkv, tk, call.ev), dt)
     parts = part_count(n_batch * hkv, -(-tk // call.block_k),
                        n_batch * h * tq * call.e * dt.itemsize)
-    dq_parts = np.zeros((parts, n_batch, h, tq, call.e), dtype=dt)
+    dq_full = (*call.batch, h, tq, call.e)
+    if parts == 1:
+        dq_parts = _zeros(into, 0, q.shape, dq_full, dt)[None]
+    else:
+        dq_parts = np.zeros((parts, n_batch, h, tq, call.e), dtype=dt)
+    dk = dk.reshape(n_batch, hkv, tk, call.e)
+    dv = dv.reshape(n_batch, hkv, tk, call.ev)
+    dq_parts = dq_parts.reshape(parts, n_batch, h, tq, call.e)
     items = key_items(call.lengths, hkv, call.block_k, parts)
     if items.size:
         threads.run(compiler.backward_kernel(dt), *call.common(), go, lse3, dd, items,
                     call.fparams, call.iparams, dq_parts, dk, dv, threads.counter())
     dq = dq_parts[0]
-    for part in dq_parts[1:]:                      # in order: the same sum every time
-        dq += part
+    if parts > 1:                                  # in order: the same sum every time
+        target = _usable(into, 0, q.shape, dq_full, dt)
+        if target is not None:
+            dq = np.add(dq, dq_parts[1], out=target.reshape(dq.shape))
+        else:
+            dq += dq_parts[1]
+        for part in dq_parts[2:]:
+            dq += part
     return (_unbroadcast(dq.reshape((*call.batch, h, tq, call.e)), q.shape),
             _unbroadcast(dk.reshape((*call.batch, hkv, tk, call.e)), k.shape),
             _unbroadcast(dv.reshape((*call.batch, hkv, tk, call.ev)), v.shape))
+
+
+def _usable(into: Any, index: int, shape: tuple[int, ...], full: tuple[int, ...],
+            dtype: np.dtype) -> np.ndarray | None:
+    """``into[index]`` where it can take a gradient of shape ``full``: C-contiguous,
+    writeable, of ``dtype``, and ``shape`` (the input's) is ``full`` (no broadcast batch
+    axis to sum)."""
+    if into is None or tuple(shape) != full:
+        return None
+    a = into[index]
+    if (isinstance(a, np.ndarray) and a.shape == full and a.dtype == dtype
+            and a.flags.c_contiguous and a.flags.writeable):
+        return a
+    return None
+
+
+def _zeros(into: Any, index: int, shape: tuple[int, ...], full: tuple[int, ...],
+           dtype: np.dtype) -> np.ndarray:
+    """Zeros of shape ``full``: ``into[index]`` zeroed where :func:`_usable`, else new."""
+    a = _usable(into, index, shape, full, dtype)
+    if a is None:
+        return np.zeros(full, dtype=dtype)
+    a.fill(0)
+    return a
 
 
 def _unbroadcast(full: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -79,16 +79,19 @@ __all__ = ["KernelUnavailable", "attention", "availability", "backward", "cache_
 
 
 def attention(q: Any, k: Any, v: Any, /, *, mask: Any, rules: Rules, scale: float,
-              xp: Any) -> tuple[Any, Any]:
+              xp: Any, into: Any = None) -> tuple[Any, Any]:
     """The fused kernel on NumPy arrays; see :mod:`polyattn.backends`.
 
-    Every rule of :class:`Rules` is done here, dropout included.
+    Every rule of :class:`Rules` is done here, dropout included. ``into``: ``(out, lse)``
+    arrays to write the results into (used where they are C-contiguous and of the
+    results' shapes and dtype; the results are then views of them).
     """
     with np.errstate(all="ignore"):        # e.g. a float mask cast to the compute dtype
         call = Call(q, k, v, mask, rules, scale)
     n_batch, h, tq = call.n_batch, call.h, call.tq
-    out = np.empty((n_batch, h, tq, call.ev), dtype=call.dtype)
-    lse = np.empty((n_batch, h, tq), dtype=call.dtype)
+    out = _target(into, 0, (*call.batch, h, tq, call.ev), call.dtype,
+                  (n_batch, h, tq, call.ev))
+    lse = _target(into, 1, (*call.batch, h, tq), call.dtype, (n_batch, h, tq))
     items = call.query_items()
     if items.size:
         threads.run(compiler.kernels(call.dtype)["forward"], *call.common(), items,
@@ -96,14 +99,27 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, rules: Rules, scale: floa
     return out.reshape((*call.batch, h, tq, call.ev)), lse.reshape((*call.batch, h, tq))
 
 
+def _target(into: Any, index: int, shape: tuple[int, ...], dtype: np.dtype,
+            flat: tuple[int, ...]) -> np.ndarray:
+    """``into[index]`` as a ``flat``-shaped view where it can take a result of ``shape``
+    and ``dtype`` (C-contiguous, writeable), else a new array."""
+    if into is not None:
+        a = into[index]
+        if (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype
+                and a.flags.c_contiguous and a.flags.writeable):
+            return a.reshape(flat)
+    return np.empty(flat, dtype=dtype)
+
+
 def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, mask: Any,
-             rules: Rules, scale: float, xp: Any, grad_lse: Any = None,
+             rules: Rules, scale: float, xp: Any, grad_lse: Any = None, into: Any = None,
              ) -> tuple[Any, Any, Any]:
     """Gradients (dq, dk, dv) of :func:`attention`, shaped like ``q``, ``k``, ``v``.
 
     One parallel loop over blocks of keys (:mod:`.gradients`): per block, dK and dV of
     its keys and its share of dQ, the weights recomputed from the scores and the saved
-    ``lse``.
+    ``lse``. ``into``: ``(dq, dk, dv)`` arrays to write the gradients into where they
+    can take them (as for :func:`attention`).
 
     Examples
     --------
@@ -123,4 +139,4 @@ def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, /, *, ma
     True
     """
     with np.errstate(all="ignore"):        # D = rowsum(dO∘O) of non-finite rows, casts
-        return gradients(q, k, v, out, lse, grad_out, mask, rules, scale, grad_lse)
+        return gradients(q, k, v, out, lse, grad_out, mask, rules, scale, grad_lse, into)
