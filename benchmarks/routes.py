@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cpu import CASES as CPU_CASES
 from cpu import RESULTS, environment, time_interleaved
 
 import polyattn
@@ -179,6 +180,12 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"- {library} {label}, where auto runs numba_cpu ({len(values)} cases):"
                        f" median {statistics.median(values):.3f}, worst {max(values):.3f} "
                        f"(target: median at most {target})")
+            large = [r["ratio_to_own"][key] for r in rows if r["library"] == library
+                     and r.get(runs, r["auto runs"]) == "numba_cpu"
+                     and tuple(r["case"]) in CPU_CASES]
+            if large and len(large) < len(values):
+                out.append(f"  - of which benchmarks/cpu.py's cases ({len(large)}): median "
+                           f"{statistics.median(large):.3f}, worst {max(large):.3f}")
     return out
 
 

@@ -43,10 +43,12 @@ CPU_PREFERENCE = ("native", "reference", "chunked")
 HOST_KERNEL_PREFERENCE = ("numba_cpu", *CPU_PREFERENCE)
 #: Smallest score matrix (elements, B·H·Tq·Tk) from which "auto" runs numba_cpu on JAX CPU
 #: arrays ahead of ``jax.nn.dot_product_attention``, forward and ``jax.grad``: on an AMD
-#: EPYC Zen 4 (AVX-512, 2 cores) float32 under ``jax.jit``, the kernel took 0.93x (0.65x
-#: causal) JAX's time at 2**19 score elements, 1.2-1.6x at 2**17, and 0.17-0.57x from 2**21
-#: (benchmarks/results/routes-cpu-*.md).
-JAX_NUMBA_CPU_MIN_SCORES = 2**20
+#: EPYC Zen 4 (AVX-512, 2 cores) under ``jax.jit``, where the kernel reads XLA's buffers in
+#: place (:mod:`polyattn._jax_ffi`), it took 0.49-1.05x JAX's time forward and 0.53-0.92x
+#: for ``jax.grad`` at 2**18 score elements, float32 and float64, against 0.76-1.32x and
+#: 0.64-1.08x for what "auto" ran there before; at 2**17, 0.84-1.26x and 0.81-1.00x, no
+#: better than that (benchmarks/results/routes-cpu-2026-12-05-jax-crossover-ffi.md).
+JAX_NUMBA_CPU_MIN_SCORES = 2**18
 #: The same on torch CPU tensors, where torch's own fused attention is close to the kernel:
 #: from 2**21 score elements numba_cpu took 0.49-0.80x torch's time forward with a causal
 #: mask and 0.70-0.96x without (0.9-1.5x at 2**19 and less); so it runs ahead of torch's

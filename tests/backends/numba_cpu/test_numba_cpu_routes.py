@@ -504,7 +504,7 @@ def test_auto_on_jax_takes_the_kernel_from_its_crossover_under_jit_too(jax, monk
     from polyattn import _preferences
 
     monkeypatch.delenv("POLYATTN_NUMBA_CPU", raising=False)
-    t = 512
+    t = 256
     assert 4 * t * t == _preferences.JAX_NUMBA_CPU_MIN_SCORES
     x = jnp.zeros((1, 4, t, 32), dtype=jnp.float32)
     small = x[:, :, : t // 2]
