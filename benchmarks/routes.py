@@ -165,27 +165,30 @@ def _runs(row: dict[str, Any]) -> str:
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Medians and worst cases of "auto" against the targets, over the cases where it runs
-    numba_cpu, forward and under autograd (the others run the library's own call)."""
+    """Medians and worst cases of "auto" against the targets, per library and dtype, over
+    the cases where it runs numba_cpu, forward and under autograd (the others run the
+    library's own call); and over those of them that are benchmarks/cpu.py's cases."""
     out = []
     for library in ("torch", "jax"):
-        for key, label in (("auto", "forward"), ("auto fb", "forward+backward"
-                                                 if library == "torch" else "grad")):
-            runs = "auto runs" if key == "auto" else "auto fb runs"
-            values = [r["ratio_to_own"][key] for r in rows if r["library"] == library
-                      and r.get(runs, r["auto runs"]) == "numba_cpu"]
-            if not values:
-                continue
-            target = TARGETS[f"{library} {label}"]
-            out.append(f"- {library} {label}, where auto runs numba_cpu ({len(values)} cases):"
-                       f" median {statistics.median(values):.3f}, worst {max(values):.3f} "
-                       f"(target: median at most {target})")
-            large = [r["ratio_to_own"][key] for r in rows if r["library"] == library
-                     and r.get(runs, r["auto runs"]) == "numba_cpu"
-                     and tuple(r["case"]) in CPU_CASES]
-            if large and len(large) < len(values):
-                out.append(f"  - of which benchmarks/cpu.py's cases ({len(large)}): median "
-                           f"{statistics.median(large):.3f}, worst {max(large):.3f}")
+        for dtype in sorted({r["dtype"] for r in rows}):
+            for key, label in (("auto", "forward"), ("auto fb", "forward+backward"
+                                                     if library == "torch" else "grad")):
+                runs = "auto runs" if key == "auto" else "auto fb runs"
+                chosen = [r for r in rows if r["library"] == library and r["dtype"] == dtype
+                          and r.get(runs, r["auto runs"]) == "numba_cpu"]
+                if not chosen:
+                    continue
+                values = [r["ratio_to_own"][key] for r in chosen]
+                target = TARGETS[f"{library} {label}"]
+                out.append(f"- {library} {label} {dtype}, where auto runs numba_cpu "
+                           f"({len(values)} cases): median {statistics.median(values):.3f}, "
+                           f"worst {max(values):.3f} (target: median at most {target})")
+                large = [r["ratio_to_own"][key] for r in chosen
+                         if tuple(r["case"]) in CPU_CASES]
+                if large and len(large) < len(values):
+                    out.append(f"  - of which benchmarks/cpu.py's cases ({len(large)}): "
+                               f"median {statistics.median(large):.3f}, worst "
+                               f"{max(large):.3f}")
     return out
 
 

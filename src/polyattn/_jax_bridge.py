@@ -239,17 +239,18 @@ def _callback(host: Callable[..., tuple[Any, ...]], backward: bool) -> Callable[
 def _ffi(host: Callable[..., tuple[Any, ...]], backward: bool) -> Callable[..., Any]:
     """The CPU lowering of a compiled primitive: ``host`` as :mod:`._jax_ffi`'s handler,
     on XLA's buffers without a copy; as a host callback (:func:`_callback`) where the
-    process has several devices (the callback's sharding keeps the call on one)."""
+    process has several CPU devices (the callback's sharding keeps the call on one), and
+    with a JAX older than ``jax.ffi``."""
     import jax
     from jax.interpreters import mlir
+
+    from polyattn import _jax_ffi
 
     fallback = mlir.lower_fun(_callback(host, backward), multiple_results=True)
 
     def rule(ctx: Any, *args: Any, call: Call) -> Any:
-        if jax.device_count() > 1:
+        if not _jax_ffi.available() or len(jax.devices("cpu")) > 1:
             return fallback(ctx, *args, call=call)
-        from polyattn import _jax_ffi
-
         key = _jax_ffi.register(host, call, ctx.avals_in, ctx.avals_out)
         lower = jax.ffi.ffi_lowering(_jax_ffi.ensure_registered())
         return lower(ctx, *args, call=np.int64(key))

@@ -197,6 +197,15 @@ _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(_run)
 _registered = False
 
 
+def available() -> bool:
+    """Whether this JAX registers and lowers FFI handlers (``jax.ffi``; older JAX has none)."""
+    import jax
+
+    ffi = getattr(jax, "ffi", None)
+    return all(hasattr(ffi, name) for name in ("ffi_lowering", "register_ffi_target",
+                                               "pycapsule"))
+
+
 def ensure_registered() -> str:
     """Register the handler with XLA's CPU FFI targets (once); returns its name."""
     global _registered

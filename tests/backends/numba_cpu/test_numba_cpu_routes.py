@@ -680,3 +680,24 @@ def test_kernel_writes_its_results_into_given_arrays(case):
         assert written == (case != "mismatched" and name not in summed), name
         if not written:
             assert np.isnan(given).all()
+
+
+def test_jit_without_jax_ffi_keeps_the_host_callback(jax, monkeypatch):
+    """With a JAX that has no ``jax.ffi`` the primitives lower to ``jax.pure_callback``,
+    with the same results."""
+    import jax.numpy as jnp
+
+    from polyattn import _jax_ffi
+
+    (q, k, v), _ = _inputs()
+    jq, jk, jv = (jnp.asarray(x) for x in (q, k, v))
+
+    def f(q, k, v):
+        return sdpa(q, k, v, implementation="numba_cpu", enable_gqa=True)
+
+    want = np.asarray(jax.jit(f)(jq, jk, jv))
+    monkeypatch.setattr(_jax_ffi, "available", lambda: False)
+    again = jax.jit(lambda q, k, v: f(q, k, v))
+    text = again.lower(jq, jk, jv).as_text()
+    assert "python_cpu_callback" in text and "polyattn_numba_cpu_host" not in text
+    np.testing.assert_array_equal(np.asarray(again(jq, jk, jv)), want)
