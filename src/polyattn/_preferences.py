@@ -42,8 +42,8 @@ CPU_PREFERENCE = ("native", "reference", "chunked")
 #: NumPy views of them) from the crossovers below, then as CPU_PREFERENCE.
 HOST_KERNEL_PREFERENCE = ("numba_cpu", *CPU_PREFERENCE)
 #: Smallest score matrix (elements, B·H·Tq·Tk) from which "auto" runs numba_cpu on JAX CPU
-#: arrays ahead of ``jax.nn.dot_product_attention``, forward and ``jax.grad``: on an AMD
-#: EPYC Zen 4 (AVX-512, 2 cores) under ``jax.jit``, where the kernel reads XLA's buffers in
+#: arrays ahead of ``jax.nn.dot_product_attention``, forward and ``jax.grad``: on an Intel
+#: Xeon (AVX-512, 2 cores) under ``jax.jit``, where the kernel reads XLA's buffers in
 #: place (:mod:`polyattn._jax_ffi`), it took 0.49-1.05x JAX's time forward and 0.53-0.92x
 #: for ``jax.grad`` at 2**18 score elements, float32 and float64, against 0.76-1.32x and
 #: 0.64-1.08x for what "auto" ran there before; at 2**17, 0.84-1.26x and 0.81-1.00x, no
