@@ -701,3 +701,57 @@ def test_jit_without_jax_ffi_keeps_the_host_callback(jax, monkeypatch):
     text = again.lower(jq, jk, jv).as_text()
     assert "python_cpu_callback" in text and "polyattn_numba_cpu_host" not in text
     np.testing.assert_array_equal(np.asarray(again(jq, jk, jv)), want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_rows_without_keys_keep_non_finite_cotangents_to_themselves(jax, bad):
+    """Rows that see no key (lse -inf) have zero gradients whatever cotangent reaches their
+    lse: a z-loss whose derivative there is NaN (JAX under jax.jit), or a NaN or inf
+    ``grad_lse`` there (NumPy, attention_vjp), leaves dK and dV as the reference gives
+    them (finite) and those rows' dQ zero."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 24, 8))
+    k, v = rng.standard_normal((1, 2, 16, 8)), rng.standard_normal((1, 2, 16, 8))
+    kw = dict(is_causal=True, causal_alignment="bottom_right")  # rows 0-7 see no key
+
+    def loss(q, k, v, impl):
+        out, lse = sdpa(q, k, v, return_lse=True, implementation=impl, **kw)
+        # a z-loss: its derivative at the rows' lse of -inf is NaN (2·lse·0)
+        return jnp.sum(out**2) + 1e-4 * jnp.sum(jnp.where(jnp.isfinite(lse), lse**2, 0.0))
+
+    grads = {impl: jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(
+        *(jnp.asarray(x) for x in (q, k, v)), impl) for impl in ("reference", "numba_cpu")}
+    (rq, rk, rv), (nq, nk, nv) = grads["reference"], grads["numba_cpu"]
+    for got, want in ((nk, rk), (nv, rv), (nq[:, :, 8:], rq[:, :, 8:])):
+        assert np.isfinite(np.asarray(want)).all()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
+    assert (np.asarray(nq[:, :, :8]) == 0).all()
+    out, pullback = polyattn.attention_vjp(q, k, v, implementation="numba_cpu", **kw)
+    g_out = np.ones_like(out)
+    g_lse = np.zeros(out.shape[:-1])
+    g_lse[:, :, :8] = bad
+    dq, dk, dv = pullback(g_out, g_lse)
+    _, ref = polyattn.attention_vjp(q, k, v, implementation="reference", **kw)
+    _, rk, rv = ref(g_out)
+    np.testing.assert_allclose(dk, rk, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dv, rv, rtol=1e-10, atol=1e-12)
+    assert (dq[:, :, :8] == 0).all()
+
+
+def test_traced_segment_ids_are_refused_for_what_they_are(jax):
+    """Segment ids traced by jax.jit cannot be lowered to key ranges: numba_cpu says they
+    are traced (not that they are unsorted) and how to pass them."""
+    import jax.numpy as jnp
+
+    x = jnp.zeros((1, 2, 16, 8), jnp.float32)
+    ids = jnp.asarray([[0] * 8 + [1] * 8])
+
+    def f(x, ids):
+        return sdpa(x, x, x, segment_ids=ids, implementation="numba_cpu")
+
+    with pytest.raises(ValueError, match=r"not at hand \(traced\)"):
+        jax.jit(f)(x, ids)
+    assert f(x, ids).shape == x.shape                           # eagerly: sorted, at hand
+    assert jax.jit(lambda x: f(x, ids))(x).shape == x.shape     # closed over: concrete

@@ -38,6 +38,12 @@ def supports(problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None
         if why is not None:
             return why
     if rules.segments is not None and rules.segment_keys is None:
+        from polyattn._interop import concrete_values
+
+        if any(concrete_values(ids) is None for ids in rules.segments):
+            return ("it lowers segment ids as key ranges from their values, and these are "
+                    "not at hand (traced): pass them as concrete arrays (closed over, not "
+                    "arguments of the traced function), or use another implementation")
         return ("it lowers segment ids sorted in every row (packed sequences) as key "
                 "ranges, and these are not sorted")
     from polyattn.backends.numba_cpu import compiler, user_rules

@@ -48,6 +48,9 @@ def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: A
     if grad_lse is not None:
         dd -= np.broadcast_to(np.asarray(grad_lse, dtype=dt),
                               (*call.batch, h, tq)).reshape(n_batch, h, tq)
+    # a row that sees no key (lse -inf) has zero gradients, whatever its cotangents are
+    # (a NaN in its D would otherwise reach every key of its panel through dS)
+    dd[lse3 == -np.inf] = 0
     dk = _zeros(into, 1, k.shape, (*call.batch, hkv, tk, call.e), dt)
     dv = _zeros(into, 2, v.shape, (*call.batch, hkv, tk, call.ev), dt)
     parts = part_count(n_batch * hkv, -(-tk // call.block_k),
