@@ -79,11 +79,14 @@ def _verdict(name: str, problem: Problem, needs: frozenset[str],
 
 
 def choose(problem: Problem, requested: str, *, return_lse: bool = False,
-           for_vjp: bool = False) -> Explanation:
+           for_vjp: bool = False, describe: bool = True) -> Explanation:
     """Decide which implementation runs; raise if a requested one cannot.
 
     ``for_vjp``: the choice for :func:`polyattn.attention_vjp`, which runs the
     backends' own backward passes (native and the Dask plan have none).
+    ``describe=False``: leave out the chosen backend's own lines (its ``describe()``:
+    a compiled kernel's cache on disk, a Dask plan), which ``explain()`` reports and a
+    call that only runs the choice does not need.
     """
     lse = return_lse or for_vjp or problem.sinks is not None   # sinks join through the lse
     needs = frozenset({backends.LSE} if lse else ()) | (
@@ -113,7 +116,7 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
             raise _refusal(name, str(verdicts[name]), problem, needs)
     kernel = verdicts["numba_cuda"]
     lines = {"numba_cuda kernel": "usable" if kernel is None else f"not usable ({kernel})",
-             **backends.backend(name, problem).describe(problem)}
+             **(backends.backend(name, problem).describe(problem) if describe else {})}
     if "reason" in lines:
         reason += "; " + lines.pop("reason")
     dtype = problem.compute_dtype                      # float32, or NumPy's np.float32

@@ -305,7 +305,8 @@ def scaled_dot_product_attention(
                           dropout_seed=dropout_seed, sinks=sinks,
                           segment_ids=segment_ids, score_mod=score_mod,
                           mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask)
-        choice = _dispatch.choose(problem, implementation, return_lse=return_lse)
+        choice = _dispatch.choose(problem, implementation, return_lse=return_lse,
+                                  describe=False)
         _, out, lse = run(problem, choice.implementation, fallback=implementation == "auto")
         return _finish(problem, value_features(problem, out), lse, return_lse)
 

@@ -175,7 +175,8 @@ def attention_vjp(
                           dropout_seed=dropout_seed, sinks=sinks,
                           segment_ids=segment_ids, score_mod=score_mod,
                           mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask)
-        choice = _dispatch.choose(problem, implementation, return_lse=True, for_vjp=True)
+        choice = _dispatch.choose(problem, implementation, return_lse=True, for_vjp=True,
+                                  describe=False)
         ran, out, lse = run(problem, choice.implementation, grad=False)
         result_out = value_features(problem, out)
         if result_out.dtype != problem.result_dtype:
