@@ -668,6 +668,44 @@ def score_gradient(st: Any, dpt: Any, tt: Any, lo: int, hi: int, first: Any, las
                 st[j, c] *= tt[j, c]
 
 
+@njit(nogil=True, cache=True, inline="always")
+def pack_rows(q: Any, qb: int, go: Any, b: int, hk: int, g_heads: int, c0: int, tq: int,
+              rows: int, qt: Any, qp: Any, dot: Any, dop: Any) -> None:
+    """The W item rows ``[c0, c0 + W)`` of a backward panel (row ``r``: query ``r mod tq``
+    of head ``hk·G + r div tq``; 0 past the last row) as columns, ``qt[f, c]`` and
+    ``dot[f, c]``, and as rows, ``qp[c, f]`` and ``dop[c, f]`` (their padding features
+    are left as they are): rows of one head with contiguous features by whole SIMD
+    blocks (:func:`transpose`), others element by element."""
+    width = qt.shape[1]
+    e, ev = qt.shape[0], dot.shape[0]
+    size = q.itemsize
+    zero = qt.dtype.type(0)
+    if one_head(q, c0, width, rows, tq) and one_head(go, c0, width, rows, tq):
+        g = c0 // tq
+        h, i0 = hk * g_heads + g, c0 - g * tq
+        transpose(q[qb, h, i0:].ctypes.data, q.strides[2] // size, qt.ctypes.data, width,
+                  width, e, zero)
+        transpose(go[b, h, i0:].ctypes.data, go.strides[2] // size, dot.ctypes.data, width,
+                  width, ev, zero)
+        transpose(qt.ctypes.data, width, qp.ctypes.data, qp.shape[1], e, width, zero)
+        transpose(dot.ctypes.data, width, dop.ctypes.data, dop.shape[1], ev, width, zero)
+        return
+    for c in range(width):
+        r = c0 + c
+        if r < rows:
+            g = r // tq
+            qrow_, gorow = q[qb, hk * g_heads + g, r - g * tq], go[b, hk * g_heads + g, r - g * tq]
+            for f in range(e):
+                qt[f, c] = qp[c, f] = qrow_[f]
+            for f in range(ev):
+                dot[f, c] = dop[c, f] = gorow[f]
+        else:
+            for f in range(e):
+                qt[f, c] = qp[c, f] = zero
+            for f in range(ev):
+                dot[f, c] = dop[c, f] = zero
+
+
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                   mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
@@ -729,22 +767,15 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
             if lo >= hi:
                 continue
             for c in range(wide):
-                sub, cc = c // width, c % width
                 if c0 + c < rows:
                     h, i = heads[c], qrow[c]
                     shift[c] = lse[b, h, i] if lse[b, h, i] != ninf else zero
                     dcol[c] = dd[b, h, i]
-                    qrow_, gorow = q[qmap[b], h, i], go[b, h, i]
-                    for f in range(e):
-                        qt[sub, f, cc] = qp[c, f] = qrow_[f]
-                    for f in range(ev):
-                        dot[sub, f, cc] = dop[c, f] = gorow[f]
                 else:
                     shift[c], dcol[c] = zero, zero
-                    for f in range(e):
-                        qt[sub, f, cc] = qp[c, f] = zero
-                    for f in range(ev):
-                        dot[sub, f, cc] = dop[c, f] = zero
+            for sub in range(KEY_PANELS):
+                pack_rows(q, qmap[b], go, b, hk, g_heads, c0 + sub * width, tq, rows,
+                          qt[sub], qp[sub * width:], dot[sub], dop[sub * width:])
             s_lo = st.ctypes.data + lo * wide * size
             d_lo = dpt.ctypes.data + lo * wide * size
             for sub in range(KEY_PANELS):
@@ -770,7 +801,16 @@ def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask:
             score_gradient(st, dpt, tt, lo, hi, first, last, dcol, fparams, iparams)
             wide_product(s_lo, wide, 1, hi - lo, qp.ctypes.data, e_pad,
                          dka.ctypes.data + lo * e_pad * size, e_pad, wide, e_pad, scale, size)
-            # dQ of the panel's rows: dS (keys × rows) read down its columns times K's rows
+            # dQ of the panel's rows: dS (keys × rows) read down its columns times K's rows,
+            # added to dq's rows in place where they are the panel's (one head, contiguous
+            # features, no padding), else through dqa
+            g = c0 // tq
+            if (e == e_pad and c0 + wide <= rows and (c0 + wide - 1) // tq == g
+                    and dq.strides[4] == size and dq.strides[3] == e * size):
+                wide_product(s_lo, 1, wide, wide, kp.ctypes.data + lo * e_pad * size, e_pad,
+                             dq[part, b, hk * g_heads + g, c0 - g * tq:].ctypes.data, e,
+                             hi - lo, e_pad, scale, size)
+                continue
             dqa[:] = zero
             wide_product(s_lo, 1, wide, wide, kp.ctypes.data + lo * e_pad * size, e_pad,
                          dqa.ctypes.data, e_pad, hi - lo, e_pad, scale, size)
