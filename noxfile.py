@@ -25,11 +25,10 @@ def has_cuda_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None
 
 
-#: pytest-xdist spreads the slowest sessions (eager JAX compiling each operation, the CUDA
-#: simulator, PTX compilation, the CPU kernel's compiles in child processes) over the
-#: machine's cores; they share no state between tests.
+#: pytest-xdist spreads the tests over the machine's cores (every CPU backend's session, the
+#: CUDA simulator, PTX compilation, the CPU kernel's compiles in child processes, the
+#: models); the tests share no state.
 PARALLEL = ("-n", "auto", "--maxprocesses", "4")
-PARALLEL_BACKENDS = {"jax", "dask"}
 #: Where one eager operation costs milliseconds (JAX, Dask graphs, the CUDA simulator), the
 #: tests marked ``exhaustive`` (a variant whose code path the test's other cases already
 #: take, such as all-NaN beside mixed NaN/inf garbage) are left out; every other session
@@ -50,6 +49,7 @@ SHARED_VENVS = {
     # the tests of NumPy and torch (torch also the external oracle; matplotlib for
     # --save-png), the examples and the model test (transformers as the reference)
     "torch": (["-e", ".[test,models]", "torch", "matplotlib", "transformers", "accelerate",
+               "pytest-xdist",
                # the JAX runs of the transformers checkpoints' tests (the model session)
                "jax",
                "-r", "examples/requirements.txt"],
@@ -61,7 +61,7 @@ SHARED_VENVS = {
     "kernel": (["-e", ".[test,numba]", "numba-cuda[cu13]", "pytest-xdist", "torch", "jax",
                 "nvidia-cuda-nvcc", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"],),
     # one environment for each other array library, with nothing else of the above
-    "array_api_strict": (["-e", ".[test]"],),
+    "array_api_strict": (["-e", ".[test]", "pytest-xdist"],),
     "jax": (["-e", ".[test]", "jax", "pytest-xdist"],),
     # distributed: LocalCluster
     "dask": (["-e", ".[test]", "dask[array]", "distributed", "pytest-xdist"],),
@@ -112,6 +112,18 @@ def shared_venv(session: nox.Session, name: str) -> Path:
     return bin_dir
 
 
+def compile_jax_cheaply(session: nox.Session) -> None:
+    """Eager JAX compiles every operation for every new shape, and those compiles are most
+    of a JAX test's time: XLA compiles them without LLVM's optimisations (the arithmetic is
+    the same IEEE arithmetic: no fast-math either way), and JAX keeps each compiled
+    operation in a cache under .nox/ that the pytest workers and later sessions share."""
+    session.env["XLA_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]))
+    session.env["JAX_COMPILATION_CACHE_DIR"] = str((Path(".nox") / "jax-cache").resolve())
+    session.env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    session.env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+
 def paths(*patterns: str) -> list[str]:
     """The files and folders (relative to the repository) that match ``patterns``."""
     return sorted({str(p) for pattern in patterns for p in Path().glob(pattern)})
@@ -147,11 +159,14 @@ def tests(session: nox.Session, backend: str) -> None:
         session.skip("no CUDA GPU on this machine (nvidia-smi not found): cupy tests skipped")
     bin_dir = shared_venv(session, BACKEND_VENV[backend])
     session.env["POLYATTN_TEST_BACKENDS"] = backend
+    if backend == "jax":
+        compile_jax_cheaply(session)
     # the model's tests need its weights, installed beside torch: the model session runs them
     once = () if backend == "numpy" else ignoring(*LIBRARY_INDEPENDENT_TESTS)
     args = session.posargs or ["-q", "tests", "-p", "no:cacheprovider",
                                *ignoring(*MODEL_TESTS), *once,
-                               *(PARALLEL if backend in PARALLEL_BACKENDS else ()),
+                               # one GPU: its tests in one process
+                               *(PARALLEL if backend != "cupy" else ()),
                                *(THOROUGH if backend in SLOW_BACKENDS else ())]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
     if not session.posargs and backend in LIBRARY_CASES:
@@ -205,6 +220,15 @@ def kernel_ptx_all(session: nox.Session) -> None:
            *PARALLEL, *(session.posargs or required_paths(*PTX_TESTS)))
 
 
+#: ``python -m polyattn warmup`` for float32 and float64 at once, in two processes.
+WARMUP_EACH_DTYPE = """
+import subprocess, sys
+runs = [subprocess.Popen([sys.executable, "-m", "polyattn", "warmup", "--dtype", dtype])
+        for dtype in ("float32", "float64")]
+sys.exit(max(run.wait() for run in runs))
+"""
+
+
 @nox.session(venv_backend="none", tags=["cpu"])
 def numba_cpu(session: nox.Session) -> None:
     """The fused Numba CPU kernel (implementation "numba_cpu"): forward, backward, dropout,
@@ -222,6 +246,10 @@ def numba_cpu(session: nox.Session) -> None:
         run_in(session, bin_dir, "python", "-m", "pytest", *session.posargs)
         return
     mechanics = required_paths(*NUMBA_CPU_MECHANICS)
+    # compiled once, into the session's cache, before the workers start: each would
+    # otherwise compile the same kernels at its first call, as would the child processes
+    # that use this cache; one process for each dtype, side by side
+    run_in(session, bin_dir, "python", "-c", WARMUP_EACH_DTYPE)
     # in parallel: its slowest tests compile the kernel in child processes of their own
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
            *PARALLEL, *mechanics, "--doctest-modules", "src/polyattn/backends/numba_cpu/launch.py",
@@ -269,7 +297,7 @@ def example(session: nox.Session) -> None:
     bin_dir = shared_venv(session, "torch")
     session.env["HF_HUB_OFFLINE"] = "1"
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "examples")
+           *PARALLEL, "examples")
 
 
 @nox.session(venv_backend="none", tags=["model"])
@@ -280,7 +308,8 @@ def model(session: nox.Session) -> None:
     bin_dir = shared_venv(session, "torch")
     session.env["HF_HUB_OFFLINE"] = "1"
     session.env["POLYATTN_TEST_BACKENDS"] = "numpy,torch,jax"
-    args = session.posargs or ["-q", "-p", "no:cacheprovider", *MODEL_TESTS]
+    compile_jax_cheaply(session)
+    args = session.posargs or ["-q", "-p", "no:cacheprovider", *PARALLEL, *MODEL_TESTS]
     run_in(session, bin_dir, "python", "-m", "pytest", *args)
 
 

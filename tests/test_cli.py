@@ -329,6 +329,7 @@ def run_hostile(*args: str | bytes) -> str:
     (["nonsense"], "polyattn", "argument {info,warmup,demo,bench,generate}: invalid choice"),
     (["demo", "--backend", "x"], "polyattn demo", "argument --backend: invalid choice: 'x'"),
     (["bench", "--dtype", "int8"], "polyattn bench", "argument --dtype: invalid choice"),
+    (["warmup", "--dtype", "float16"], "polyattn warmup", "argument --dtype: invalid choice"),
     (["generate"], "polyattn generate", "the following arguments are required: prompt"),
     (["demo", "--sentence"], "polyattn demo", "argument --sentence: expected one argument"),
 ])

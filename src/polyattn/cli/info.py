@@ -209,12 +209,13 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         raise CLIError(f"the numba_cpu kernel cannot be compiled: {why}")
     from polyattn.backends.numba_cpu import launch as numba_cpu
 
+    dtype = args.dtype
     try:
-        what, seconds = numba_cpu.warmup()
+        what, seconds = numba_cpu.warmup(dtype)
     except numba_cpu.KernelUnavailable as exc:
         raise CLIError(str(exc)) from None
     done = {"loaded": "loaded from Numba's cache", "compiled": "compiled"}.get(what, what)
-    print(f"numba_cpu kernels {done} in {seconds:.1f} s (forward and backward, float32 "
-          "and float64)")
+    print(f"numba_cpu kernels {done} in {seconds:.1f} s (forward and backward, "
+          f"{dtype or 'float32 and float64'})")
     print(f"numba_cpu kernel: {numba_cpu.cache_state_on_disk()}")
     return 0

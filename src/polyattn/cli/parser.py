@@ -53,8 +53,12 @@ def build_parser(prog: str | None = None) -> ArgumentParser:
     parser.commands = sub.choices
     sub.add_parser("info", help="versions, array libraries found, CUDA availability, CPUs, "
                                 "BLAS libraries and their threads")
-    sub.add_parser("warmup", help="compile the numba_cpu kernel now, so that the first call "
-                                  "does not wait for it (needs polyattn[numba])")
+    warmup = sub.add_parser("warmup", help="compile the numba_cpu kernel now, so that the "
+                                           "first call does not wait for it (needs "
+                                           "polyattn[numba])")
+    warmup.add_argument("--dtype", choices=("float32", "float64"),
+                        help="the kernels of this dtype only (each dtype's take as long "
+                             "to compile; default: both)")
     demo = sub.add_parser("demo", help='self-attention on "这 部 电影 很 好看", step by step')
     demo.add_argument("--backend", choices=BACKENDS, default="numpy")
     demo.add_argument("--save-png", metavar="PATH", help="also write a heatmap (matplotlib)")

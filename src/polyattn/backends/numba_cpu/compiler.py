@@ -248,17 +248,18 @@ def cache_state_on_disk(dtype: Any = None) -> str:
     return _states_in_words(dtype, False)
 
 
-def warmup() -> tuple[str, float]:
-    """Compile the forward and backward kernels now, or load them from Numba's cache:
-    (what happened to them, seconds): ``"loaded"`` or ``"compiled"`` where the same
-    happened to both, else what happened to each."""
+def warmup(dtype: Any = None) -> tuple[str, float]:
+    """Compile the forward and backward kernels for ``dtype``'s computation (float32 or
+    float64; ``None``: both) now, or load them from Numba's cache: (what happened to
+    them, seconds): ``"loaded"`` or ``"compiled"`` where the same happened to both, else
+    what happened to each."""
     import time
 
     start = time.perf_counter()
-    kernels(announce=False)
-    backward_kernel(announce=False)
-    for dtype in DTYPES:
-        exp(np.zeros(4, dtype=dtype))
+    kernels(dtype, announce=False)
+    backward_kernel(dtype, announce=False)
+    for dt in DTYPES if dtype is None else (np.dtype(dtype).type,):
+        exp(np.zeros(4, dtype=dt))
     forward, backward = _state_of("forward"), _state_of("backward")
     if forward == backward:
         return str(forward), time.perf_counter() - start
