@@ -27,7 +27,7 @@ def has_cuda_gpu() -> bool:
 
 #: pytest-xdist spreads the tests over the machine's cores (every CPU backend's session, the
 #: CUDA simulator, PTX compilation, the CPU kernel's compiles in child processes, the
-#: models); the tests share no state. A worker that runs out of tests takes some of the
+#: models); those tests share no state. A worker that runs out of tests takes some of the
 #: other's (worksteal): the longest tests (compiles) would otherwise end one worker's
 #: share alone.
 PARALLEL = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal")
@@ -297,8 +297,9 @@ def example(session: nox.Session) -> None:
     """Run the examples' tests: MiniLM against transformers, the training example against torch."""
     bin_dir = shared_venv(session, "torch")
     session.env["HF_HUB_OFFLINE"] = "1"
+    # in one process: two LocalClusters at once would both ask for the dashboard's port
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *PARALLEL, "examples")
+           "examples")
 
 
 @nox.session(venv_backend="none", tags=["model"])
