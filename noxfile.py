@@ -27,10 +27,8 @@ def has_cuda_gpu() -> bool:
 
 #: pytest-xdist spreads the tests over the machine's cores (every CPU backend's session, the
 #: CUDA simulator, PTX compilation, the CPU kernel's compiles in child processes, the
-#: models); those tests share no state. A worker that runs out of tests takes some of the
-#: other's (worksteal): the longest tests (compiles) would otherwise end one worker's
-#: share alone.
-PARALLEL = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal")
+#: models); those tests share no state.
+PARALLEL = ("-n", "auto", "--maxprocesses", "4")
 #: Where one eager operation costs milliseconds (JAX, Dask graphs, the CUDA simulator), the
 #: tests marked ``exhaustive`` (a variant whose code path the test's other cases already
 #: take, such as all-NaN beside mixed NaN/inf garbage) are left out; every other session
