@@ -43,8 +43,9 @@ def install(session: nox.Session, *packages: str) -> None:
 
 #: Sessions that need the same large packages (torch, Numba, CUDA's tools) share one virtual
 #: environment under .nox/, created by the first of them: each installs the group's whole
-#: list (pip skips what is there), so a group's environment is the same whichever session
-#: ran first, and torch is installed twice rather than in every session.
+#: list, so a group's environment is the same whichever session ran first, and torch is
+#: installed twice rather than in every session. A later session skips pip where the lists,
+#: the constraints and the project's metadata are those of the last install.
 SHARED_VENVS = {
     # the tests of NumPy and torch (torch also the external oracle; matplotlib for
     # --save-png), the examples and the model test (transformers as the reference)
@@ -106,10 +107,28 @@ def shared_venv(session: nox.Session, name: str) -> Path:
                     external=True)
     session.env["VIRTUAL_ENV"] = str(location)
     session.env["PATH"] = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+    marker = location / "polyattn-installed"
+    wanted = _install_digest(name)
+    if marker.exists() and marker.read_text() == wanted:
+        session.log(f"shared-{name}: its packages are installed (same lists and constraints)")
+        return bin_dir
     for packages in SHARED_VENVS[name]:
         session.run(str(bin_dir / "python"), "-m", "pip", "install",
                     "--disable-pip-version-check", *CONSTRAINTS, *packages, external=True)
+    marker.write_text(wanted)
     return bin_dir
+
+
+def _install_digest(name: str) -> str:
+    """What a shared environment's packages depend on: its lists, the constraints and
+    the files they name (the project's own metadata, the examples' requirements). The
+    project is installed in editable mode: a change to its code needs no install."""
+    import hashlib
+
+    digest = hashlib.sha256(repr(SHARED_VENVS[name]).encode())
+    for path in ("constraints.txt", "pyproject.toml", "examples/requirements.txt"):
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
 
 
 def share_jax_compiles(session: nox.Session) -> None:

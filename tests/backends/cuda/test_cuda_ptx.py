@@ -1,17 +1,18 @@
 """Compile the kernel specialisations for sm_80 and sm_90, without a GPU, and read
 what ptxas makes of it.
 
-Of the one-thread-per-row forward kernels and the tensor-core kernels (float16,
-bfloat16, 3xTF32): every one at head size 64 (dtype or arithmetic × mask kind ×
-plain or with score modifiers), each other head size once per dtype or
-arithmetic with a rotating mask kind and modifier setting, and the split
-merges; the register-tiled forward kernels in their heaviest float32
-specialisation (a float mask with modifiers: the most registers) up to head
-size 128 (the ones with a register budget), the register-tiled dQ and dK/dV kernels in theirs
-at head sizes 64 and 128, each other (dtype, head size) once with a rotating
-mask kind and modifier setting; the one-thread-per-row backward kernels (which only decoding shapes
-use) at head size 64 in full and once per other head size; a sample of user
-rules, segment ids and block masks. ``POLYATTN_PTX_SWEEP=all`` (the
+Of the one-thread-per-row forward and backward kernels and the tensor-core
+kernels (float16, bfloat16, 3xTF32): at head size 64 a pairwise sample (every
+dtype or arithmetic with every mask kind, score modifiers on and off with each
+of both), each other head size once per dtype or arithmetic (once in all for the
+backward kernels, which only decoding shapes use) with a rotating mask kind and
+modifier setting, and the split merges; the register-tiled forward kernels in
+their heaviest float32 specialisation (a float mask with modifiers: the most
+registers) up to head size 128 (the ones with a register budget), the
+register-tiled dQ and dK/dV kernels in theirs at head sizes 64 and 128, and of
+the other (dtype, head size) pairs every second one and one more for each head
+size left out, with a rotating kernel, mask kind and modifier setting; a sample
+of user rules, segment ids and block masks. ``POLYATTN_PTX_SWEEP=all`` (the
 ``kernel_ptx_all`` session) compiles every specialisation of every family:
 about 45 minutes on 2 cores.
 
@@ -202,20 +203,28 @@ def _normalised(ptx: str) -> str:
 SWEEP_ALL = os.environ.get("POLYATTN_PTX_SWEEP", "") == "all"
 
 
-def _rotating(buckets, full_bucket, make, signature, dtypes):
-    """The full product (dtype × mask kind × modifiers) at ``full_bucket``, and each other
-    (dtype, head bucket) once with a rotating mask kind and modifier setting."""
+def pairwise(dtype_index: int, mask_index: int) -> bool:
+    """The modifier setting of (dtype, mask kind) in a pairwise sample: every dtype with
+    every mask kind, and the modifiers on and off with each dtype and with each mask
+    kind (the full product, every dtype × mask kind × modifiers, is twice the size)."""
+    return (dtype_index + mask_index) % 2 == 1
+
+
+def _rotating(buckets, pair_bucket, make, signature, dtypes):
+    """At ``pair_bucket``, every dtype with every mask kind, the modifier setting as
+    :func:`pairwise` gives it; each other (dtype, head bucket) once with a rotating mask
+    kind and modifier setting. ``POLYATTN_PTX_SWEEP=all``: the full product everywhere."""
     specs = []
     n = 0
-    for dtype in dtypes:
+    for d, dtype in enumerate(dtypes):
         for bucket in buckets(dtype):
-            for mask_kind in numba_cuda.MASK_KINDS:
+            for m, mask_kind in enumerate(numba_cuda.MASK_KINDS):
                 for mods in (False, True):
-                    if SWEEP_ALL or bucket == full_bucket or (
-                            mask_kind == numba_cuda.MASK_KINDS[n % 3] and mods == (n % 2 == 1)):
+                    if SWEEP_ALL or (mods == pairwise(d, m) if bucket == pair_bucket else (
+                            mask_kind == numba_cuda.MASK_KINDS[n % 3] and mods == (n % 2 == 1))):
                         specs.append((make(dtype, bucket, mask_kind, mods),
                                       signature(dtype, mask_kind)))
-            n += bucket != full_bucket
+            n += bucket != pair_bucket
     return specs
 
 
@@ -240,7 +249,7 @@ def test_row_kernel(index):
 def test_row_sample_covers_every_axis():
     names = [fn.__name__ for fn, _ in ROWS]
     assert len(set(names)) == len(names)
-    assert len(names) == (74 if SWEEP_ALL else 24)
+    assert len(names) == (74 if SWEEP_ALL else 18)
     assert sum(name.startswith("merge_splits_") for name in names) == len(numba_cuda.DTYPES)
     for part in (*numba_cuda.DTYPES, *(f"_{m}" for m in numba_cuda.MASK_KINDS), "_mods",
                  *(f"head{b}_" for b in numba_cuda.HEAD_DIM_BUCKETS)):
@@ -252,9 +261,19 @@ def test_row_sample_covers_every_axis():
 # --------------------------------------------------------------------------- #
 
 def _row_backward_specs() -> list[tuple[object, object]]:
-    """The full product at head size 64, and each other head size once (a rotating
+    """Both kernels at head size 64 in the pairwise sample of :func:`pairwise` (the full
+    product with ``POLYATTN_PTX_SWEEP=all``), and each other head size once (a rotating
     dtype, mask kind and modifier choice, so that each appears)."""
-    specs = list(numba_cuda_backward.specializations((64,)))
+    if SWEEP_ALL:
+        return list(numba_cuda_backward.specializations())
+    specs = []
+    for d, dtype in enumerate(numba_cuda.DTYPES):
+        for m, mask_kind in enumerate(numba_cuda.MASK_KINDS):
+            mods = pairwise(d, m)
+            specs.append((numba_cuda_backward.make_dq_function(dtype, 64, mask_kind, mods),
+                          numba_cuda_backward._signature(dtype, mask_kind, 1)))
+            specs.append((numba_cuda_backward.make_dkdv_function(dtype, 64, mask_kind, mods),
+                          numba_cuda_backward._signature(dtype, mask_kind, 2)))
     others = [b for b in numba_cuda.HEAD_DIM_BUCKETS if b != 64]
     for n, bucket in enumerate(others):
         dtype = numba_cuda.DTYPES[n % 2]
@@ -472,14 +491,19 @@ def _rotating_sample(kernels, full, extremes=()) -> list[tuple]:
     """(kernel, dtype, head bucket, mask kind, modifiers) of ``kernels``: the full
     product for the (dtype, head bucket) pairs in ``full``; for the pairs in
     ``extremes``, each kernel's heaviest specialisation (a float mask with
-    modifiers, the most registers; a lighter one holds less code); for
-    every other pair one specialisation of one kernel, kernel, mask kind and modifier
-    setting rotating so that each appears. Each tiled kernel takes 10-25 s to
-    compile; ``POLYATTN_PTX_SWEEP=all`` takes the full product everywhere."""
+    modifiers, the most registers; a lighter one holds less code); of the other pairs
+    every second one, and the first with each head bucket the sample would lack, as one
+    specialisation of one kernel, kernel, mask kind and modifier setting rotating so that
+    each appears. Each tiled kernel takes 15-35 s to compile; ``POLYATTN_PTX_SWEEP=all``
+    takes the full product everywhere."""
     kinds = numba_cuda.MASK_KINDS
     pairs = [(d, b) for d in numba_cuda.DTYPES for b in numba_cuda.HEAD_DIM_BUCKETS]
     specs = []
-    rest = [p for p in pairs if p not in full and p not in extremes]
+    others = [p for p in pairs if p not in full and p not in extremes]
+    rest = others[::2]
+    for pair in others:
+        if all(pair[1] != b for _, b in (*full, *extremes, *rest)):
+            rest.append(pair)
     for n, (dtype, bucket) in enumerate(rest):
         turn = n // len(kernels)  # each kernel's own turn: its kinds and modifiers rotate
         specs.append((kernels[n % len(kernels)], dtype, bucket, kinds[turn % 3], turn % 2 == 1))
@@ -564,8 +588,8 @@ def test_tiled_samples_cover_every_axis():
         for n, axis in enumerate((numba_cuda.DTYPES, numba_cuda.HEAD_DIM_BUCKETS,
                                   numba_cuda.MASK_KINDS, (False, True))):
             assert {spec[n + 1] for spec in specs} == set(axis)
-        assert {(spec[1], spec[2]) for spec in specs} == pairs
-    assert (len(TILED), len(TILED_BACKWARD)) == ((72, 144) if SWEEP_ALL else (12, 14))
+        assert SWEEP_ALL is ({(spec[1], spec[2]) for spec in specs} == pairs)
+    assert (len(TILED), len(TILED_BACKWARD)) == ((72, 144) if SWEEP_ALL else (9, 11))
 
 
 @pytest.mark.parametrize("spec", TILED_BACKWARD, ids=_spec_id)
@@ -589,11 +613,13 @@ def test_tiled_backward_kernel(spec):
 
 
 @pytest.mark.parametrize("family", ["rows", "rows_backward", "tensor_core", "tiled",
-                                    "tiled_dq", "tiled_dkdv"])
+                                    *(("tiled_dq", "tiled_dkdv") if SWEEP_ALL else ())])
 def test_one_ptx_serves_both_architectures(family):
     """NVVM's PTX for sm_90 is its PTX for sm_80 but for the target line (and the
     names and numbering a new compilation gets), so that assembling the sm_80 PTX
-    for sm_90 is what compiling for sm_90 gives."""
+    for sm_90 is what compiling for sm_90 gives. The register-tiled forward stands for
+    the two register-tiled backward kernels, built the same way, whose two compilations
+    take a minute (``POLYATTN_PTX_SWEEP=all`` checks them too)."""
     module = numba_cuda_tiled_backward
     fn, sig, bounds = {
         "rows": (*ROWS[len(ROWS) // 2], None),
