@@ -195,7 +195,7 @@ def _normalised(ptx: str) -> str:
 
 
 # --------------------------------------------------------------------------- #
-# The one-thread-per-row kernels (0.1), forward and split merge: every one
+# The one-thread-per-row kernels (0.1), forward and split merge: a sample
 # --------------------------------------------------------------------------- #
 
 #: ``POLYATTN_PTX_SWEEP=all`` (the ``kernel_ptx_all`` session): every specialisation of
@@ -310,7 +310,7 @@ def test_row_backward_sample_covers_every_axis():
 
 
 # --------------------------------------------------------------------------- #
-# The tensor-core kernels: every one
+# The tensor-core kernels: a sample
 # --------------------------------------------------------------------------- #
 
 TC = _rotating(lambda arith: [b for b in numba_cuda_tc.HEAD_DIM_BUCKETS
@@ -362,7 +362,7 @@ def test_tensor_core_kernel(index):
 
 
 # --------------------------------------------------------------------------- #
-# The register-tiled exact kernels: every one, forward and backward
+# The register-tiled exact kernels, forward and backward: a sample
 # --------------------------------------------------------------------------- #
 
 FFMA = re.compile(r"\b(FFMA|DFMA)(\.\w+)*\s+(R\d+),\s*(-?\|?R\d+\|?)(\.reuse)?,\s*"
@@ -519,8 +519,8 @@ def _rotating_sample(kernels, full, extremes=()) -> list[tuple]:
 
 
 # The heaviest float32 specialisation at each head size up to 128 (the largest
-# with a register and spill budget); each other (dtype, head size) once. Every
-# specialisation: kernel_ptx_all.
+# with a register and spill budget); of the other (dtype, head size) pairs, the sample of
+# :func:`_rotating_sample`. Every specialisation: kernel_ptx_all.
 TILED = [spec[1:] for spec in _rotating_sample(
     ("forward",), [], [("float32", b) for b in numba_cuda.HEAD_DIM_BUCKETS if b <= 128])]
 # Loads of 16 bytes (float32 ×4, float64 ×2), read-only path: the vector loads of rows.
@@ -575,9 +575,9 @@ def test_tiled_kernel(spec):
 
 
 # The heaviest float32 specialisation at head sizes 64 and 128 (whose
-# register patches are the largest of those with a 128-register budget); each other
-# (dtype, head size) once, by one of the two kernels in turn. Every specialisation:
-# kernel_ptx_all.
+# register patches are the largest of those with a 128-register budget); of the other
+# (dtype, head size) pairs, the sample of :func:`_rotating_sample`, by one of the two
+# kernels in turn. Every specialisation: kernel_ptx_all.
 TILED_BACKWARD = _rotating_sample(("dq", "dkdv"), [], [("float32", 64), ("float32", 128)])
 
 
