@@ -67,7 +67,12 @@ SHARED_VENVS = {
     # distributed: LocalCluster
     "dask": (["-e", ".[test]", "dask[array]", "distributed", "pytest-xdist"],),
     "cupy": (["-e", ".[test]", "cupy-cuda13x", "numba-cuda[cu13]"],),
+    # lint, typecheck and docs: the linters, mypy, Sphinx and pytest for the docstrings
+    "style": (["-e", ".[test]", "ruff", "import-linter", "mypy", "-r", "docs/requirements.txt"],),
 }
+#: The shared environments of the default sessions, the longest to fill first: the
+#: environments session fills them two at a time.
+DEFAULT_VENVS = ("torch", "kernel", "style", "jax", "dask", "array_api_strict")
 #: The tests of the real models, their files and tokenizers: they run once, in the model
 #: session (beside the weights and transformers), not in every backend's session.
 MODEL_TESTS = ("tests/test_smollm2.py", "tests/test_smollm2_units.py", "tests/test_tokenizer.py",
@@ -100,33 +105,88 @@ def shared_venv(session: nox.Session, name: str) -> Path:
     The session must be declared with ``venv_backend="none"``; run its commands through
     :func:`run_in`.
     """
+    location = _create_venv(session, name)
+    session.env["VIRTUAL_ENV"] = str(location)
+    session.env["PATH"] = os.pathsep.join([str(location / "bin"), os.environ.get("PATH", "")])
+    if _is_filled(name):
+        session.log(f"shared-{name}: its packages are installed (same lists and constraints)")
+    else:
+        for args in [*_pip_dependencies(name), _PIP_PROJECT]:
+            session.run(*_pip(name, args), external=True)
+        _mark_filled(name)
+    return location / "bin"
+
+
+def _create_venv(session: nox.Session, name: str) -> Path:
     location = (Path(".nox") / f"shared-{name}").resolve()
-    bin_dir = location / "bin"
-    if not (bin_dir / "python").exists():
+    if not (location / "bin" / "python").exists():
         session.run(sys.executable, "-m", "virtualenv", "--quiet", str(location),
                     external=True)
-    session.env["VIRTUAL_ENV"] = str(location)
-    session.env["PATH"] = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
-    marker = location / "polyattn-installed"
-    wanted = _install_digest(name)
-    if marker.exists() and marker.read_text() == wanted:
-        session.log(f"shared-{name}: its packages are installed (same lists and constraints)")
-        return bin_dir
-    for packages in SHARED_VENVS[name]:
-        session.run(str(bin_dir / "python"), "-m", "pip", "install",
-                    "--disable-pip-version-check", *CONSTRAINTS, *packages, external=True)
-    marker.write_text(wanted)
-    return bin_dir
+    return location
+
+
+def _pip(name: str, args: list[str]) -> list[str]:
+    """The command that runs ``pip install args`` in shared environment ``name``."""
+    # the folder resolved, not the interpreter: that is a link to the base Python
+    python = (Path(".nox") / f"shared-{name}").resolve() / "bin" / "python"
+    return [str(python), "-m", "pip", "install", "--disable-pip-version-check",
+            *CONSTRAINTS, *args]
+
+
+#: The project itself, installed last, on its own: setuptools writes src/polyattn.egg-info
+#: while it builds the editable wheel, so two environments never build it at once.
+_PIP_PROJECT = ["--no-deps", "-e", "."]
+
+
+def _pip_dependencies(name: str) -> list[list[str]]:
+    """The arguments of each ``pip install`` that fills shared environment ``name`` before
+    :data:`_PIP_PROJECT`: its lists, the project's own entry (``-e .[extras]``) replaced by
+    the requirements the project and those extras declare."""
+    return [[arg for i, item in enumerate(packages)
+             for arg in (_declared(packages[i + 1]) if item == "-e" else
+                         [] if i and packages[i - 1] == "-e" else [item])]
+            for packages in SHARED_VENVS[name]]
+
+
+def _declared(target: str) -> list[str]:
+    """The requirements that ``pip install target`` (``.`` or ``.[extra,...]``) asks for."""
+    try:
+        import tomllib
+    except ImportError:                  # Python 3.10: nox's own dependency
+        import tomli as tomllib
+
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    extras = target.partition("[")[2].rstrip("]")
+    wanted = list(project["dependencies"])
+    pending = [e for e in extras.split(",") if e]
+    while pending:
+        for requirement in project["optional-dependencies"][pending.pop()]:
+            if requirement.startswith(project["name"] + "["):        # polyattn[a,b]
+                pending += requirement.partition("[")[2].rstrip("]").split(",")
+            else:
+                wanted.append(requirement)
+    return wanted
+
+
+def _is_filled(name: str) -> bool:
+    marker = Path(".nox") / f"shared-{name}" / "polyattn-installed"
+    return marker.exists() and marker.read_text() == _install_digest(name)
+
+
+def _mark_filled(name: str) -> None:
+    (Path(".nox") / f"shared-{name}" / "polyattn-installed").write_text(_install_digest(name))
 
 
 def _install_digest(name: str) -> str:
     """What a shared environment's packages depend on: its lists, the constraints and
-    the files they name (the project's own metadata, the examples' requirements). The
-    project is installed in editable mode: a change to its code needs no install."""
+    the files they name (the project's own metadata, the examples' and the documentation's
+    requirements). The project is installed in editable mode: a change to its code needs
+    no install."""
     import hashlib
 
     digest = hashlib.sha256(repr(SHARED_VENVS[name]).encode())
-    for path in ("constraints.txt", "pyproject.toml", "examples/requirements.txt"):
+    for path in ("constraints.txt", "pyproject.toml", "examples/requirements.txt",
+                 "docs/requirements.txt"):
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()
 
@@ -163,6 +223,42 @@ def ignoring(*patterns: str) -> list[str]:
 def run_in(session: nox.Session, bin_dir: Path, program: str, *args: str) -> None:
     """Run ``program`` from the shared environment whose ``bin`` folder is ``bin_dir``."""
     session.run(str(bin_dir / program), *args, external=True)
+
+
+@nox.session(venv_backend="none")
+def environments(session: nox.Session) -> None:
+    """Create and fill the shared environments of the default sessions, two at a time (a
+    pip install keeps one core busy); a session run on its own fills its own."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [name for name in DEFAULT_VENVS if not _is_filled(name)]
+    for name in names:
+        _create_venv(session, name)
+    logs = Path(".nox") / "environments-logs"
+    logs.mkdir(exist_ok=True)
+
+    def fill(name: str) -> tuple[str, int]:
+        with open(logs / f"{name}.log", "w") as log:
+            for args in _pip_dependencies(name):
+                log.write(f"$ pip install {' '.join(args)}\n")
+                log.flush()
+                done = subprocess.run(_pip(name, args), stdout=log, stderr=subprocess.STDOUT,
+                                      check=False)
+                if done.returncode:
+                    return name, done.returncode
+        return name, 0
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, code in pool.map(fill, names):
+            session.log(f"shared-{name}: dependencies " +
+                        ("installed" if not code else f"failed (pip exit {code})"))
+            if code:
+                tail = (logs / f"{name}.log").read_text()[-4000:]
+                session.error(f"pip failed filling shared-{name}; the end of its log:\n{tail}")
+    for name in names:                  # the editable project, one build at a time
+        session.run(*_pip(name, _PIP_PROJECT), external=True)
+        _mark_filled(name)
 
 
 @nox.session(venv_backend="none")
@@ -272,41 +368,44 @@ def numba_cpu(session: nox.Session) -> None:
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
            *PARALLEL, *mechanics, "--doctest-modules", "src/polyattn/backends/numba_cpu/launch.py",
            "src/polyattn/backends/numba_cpu/parameters.py")
-    # every behaviour's numba_cpu cases: the tests sessions have no Numba
+    # every behaviour's numba_cpu cases (the tests sessions have no Numba), the kernels
+    # loaded from the session's cache in each worker
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests", "-k", "numba_cpu", *ignoring(*NUMBA_CPU_MECHANICS, *PTX_TESTS,
+           *PARALLEL, "tests", "-k", "numba_cpu", *ignoring(*NUMBA_CPU_MECHANICS, *PTX_TESTS,
                                                  *MODEL_TESTS))
 
 
-@nox.session(tags=["style"])
+@nox.session(venv_backend="none", tags=["style"])
 def lint(session: nox.Session) -> None:
     """Lint with ruff; check the layering (docs/architecture.rst) with import-linter."""
-    install(session, "ruff", "import-linter")
-    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    bin_dir = shared_venv(session, "style")
+    run_in(session, bin_dir, "ruff", "check", "src", "tests", "benchmarks", "examples",
+           "noxfile.py")
     # the contracts in pyproject.toml, on the source tree (nothing to install)
-    session.run("lint-imports", env={"PYTHONPATH": "src"})
+    session.run(str(bin_dir / "lint-imports"), env={"PYTHONPATH": "src"}, external=True)
 
 
-@nox.session(tags=["style"])
+@nox.session(venv_backend="none", tags=["style"])
 def typecheck(session: nox.Session) -> None:
     """Type-check the package with mypy."""
-    install(session, "-e", ".", "mypy")
-    session.run("mypy", "src/polyattn")
+    bin_dir = shared_venv(session, "style")
+    run_in(session, bin_dir, "mypy", "src/polyattn")
 
 
-@nox.session(tags=["docs"])
+@nox.session(venv_backend="none", tags=["docs"])
 def docs(session: nox.Session) -> None:
     """Build the documentation (warnings are errors) and run the docstring examples."""
-    install(session, "-e", ".[test]", "-r", "docs/requirements.txt")
-    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--doctest-modules",
-                "src/polyattn", "--ignore=src/polyattn/backends/cuda/rows.py",
-                # Numba is not installed here: the numba_cpu session runs these
-                "--ignore=src/polyattn/backends/numba_cpu/launch.py",
-                "--ignore=src/polyattn/backends/numba_cpu/parameters.py",
-                "--ignore=src/polyattn/backends/numba_cpu/kernels.py",
-                "--ignore=src/polyattn/backends/numba_cpu/tanh.py",
-                "--ignore=src/polyattn/backends/numba_cpu/tiles.py")
+    bin_dir = shared_venv(session, "style")
+    run_in(session, bin_dir, "sphinx-build", "-W", "--keep-going", "-b", "html", "docs",
+           "docs/_build/html")
+    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--doctest-modules", "src/polyattn", "--ignore=src/polyattn/backends/cuda/rows.py",
+           # Numba is not installed here: the numba_cpu session runs these
+           "--ignore=src/polyattn/backends/numba_cpu/launch.py",
+           "--ignore=src/polyattn/backends/numba_cpu/parameters.py",
+           "--ignore=src/polyattn/backends/numba_cpu/kernels.py",
+           "--ignore=src/polyattn/backends/numba_cpu/tanh.py",
+           "--ignore=src/polyattn/backends/numba_cpu/tiles.py")
 
 
 @nox.session(venv_backend="none", tags=["docs"])
