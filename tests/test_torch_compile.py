@@ -23,8 +23,14 @@ import sys
 import textwrap
 
 import pytest
+from helpers import Backend, selected_backends
 
 pytest.importorskip("torch")
+# torch.compile of a call that polyattn receives torch tensors in: the torch session (the
+# NumPy session shares its environment, and would compile the same functions again)
+pytestmark = pytest.mark.skipif(Backend.TORCH not in selected_backends(),
+                                reason="torch.compile is tested where POLYATTN_TEST_BACKENDS "
+                                       "selects torch")
 
 SCRIPT = textwrap.dedent("""
     import json, logging, os, re, warnings
