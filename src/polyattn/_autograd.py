@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from polyattn._interop import Array
+from polyattn._interop import Array, library_name
 from polyattn._problem import Problem
 from polyattn.backends import Backend
 
@@ -100,6 +100,12 @@ def passes(backend: Backend, problem: Problem) -> tuple[Forward, Backward]:
         return numpy_bridge(backend, problem)
     if backend.HOST and problem.jax_cpu:
         return jax_bridge(backend, problem)
+    if not backend.HOST and library_name(problem.xp) == "jax":
+        from polyattn import _jax_eager
+
+        compiled = _jax_eager.passes(backend, problem)
+        if compiled is not None:
+            return compiled
     return direct(backend, problem)
 
 

@@ -115,8 +115,13 @@ def choose(problem: Problem, requested: str, *, return_lse: bool = False,
         if verdicts[name] is not None:
             raise _refusal(name, str(verdicts[name]), problem, needs)
     kernel = verdicts["numba_cuda"]
+    runner = backends.backend(name, problem)
     lines = {"numba_cuda kernel": "usable" if kernel is None else f"not usable ({kernel})",
-             **(backends.backend(name, problem).describe(problem) if describe else {})}
+             **(runner.describe(problem) if describe else {})}
+    if describe and library_name(problem.xp) == "jax" and not runner.HOST:
+        from polyattn import _jax_eager
+
+        lines["jax eager"] = _jax_eager.describe(runner, problem)
     if "reason" in lines:
         reason += "; " + lines.pop("reason")
     dtype = problem.compute_dtype                      # float32, or NumPy's np.float32

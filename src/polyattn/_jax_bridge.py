@@ -98,7 +98,8 @@ class Call:
         values = dict(zip(self.present, rest, strict=False))
         tables = tuple(rest[len(self.present):])
         problem, rules = self.problem, self.problem.rules
-        segments = (None if rules.segments is None else (values["q_ids"], values["k_ids"]))
+        # the template holds no segments (Call.of takes them out): the operands say
+        segments = ((values["q_ids"], values["k_ids"]) if "q_ids" in values else None)
         user = (None if rules.user is None else
                 dataclasses.replace(rules.user, mod_args=tables))
         seed = values.get("dropout_seed", rules.dropout_seed)

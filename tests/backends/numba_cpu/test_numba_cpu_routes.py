@@ -262,7 +262,8 @@ def test_bfloat16_through_the_kernel(library, counted):
         assert _bf16_error(x, np.asarray(want)) <= 4e-3, f"d{name}"
 
 
-@pytest.mark.parametrize("rule", ["causal", "key_lengths", "score_mod", "dropout", "mask"])
+@pytest.mark.parametrize("rule", ["causal", "key_lengths", "score_mod", "dropout", "mask",
+                                  "segment_ids"])
 def test_jax_vmap_jvp_and_second_derivatives(jax, rule, counted):
     import jax.numpy as jnp
 
@@ -273,8 +274,12 @@ def test_jax_vmap_jvp_and_second_derivatives(jax, rule, counted):
 
     # vmap over the batch axis: each mapped call sees batch rows of its own (a user rule's
     # b, dropout's counters count from 0 again)
+    # (sliced here: under jax.jit a slice of a closed-over array is traced)
+    sub = {n: (x[:1] if n in ("key_lengths", "attn_mask") else
+               tuple(i[:1] for i in x) if n == "segment_ids" else x)   # rows alike
+           for n, x in jkw.items()}
+
     def one(q, k, v, implementation="numba_cpu"):
-        sub = {n: (x[:1] if n in ("key_lengths", "attn_mask") else x) for n, x in jkw.items()}
         return sdpa(q[None], k[None], v[None], implementation=implementation,
                     enable_gqa=True, **sub)[0]
 

@@ -30,6 +30,12 @@ class ArrayApiPath:
         name = f"{__name__}.{self.module}"
         return sys.modules.get(name) or importlib.import_module(name)
 
+    def settings(self) -> tuple[Any, ...]:
+        """What besides the call shapes the operations it runs: the blocked path's block
+        sizes (read at each call, so that they can be changed)."""
+        code = self._code()
+        return (getattr(code, "BLOCK_Q", None), getattr(code, "BLOCK_K", None))
+
     def supports(self, problem: Any, *, needs: frozenset[str] = frozenset()) -> str | None:
         """Always ``None``: every call runs, on every library."""
         return None

@@ -1,0 +1,184 @@
+"""Eager calls on JAX arrays, each pass run as one compiled computation.
+
+Outside ``jax.jit``, JAX runs each operation on its own and compiles it for every new
+shape it meets: an Array-API implementation is some fifty operations, so a call on a new
+shape spent seconds compiling them one by one, and every later call dispatched them one
+by one. Here the implementation's pass is traced once into one ``jax.jit`` computation
+over the call's arrays (:class:`._jax_bridge.Call` takes them out) and kept under a key
+made of everything else the call is: its shapes, rules, scale and dtypes, the
+implementation's settings (block sizes), the user's ``score_mod`` and ``mask_mod`` by
+:func:`.rules.tracing.fingerprint` (their code and the numbers and functions they read),
+a block mask by its tiles. A later call with the same key and arrays of the same shapes
+and dtypes runs the compiled computation. Key lengths are operands like the other arrays,
+so that a decoding loop compiles once.
+
+Calls run operation by operation as before (:func:`stays_eager`) where a key would change
+from one call to the next in a loop (dropout with a seed given as an int, one per
+training step; sorted segment ids whose values narrow the keys read, one packing per
+batch), where a ``score_mod`` or ``mask_mod`` reads an array or an object from its
+closure or globals (what it reads may change between calls, and a compiled computation
+would keep the first value), and where the call holds anything else without a key. The
+traced computation is the Array-API code that ``jax.jit`` around the caller's function
+traces: its results and errors are those of that route.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from polyattn._interop import library_name
+from polyattn._jax_bridge import Call
+from polyattn._problem import Problem
+from polyattn.blockmask import BlockMask
+from polyattn.rules.tracing import fingerprint
+from polyattn.rules.user import UserRules
+
+Array = Any
+#: How many compiled passes are kept (the least recently used go first).
+CAPACITY = 256
+
+_COMPILED: OrderedDict[Any, Callable[..., Any]] = OrderedDict()
+_LOCK = threading.Lock()
+
+
+class Unkeyed(Exception):
+    """The call's template holds a value that cannot be part of a key."""
+
+
+def _key(x: Any) -> Any:
+    """A hashable value equal for equal templates (floats by their bits, NumPy arrays by
+    their bytes, modules and types by identity, a block mask by its tiles);
+    :class:`Unkeyed` where there is none."""
+    if x is None or isinstance(x, (bool, int, str, bytes)):
+        return (type(x), x)
+    if isinstance(x, float):
+        return (float, x.hex())
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_key(i) for i in x))
+    if isinstance(x, np.ndarray):
+        return (np.ndarray, x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, np.generic):
+        return (type(x), _key(x.item()))
+    if isinstance(x, BlockMask):        # the implementations read its tiles only
+        return (BlockMask, _key(x.kinds), x.block, x.tq, x.tk, _key(x.rows))
+    if isinstance(x, UserRules):        # the rules by what they trace to (mod_args: operands)
+        keys = tuple(None if fn is None else fingerprint(fn)
+                     for fn in (x.score_mod, x.mask_mod))
+        if any(k is None and fn is not None
+               for k, fn in zip(keys, (x.score_mod, x.mask_mod), strict=True)):
+            raise Unkeyed("a score_mod or mask_mod that reads an array or an object (it may "
+                          "change between calls)")
+        return (UserRules, keys)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), tuple(_key(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, (types.ModuleType, type, np.dtype)):
+        return ("object", x)
+    raise Unkeyed(f"a value of type {type(x).__name__}")
+
+
+def stays_eager(problem: Problem) -> str | None:
+    """Why ``problem`` (JAX arrays) does not run compiled here, in words; ``None``: it does.
+    Not here: traced arrays (the caller's transform compiles them), rules whose host-side
+    values change from call to call (an int dropout seed, sorted segment ids at hand)."""
+    import jax
+
+    if library_name(problem.xp) != "jax":
+        return "not JAX arrays"
+    rules = problem.rules
+    seg = rules.segments or ()
+    user = () if rules.user is None else rules.user.mod_args
+    arrays = (problem.q, problem.k, problem.v, problem.mask, rules.key_lengths, rules.alibi,
+              *seg, *user, rules.dropout_seed)
+    if any(isinstance(x, jax.core.Tracer) for x in arrays):
+        return "traced arrays: the JAX transform around the call compiles it"
+    if rules.dropout and isinstance(rules.dropout_seed, int):
+        return ("dropout with an int seed, which would be compiled into the computation "
+                "(pass it as a 0-d JAX array to run compiled)")
+    if rules.segment_keys is not None:
+        return "sorted segment ids at hand narrow the keys read, which depend on their values"
+    return None
+
+
+def _template(backend: Any, problem: Problem) -> tuple[Any, Call, list[Array]] | str:
+    """The key, the call and its operands; or why the call has none."""
+    why = stays_eager(problem)
+    if why is not None:
+        return why
+    # the key lengths' values at hand serve plans made before anything runs (Dask's): the
+    # Array-API implementations mask by the array, so a decoding loop compiles once
+    problem = dataclasses.replace(
+        problem, rules=dataclasses.replace(problem.rules, lengths_at_hand=None))
+    call, operands = Call.of(problem, backend, None)
+    try:
+        settings: tuple[Any, ...] = getattr(backend, "settings", tuple)()
+        key = (backend.NAME, type(backend).__qualname__, _key(settings), call.present,
+               call.tables, _key(call.problem))
+    except Unkeyed as exc:
+        return f"the call holds {exc}, which has no key"
+    return key, call, operands
+
+
+def describe(backend: Any, problem: Problem) -> str:
+    """How the call runs, for ``explain()``."""
+    found = _template(backend, problem)
+    if isinstance(found, str):
+        return f"operation by operation ({found})"
+    return "one jax.jit computation per pass, compiled once for calls like this one"
+
+
+def _compiled(key: Any, build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    with _LOCK:
+        fn = _COMPILED.get(key)
+        if fn is not None:
+            _COMPILED.move_to_end(key)
+            return fn
+    fn = build()
+    with _LOCK:
+        fn = _COMPILED.setdefault(key, fn)
+        while len(_COMPILED) > CAPACITY:
+            _COMPILED.popitem(last=False)
+    return fn
+
+
+def passes(backend: Any, problem: Problem) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """``backend``'s forward and backward passes on ``problem``'s JAX arrays, each one
+    ``jax.jit`` computation; ``None`` where the call has no key (it then runs eagerly)."""
+    import jax
+
+    found = _template(backend, problem)
+    if isinstance(found, str):
+        return None
+    key, call, operands = found
+    rest = operands[3:]
+
+    def build_forward() -> Callable[..., Any]:
+        def forward(*arrays: Array) -> tuple[Array, Array]:
+            out, lse = backend.forward(call.rebuild(list(arrays)))
+            return out, lse
+        return jax.jit(forward)
+
+    def build_backward() -> Callable[..., Any]:
+        def backward(arrays: list[Array], out: Array, lse: Array, grad_out: Array,
+                     grad_lse: Array | None) -> tuple[Array, Array, Array]:
+            dq, dk, dv = backend.backward(call.rebuild(arrays), out, lse, grad_out, grad_lse)
+            return dq, dk, dv
+        return jax.jit(backward)
+
+    def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+        out, lse = _compiled((*key, "forward"), build_forward)(q, k, v, *rest)
+        return out, lse
+
+    def backward(q: Array, k: Array, v: Array, out: Array, lse: Array, grad_out: Array,
+                 grad_lse: Array | None) -> tuple[Array, Array, Array]:
+        fn = _compiled((*key, "backward"), build_backward)
+        dq, dk, dv = fn([q, k, v, *rest], out, lse, grad_out, grad_lse)
+        return dq, dk, dv
+
+    return forward, backward
