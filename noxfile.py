@@ -303,13 +303,13 @@ def kernel_sim(session: nox.Session) -> None:
     if session.posargs:
         run_in(session, bin_dir, "python", "-m", "pytest", *session.posargs)
         return
-    mechanics = required_paths(*CUDA_MECHANICS)
+    # the kernels' own files, and every behaviour's numba_cuda cases (rows, tiled,
+    # tensor-core) from the rest of the suite: one run, so that the two workers share
+    # them to the end
+    mechanics = sorted({Path(path).stem for path in required_paths(*CUDA_MECHANICS)})
     run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *PARALLEL, *THOROUGH, *mechanics)
-    # every behaviour's numba_cuda cases (rows, tiled, tensor-core) on the simulator
-    run_in(session, bin_dir, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           *PARALLEL, *THOROUGH, "tests", "-k", "numba_cuda", *ignoring(*CUDA_MECHANICS, *PTX_TESTS,
-                                                             *MODEL_TESTS))
+           *PARALLEL, *THOROUGH, "tests", "-k", " or ".join(("numba_cuda", *mechanics)),
+           *ignoring(*PTX_TESTS, *MODEL_TESTS))
 
 
 @nox.session(venv_backend="none", tags=["kernel"])
