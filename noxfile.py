@@ -485,6 +485,14 @@ def bench_routes(session: nox.Session) -> None:
 
 
 @nox.session(default=False, tags=["bench"])
+def bench_jax_eager(session: nox.Session) -> None:
+    """Eager JAX calls: the Array-API paths compiled per call template vs op by op, and
+    jax.nn.dot_product_attention, first call and steady state."""
+    install(session, "-e", ".", "torch", "jax", "threadpoolctl")
+    session.run("python", "benchmarks/jax_eager.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["bench"])
 def bench_decode(session: nox.Session) -> None:
     """SmolLM2 decoding tokens/s: polyattn on NumPy and torch vs transformers, same threads."""
     install(session, "-e", ".[models]", "torch", "transformers", "accelerate", "threadpoolctl")

@@ -217,3 +217,21 @@ def test_explain_says_how_the_call_runs():
     assert "jax eager" not in polyattn.explain(np.zeros((1, 2, 8, 4)),
                                                np.zeros((1, 2, 8, 4)),
                                                np.zeros((1, 2, 8, 4))).details
+
+
+def test_the_benchmark_case_runs():
+    """benchmarks/jax_eager.py's contenders run on a tiny shape and agree (no timing is
+    asserted: the benchmark measures)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import jax_eager
+
+    row = jax_eager.run_case(1, 2, 16, 8, "float64", 1, np.random.default_rng(0))
+    assert set(row["compiled_over_op_by_op"]) == {"reference compiled", "chunked compiled"}
+    diff = row["max_abs_diff_vs_reference_op_by_op"]
+    assert max(d for name, d in diff.items() if not name.startswith("jax")) < 1e-12, row
+    assert diff["jax.nn.dot_product_attention"] < 1e-5, row     # its softmax: float32
+    assert all(t > 0 for t in row["first_call_s"].values())
+    assert any(line.startswith("| (1, 2, 16, 8)") for line in jax_eager.table([row]))
