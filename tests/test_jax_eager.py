@@ -138,14 +138,59 @@ def test_block_sizes_are_part_of_the_key(compiled, monkeypatch):
     assert len(compiled) == 2
 
 
-def test_an_int_dropout_seed_stays_eager(compiled):
+def test_dropout_seeds_are_operands(compiled, monkeypatch):
     q, k, v = arrays(6)
     a = call(q, k, v, "reference", dropout_p=0.5, dropout_seed=1)[0]
-    b = call(q, k, v, "reference", dropout_p=0.5, dropout_seed=2)[0]
+    b = call(q, k, v, "reference", dropout_p=0.5, dropout_seed=2**40 + 2)[0]
+    c = call(q, k, v, "reference", dropout_p=0.5, dropout_seed=jnp.asarray(1))[0]
+    assert len(compiled) == 1                 # one computation for every seed
     assert not np.allclose(np.asarray(a), np.asarray(b))
-    assert len(compiled) == 0
-    seeded = call(q, k, v, "reference", dropout_p=0.5, dropout_seed=jnp.asarray(1))[0]
-    np.testing.assert_allclose(np.asarray(seeded), np.asarray(a), rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(_jax_eager, "passes", lambda backend, problem: None)
+    for seed, got in ((1, a), (2**40 + 2, b), (1, c)):    # the weights the ints drop
+        want = call(q, k, v, "reference", dropout_p=0.5, dropout_seed=seed)[0]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
+
+
+def test_a_seed_no_jax_array_holds_stays_eager(compiled):
+    q, k, v = arrays(6)
+    jax.config.update("jax_enable_x64", False)
+    try:
+        x = [jnp.asarray(a, dtype=jnp.float32) for a in (q, k, v)]
+        for seed in (5, 2**40 + 5):
+            polyattn.scaled_dot_product_attention(*x, dropout_p=0.5, dropout_seed=seed,
+                                                  implementation="chunked")
+        why = polyattn.explain(*x, dropout_p=0.5, dropout_seed=2**40 + 5,
+                               implementation="chunked").details["jax eager"]
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert len(compiled) == 1                 # 5 compiled; 2**40 + 5 does not fit uint32
+    assert why.startswith("operation by operation: a dropout seed of 2**32 or more"), why
+
+
+def test_rules_reading_signed_zeros_and_ops_functions(compiled):
+    """A rule's global read by its bits (0.0 and -0.0 are different rules), and polyattn.ops
+    functions by name, however the rule names them."""
+    import math
+
+    from polyattn import ops
+
+    q, k, v = arrays(12)
+    namespace = {"math": math, "ops": ops, "tanh": ops.tanh, "Z": 0.0}
+    exec("def signed(s, b, h, q_idx, kv_idx):\n"
+         "    return s + math.copysign(1.0, Z) * (q_idx - kv_idx)\n"
+         "def capped(s, b, h, q_idx, kv_idx):\n"
+         "    return ops.tanh(s) + tanh(s)\n", namespace)
+    outs = []                                 # (a dict would take 0.0 and -0.0 as one key)
+    for z in (0.0, -0.0):
+        namespace["Z"] = z
+        outs.append(np.asarray(call(q, k, v, "chunked", score_mod=namespace["signed"])[0]))
+        want = polyattn.scaled_dot_product_attention(q, k, v, implementation="reference",
+                                                     score_mod=namespace["signed"])
+        np.testing.assert_allclose(outs[-1], want, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(outs[0], outs[1])
+    x = jnp.zeros((1, 2, 8, 4))
+    why = polyattn.explain(x, x, x, score_mod=namespace["capped"], implementation="chunked")
+    assert why.details["jax eager"].startswith("one jax.jit computation"), why
 
 
 def test_under_jax_transforms_the_callers_tracing_does_it(compiled):
@@ -201,9 +246,10 @@ def test_explain_says_how_the_call_runs():
     x = jnp.zeros((1, 2, 8, 4))
     compiled = polyattn.explain(x, x, x, is_causal=True, implementation="chunked")
     assert compiled.details["jax eager"].startswith("one jax.jit computation per pass")
-    seeded = polyattn.explain(x, x, x, dropout_p=0.1, dropout_seed=3, implementation="chunked")
-    assert "int seed" in seeded.details["jax eager"]
-    assert "jax eager" in str(seeded)
+    segments = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1]])
+    packed = polyattn.explain(x, x, x, segment_ids=segments, implementation="chunked")
+    assert packed.details["jax eager"].startswith("operation by operation: sorted segment")
+    assert "jax eager" in str(packed)
 
     def reads_an_array(score, b, h, q_idx, kv_idx):
         return score + x[0, h, 0, 0]
@@ -213,7 +259,7 @@ def test_explain_says_how_the_call_runs():
     traced = []
     jax.jit(lambda x: traced.append(polyattn.explain(x, x, x, implementation="chunked"))
             or x)(x)
-    assert "traced" in traced[0].details["jax eager"]
+    assert traced[0].details["jax eager"].startswith("traced arrays: the call is part of")
     assert "jax eager" not in polyattn.explain(np.zeros((1, 2, 8, 4)),
                                                np.zeros((1, 2, 8, 4)),
                                                np.zeros((1, 2, 8, 4))).details

@@ -9,17 +9,19 @@ made of everything else the call is: its shapes, rules, scale and dtypes, the
 implementation's settings (block sizes), the user's ``score_mod`` and ``mask_mod`` by
 :func:`.rules.tracing.fingerprint` (their code and the numbers and functions they read),
 a block mask by its tiles. A later call with the same key and arrays of the same shapes
-and dtypes runs the compiled computation. Key lengths are operands like the other arrays,
-so that a decoding loop compiles once.
+and dtypes runs the compiled computation. Key lengths and an int dropout seed are
+operands like the arrays, so that a decoding loop or a training loop with a new seed at
+every step compiles once.
 
 Calls run operation by operation as before (:func:`stays_eager`) where a key would change
-from one call to the next in a loop (dropout with a seed given as an int, one per
-training step; sorted segment ids whose values narrow the keys read, one packing per
-batch), where a ``score_mod`` or ``mask_mod`` reads an array or an object from its
-closure or globals (what it reads may change between calls, and a compiled computation
-would keep the first value), and where the call holds anything else without a key. The
-traced computation is the Array-API code that ``jax.jit`` around the caller's function
-traces: its results and errors are those of that route.
+from one call to the next in a loop (sorted segment ids whose values narrow the keys
+read, one packing per batch; a dropout seed that no JAX array holds), where a
+``score_mod`` or ``mask_mod`` reads an array or an object from its closure or globals
+(what it reads may change between calls, and a compiled computation would keep the first
+value), and where the call holds anything else that cannot be compared. The traced
+computation is the Array-API code that ``jax.jit`` around the caller's function traces:
+its results and errors are those of that route (a rule must trace: ``float()`` of a
+``mod_args`` array, which the operations one by one allow, raises).
 """
 
 from __future__ import annotations
@@ -73,14 +75,14 @@ def _key(x: Any) -> Any:
                      for fn in (x.score_mod, x.mask_mod))
         if any(k is None and fn is not None
                for k, fn in zip(keys, (x.score_mod, x.mask_mod), strict=True)):
-            raise Unkeyed("a score_mod or mask_mod that reads an array or an object (it may "
-                          "change between calls)")
+            raise Unkeyed("a score_mod or mask_mod that reads an array or an object: it may "
+                          "change between calls")
         return (UserRules, keys)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (type(x), tuple(_key(getattr(x, f.name)) for f in dataclasses.fields(x)))
     if isinstance(x, (types.ModuleType, type, np.dtype)):
         return ("object", x)
-    raise Unkeyed(f"a value of type {type(x).__name__}")
+    raise Unkeyed(f"the call holds a value of type {type(x).__name__}")
 
 
 def stays_eager(problem: Problem) -> str | None:
@@ -97,13 +99,27 @@ def stays_eager(problem: Problem) -> str | None:
     arrays = (problem.q, problem.k, problem.v, problem.mask, rules.key_lengths, rules.alibi,
               *seg, *user, rules.dropout_seed)
     if any(isinstance(x, jax.core.Tracer) for x in arrays):
-        return "traced arrays: the JAX transform around the call compiles it"
-    if rules.dropout and isinstance(rules.dropout_seed, int):
-        return ("dropout with an int seed, which would be compiled into the computation "
-                "(pass it as a 0-d JAX array to run compiled)")
+        return ("traced arrays: the call is part of the JAX transform around it, compiled "
+                "where that is jax.jit")
+    if rules.dropout and isinstance(rules.dropout_seed, int) and _seed(
+            rules.dropout_seed) is None:
+        return ("a dropout seed of 2**32 or more with JAX's 64-bit types off: no JAX array "
+                "holds it")
     if rules.segment_keys is not None:
         return "sorted segment ids at hand narrow the keys read, which depend on their values"
     return None
+
+
+def _seed(seed: int) -> Any:
+    """A dropout seed as a 0-d JAX array whose key words are those of the int (uint64, or
+    uint32 without 64-bit types); ``None`` where it does not fit."""
+    import jax
+    import jax.numpy as jnp
+
+    wide = bool(jax.config.jax_enable_x64)
+    if not 0 <= seed < 2 ** (64 if wide else 32):
+        return None
+    return jnp.asarray(seed, dtype=jnp.uint64 if wide else jnp.uint32)
 
 
 def _template(backend: Any, problem: Problem) -> tuple[Any, Call, list[Array]] | str:
@@ -113,15 +129,20 @@ def _template(backend: Any, problem: Problem) -> tuple[Any, Call, list[Array]] |
         return why
     # the key lengths' values at hand serve plans made before anything runs (Dask's): the
     # Array-API implementations mask by the array, so a decoding loop compiles once
+    # and an int dropout seed becomes an operand, so that a new seed at every training step
+    # reuses the computation
+    rules = problem.rules
+    seed = (_seed(rules.dropout_seed) if rules.dropout and isinstance(rules.dropout_seed, int)
+            else rules.dropout_seed)
     problem = dataclasses.replace(
-        problem, rules=dataclasses.replace(problem.rules, lengths_at_hand=None))
+        problem, rules=dataclasses.replace(rules, lengths_at_hand=None, dropout_seed=seed))
     call, operands = Call.of(problem, backend, None)
     try:
         settings: tuple[Any, ...] = getattr(backend, "settings", tuple)()
         key = (backend.NAME, type(backend).__qualname__, _key(settings), call.present,
                call.tables, _key(call.problem))
     except Unkeyed as exc:
-        return f"the call holds {exc}, which has no key"
+        return f"{exc}, which cannot be compared from one call to the next"
     return key, call, operands
 
 
@@ -129,7 +150,9 @@ def describe(backend: Any, problem: Problem) -> str:
     """How the call runs, for ``explain()``."""
     found = _template(backend, problem)
     if isinstance(found, str):
-        return f"operation by operation ({found})"
+        if found.startswith("traced"):
+            return found
+        return f"operation by operation: {found}"
     return "one jax.jit computation per pass, compiled once for calls like this one"
 
 

@@ -21,6 +21,7 @@ TypeError: score_mod <lambda> cannot be compiled into a kernel: ...
 
 from __future__ import annotations
 
+import dis
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -424,9 +425,10 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), np.number, np.bool_
 
 def fingerprint(fn: Any, _depth: int = 0) -> Any:
     """A hashable key that is equal for two rules whose traces are equal: the function's
-    code, defaults, and the values of its closure and of the globals its code names
-    (numbers and strings by value, :mod:`polyattn.ops`, :mod:`math` and NumPy by name,
-    functions by their own fingerprint); ``None`` where the function reads anything else
+    code, defaults, and the values of its closure and of the globals its code reads
+    (numbers and strings by value, floats by their bits; :mod:`polyattn.ops`, :mod:`math`
+    and NumPy, and their functions, by name; other functions by their own fingerprint);
+    ``None`` where the function reads anything else
     (an object whose attributes may change): such a rule is traced at every call."""
     code = getattr(fn, "__code__", None)
     if code is None or _depth > 4:
@@ -436,10 +438,20 @@ def fingerprint(fn: Any, _depth: int = 0) -> Any:
     modules = {id(ops): "ops", id(math): "math", id(np): "np"}
 
     def value(v: Any) -> Any:
+        if isinstance(v, (float, np.floating)):         # by their bits: 0.0 is not -0.0
+            return (type(v), float(v).hex())
+        if isinstance(v, (complex, np.complexfloating)):
+            return (type(v), complex(v).real.hex(), complex(v).imag.hex())
         if isinstance(v, _PLAIN):
             return (type(v), v)
         if id(v) in modules:
             return modules[id(v)]
+        if callable(v) and getattr(v, "__module__", None) == ops.__name__:
+            return ("ops", getattr(v, "__name__", None))       # polyattn.ops by name
+        if isinstance(v, np.ufunc):
+            return ("np", v.__name__)
+        if isinstance(v, type(math.exp)) and getattr(v, "__module__", None) == "math":
+            return ("math", v.__name__)
         if isinstance(v, tuple):
             parts = tuple(value(x) for x in v)
             return None if any(x is None for x in parts) else parts
@@ -449,9 +461,10 @@ def fingerprint(fn: Any, _depth: int = 0) -> Any:
 
     names: set[str] = set()
     stack = [code]
-    while stack:                                       # the code and the code it nests
-        c = stack.pop()
-        names.update(c.co_names)
+    while stack:                # the globals the code and the code it nests read (not the
+        c = stack.pop()         # attribute names, which co_names holds as well)
+        names.update(ins.argval for ins in dis.get_instructions(c)
+                     if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
         stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
     glob = getattr(fn, "__globals__", {})
     parts = [("code", code), ("defaults", value(fn.__defaults__ or ())),
