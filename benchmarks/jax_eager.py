@@ -35,8 +35,10 @@ IMPLEMENTATIONS = ("reference", "chunked")
 
 
 def run_case(b: int, h: int, t: int, e: int, dtype: str, reps: int,
-             rng: np.random.Generator) -> dict[str, Any]:
-    """First-call and steady-state seconds of each contender at (b, h, t, e), causal."""
+             rng: np.random.Generator, *, cold: bool = True) -> dict[str, Any]:
+    """First-call and steady-state seconds of each contender at (b, h, t, e), causal;
+    ``cold``: JAX's caches are cleared before each first call (``False``: the first calls
+    may reuse what the process compiled before)."""
     import jax
     import jax.numpy as jnp
 
@@ -71,8 +73,9 @@ def run_case(b: int, h: int, t: int, e: int, dtype: str, reps: int,
     first, outs = {}, {}
     q, k, v = arrays()
     for name, fn in contenders.items():                 # a new shape for every contender
-        jax.clear_caches()
-        _jax_eager._COMPILED.clear()
+        if cold:
+            jax.clear_caches()
+            _jax_eager._COMPILED.clear()
         t0 = time.perf_counter()
         outs[name] = np.asarray(fn(q, k, v).block_until_ready())
         first[name] = time.perf_counter() - t0
