@@ -193,17 +193,31 @@ def test_rules_reading_signed_zeros_and_ops_functions(compiled):
     assert why.details["jax eager"].startswith("one jax.jit computation"), why
 
 
-def test_under_jax_transforms_the_callers_tracing_does_it(compiled):
+def test_under_jax_transforms_the_computation_is_differentiated_and_mapped(compiled,
+                                                                          monkeypatch):
     q, k, v = (jnp.asarray(a) for a in arrays(7))
+    lengths = jnp.asarray([5, 12])
 
-    def loss(q):
-        return polyattn.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                     implementation="chunked").sum()
+    def loss(q, k):
+        return polyattn.scaled_dot_product_attention(
+            q, k, v, is_causal=True, key_lengths=lengths, implementation="chunked").sum()
 
-    eager = jax.grad(loss)(q)
-    jitted = jax.jit(jax.grad(loss))(q)
-    assert len(compiled) == 0                 # tracers: the transform compiles
-    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-10, atol=1e-12)
+    eager = jax.grad(loss, argnums=(0, 1))(q, k)
+    assert len(compiled) == 1                 # eager jax.grad: one computation, differentiated
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, k)
+    with monkeypatch.context() as m:
+        m.setattr(_jax_eager, "passes", lambda backend, problem: None)
+        one_by_one = jax.grad(loss, argnums=(0, 1))(q, k)
+    for a, b, c in zip(eager, jitted, one_by_one, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(c), rtol=1e-10, atol=1e-12)
+    mapped = jax.vmap(lambda q: polyattn.scaled_dot_product_attention(
+        q[None], k[:1], v[:1], implementation="reference")[0])(q)
+    for row in range(2):
+        want = polyattn.scaled_dot_product_attention(q[row:row + 1], k[:1], v[:1],
+                                                     implementation="reference")[0]
+        np.testing.assert_allclose(np.asarray(mapped[row]), np.asarray(want), rtol=1e-12,
+                                   atol=1e-12)
 
 
 def test_the_backward_pass_of_attention_vjp_runs_compiled(compiled):
@@ -259,7 +273,7 @@ def test_explain_says_how_the_call_runs():
     traced = []
     jax.jit(lambda x: traced.append(polyattn.explain(x, x, x, implementation="chunked"))
             or x)(x)
-    assert traced[0].details["jax eager"].startswith("traced arrays: the call is part of")
+    assert traced[0].details["jax eager"].startswith("one jax.jit computation per pass")
     assert "jax eager" not in polyattn.explain(np.zeros((1, 2, 8, 4)),
                                                np.zeros((1, 2, 8, 4)),
                                                np.zeros((1, 2, 8, 4))).details

@@ -1,9 +1,10 @@
-"""Eager calls on JAX arrays, each pass run as one compiled computation.
+"""Calls on JAX arrays, each pass run as one compiled computation.
 
 Outside ``jax.jit``, JAX runs each operation on its own and compiles it for every new
 shape it meets: an Array-API implementation is some fifty operations, so a call on a new
 shape spent seconds compiling them one by one, and every later call dispatched them one
-by one. Here the implementation's pass is traced once into one ``jax.jit`` computation
+by one (``jax.grad`` and ``jax.vmap`` without ``jax.jit`` too). Here the implementation's
+pass is traced once into one ``jax.jit`` computation
 over the call's arrays (:class:`._jax_bridge.Call` takes them out) and kept under a key
 made of everything else the call is: its shapes, rules, scale and dtypes, the
 implementation's settings (block sizes), the user's ``score_mod`` and ``mask_mod`` by
@@ -87,20 +88,13 @@ def _key(x: Any) -> Any:
 
 def stays_eager(problem: Problem) -> str | None:
     """Why ``problem`` (JAX arrays) does not run compiled here, in words; ``None``: it does.
-    Not here: traced arrays (the caller's transform compiles them), rules whose host-side
-    values change from call to call (an int dropout seed, sorted segment ids at hand)."""
-    import jax
-
+    Not here: rules whose host-side values change from call to call (sorted segment ids at
+    hand, a dropout seed no JAX array holds). Traced arrays (``jax.grad``, ``jax.vmap``,
+    ``jax.jit`` around the call) run compiled too: JAX differentiates and maps the
+    computation, and under ``jax.jit`` it is part of the caller's."""
     if library_name(problem.xp) != "jax":
         return "not JAX arrays"
     rules = problem.rules
-    seg = rules.segments or ()
-    user = () if rules.user is None else rules.user.mod_args
-    arrays = (problem.q, problem.k, problem.v, problem.mask, rules.key_lengths, rules.alibi,
-              *seg, *user, rules.dropout_seed)
-    if any(isinstance(x, jax.core.Tracer) for x in arrays):
-        return ("traced arrays: the call is part of the JAX transform around it, compiled "
-                "where that is jax.jit")
     if rules.dropout and isinstance(rules.dropout_seed, int) and _seed(
             rules.dropout_seed) is None:
         return ("a dropout seed of 2**32 or more with JAX's 64-bit types off: no JAX array "
