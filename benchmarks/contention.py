@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cpu import environment, naive_numpy, time_interleaved
+from cpu import cpu_identity, environment, naive_numpy, time_interleaved
 
 import polyattn
 from polyattn.backends.numpy import forward as numpy_chunked
@@ -159,24 +159,6 @@ def run(reps: int, busy: int, numba: bool) -> list[dict[str, Any]]:
                 print(f"{condition} {(b, h, t, e)} causal={causal} {dtype}: " + ", ".join(
                     f"{n} {r:.2f}" for n, r in row["ratio_to_torch"].items()), flush=True)
     return rows
-
-
-def cpu_identity() -> dict[str, str]:
-    """The CPU's vendor, family, model and stepping from /proc/cpuinfo (a VM may show only a
-    generic model name; the family tells the generation)."""
-    found: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return found
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("vendor_id", "cpu family", "model", "stepping") and key not in found:
-            found[key] = value.strip()
-        if not line.strip() and found:
-            break
-    return found
 
 
 def cpu_slug(cpu: str, count: int | None) -> str:

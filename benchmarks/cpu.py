@@ -204,6 +204,7 @@ def environment() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": cpu,
+        "cpu_identity": cpu_identity(),
         "cpu_count": os.cpu_count(),
         "load_average_start": list(os.getloadavg()),
         "versions": {"polyattn": polyattn.__version__, "numpy": np.__version__,
@@ -225,6 +226,24 @@ def environment() -> dict[str, Any]:
                 ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
                  "OMP_NUM_THREADS", "POLYATTN_SCORE_BUDGET", "NUMBA_THREADING_LAYER")},
     }
+
+
+def cpu_identity() -> dict[str, str]:
+    """The CPU's vendor, family, model and stepping from /proc/cpuinfo (a virtual machine may
+    show only a generic model name, "AMD EPYC": the family and model tell the generation)."""
+    found: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return found
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("vendor_id", "cpu family", "model", "stepping") and key not in found:
+            found[key] = value.strip()
+        if not line.strip() and found:
+            break
+    return found
 
 
 def simd_level() -> str:
@@ -360,11 +379,12 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]], command: str) -> s
     """The results as a Markdown report (environment, table, targets)."""
     blas = "; ".join(f"{x['library']}, kernel {x['kernel']}, {x['threads']} threads"
                      for x in env["numpy_blas"])
+    identity = "".join(f"{key} {value}, " for key, value in env.get("cpu_identity", {}).items())
     lines = [
         f"# CPU benchmark, {env['date']}",
         "",
         f"- Command: `{command}`",
-        f"- CPU: {env['cpu']} ({env['cpu_count']} logical CPUs), SIMD: "
+        f"- CPU: {env['cpu']} ({identity}{env['cpu_count']} logical CPUs), SIMD: "
         f"{env.get('simd', 'not recorded')} (torch dispatches to "
         f"{env.get('torch_cpu_capability', '?')}); load average at start "
         f"{env['load_average_start'][0]:.2f}, at end {env['load_average_end'][0]:.2f}",
