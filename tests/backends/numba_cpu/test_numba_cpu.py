@@ -339,10 +339,10 @@ def test_items_are_shared_out_by_the_kernel_whatever_the_threading_layer():
     call = Call(q, q, q, None, Rules(200, 200, causal=True), 0.5)
     items = call.query_items()
     out, lse = np.empty((1, 3, 200, 8)), np.empty((1, 3, 200))
-    counter = threads.counter()
+    forward = compiler.kernels(np.float64)["forward"]
+    counter = threads.counter(compiler.item_address("forward", np.float64))
     loops = min(int(counter[1]), len(items))
-    threads.run(compiler.kernels(np.float64)["forward"], *call.common(), items, call.fparams,
-                call.iparams, out, lse, counter)
+    threads.run(forward, *call.common(), items, call.fparams, call.iparams, out, lse, counter)
     assert counter[0] == len(items) + loops
     np.testing.assert_allclose(out, sdpa(q, q, q, is_causal=True, scale=0.5,
                                          implementation="reference"), rtol=1e-12, atol=1e-13)
@@ -487,6 +487,41 @@ def test_transpose_moves_every_element_and_no_other(dtype):
             assert (dst[untouched] == -7.0).all(), f"{rows} x {cols}: wrote outside"
 
 
+def test_work_items_compiled_once_on_their_own():
+    """The kernels call their work-item functions by address (kernels.call_at), so each is
+    compiled once, on its own, not again into the kernel and each module of its parallel
+    loop: the kernels' machine code in Numba's cache is a fraction of their items'."""
+    found = compiler.kernels(np.float32)
+    compiler.backward_kernel(np.float32)
+    for kind, item in compiler.ITEMS.items():
+        folder = Path(found[kind].stats.cache_path)
+        sizes = {name: sum(p.stat().st_size for p in folder.glob(f"kernels.{name}-*.nbc"))
+                 for name in (kind, item)}
+        assert sizes[item] > 0, (folder, sizes)
+        assert sizes[kind] < sizes[item] / 2, sizes
+        assert compiler.item_address(kind, np.float32) > 0
+
+
+def test_work_item_calls_check_their_arguments():
+    """call_at takes only a work item's compiled argument types (a call by address with
+    others would read its arguments wrongly), and a counter needs the item's address."""
+    import numba
+
+    from polyattn.backends.numba_cpu import kernels, threads
+
+    @numba.njit
+    def wrong(address, x):
+        kernels.call_at(address, (x, x))
+
+    with pytest.raises(numba.core.errors.TypingError, match="no work item"):
+        wrong(1, np.zeros(3))
+    with pytest.raises(ValueError, match="address"):
+        threads.counter(0)
+    sig = kernels.item_signature("forward", np.float32)
+    assert sig == kernels.item_signature("forward", numba.float32)
+    assert sig[-1] == numba.int64 and sig[:-1] == kernels.signature(np.float32).args[:-1]
+
+
 def test_calls_skip_numba_dispatch_but_not_its_checks():
     """The kernels are called through their compiled entry points (no typing of every
     argument on every call); arguments the signature does not describe go to the
@@ -501,7 +536,7 @@ def test_calls_skip_numba_dispatch_but_not_its_checks():
     out = np.empty((1, 2, 40, 8), np.float32)
     lse = np.empty((1, 2, 40), np.float32)
     args = (*call.common(), call.query_items(), call.fparams, call.iparams, out, lse,
-            threads.counter())
+            threads.counter(compiler.item_address("forward", np.float32)))
     assert threads._entry(forward, args) is not forward            # the entry point
     wrong = list(args)
     wrong[-1] = lse.astype(np.float64)                              # lse in another dtype

@@ -65,7 +65,8 @@ def _dispatchers() -> dict[str, Any]:
             from polyattn.backends.numba_cpu import kernels as compiled
 
             _definitions.update({name: getattr(compiled, name) for name in
-                                 ("exp32", "exp64", "attend_item", "forward", "backward")})
+                                 ("exp32", "exp64", "attend_item", "grad_key_item",
+                                  "forward", "backward")})
         return _definitions
 
 
@@ -80,6 +81,18 @@ def _signature(kind: str, dt: Any) -> Any:
     from polyattn.backends.numba_cpu import kernels as compiled
 
     return (compiled.signature if kind == "forward" else compiled.backward_signature)(dt)
+
+
+#: The function each kernel runs per work item (compiled on its own: :func:`.kernels.call_at`).
+ITEMS = {"forward": "attend_item", "backward": "grad_key_item"}
+#: (kernel, dtype name) -> the machine address of its work-item function in this process.
+_addresses: dict[tuple[str, str], int] = {}
+
+
+def _item_signature(kind: str, dt: Any) -> Any:
+    from polyattn.backends.numba_cpu import kernels as compiled
+
+    return compiled.item_signature(kind, dt)
 
 
 def _wanted(dtype: Any) -> tuple[Any, ...]:
@@ -100,9 +113,11 @@ def _cached(function: Any, sig: Any) -> tuple[bool | None, str]:
         return None, type(exc).__name__
 
 
-#: CPU seconds a compile from an empty cache took per kernel and dtype (2-core AMD EPYC
-#: Zen 4, idle: forward 13.5-14.0 s, backward 13.6-14.4 s), as the announcements say.
-SECONDS = {"forward": 14, "backward": 14}
+#: CPU seconds a compile from an empty cache takes per kernel and dtype, work-item function
+#: included, as the announcements say: on a 2-core AMD EPYC Zen 5, idle, float32 forward
+#: 6.9 s and backward 9.2 s (11.5 s and 15.3 s while each kernel compiled its item's code
+#: into its own modules too); rounded up for slower CPUs (a Zen 4 took 1.2x as long).
+SECONDS = {"forward": 8, "backward": 11}
 
 
 def _announce_compile(what: str, dtypes: tuple[Any, ...],
@@ -128,19 +143,36 @@ def _compile(kind: str, dtype: Any, announce: bool) -> Any:
     function = _definitions[kind]
     missing = tuple(dt for dt in _wanted(dtype) if (kind, np.dtype(dt).name) not in _states)
     if announce and missing:
-        _announce_compile(kind, missing, [(function, _signature(kind, dt)) for dt in missing])
+        item = _definitions[ITEMS[kind]]
+        _announce_compile(kind, missing, [pair for dt in missing for pair in (
+            (item, _item_signature(kind, dt)), (function, _signature(kind, dt)))])
+    item = _definitions[ITEMS[kind]]
     for dt in missing:
-        hits = sum(function.stats.cache_hits.values())
-        function.disable_compile(False)
-        try:
-            with quiet():
-                function.compile(_signature(kind, dt))
-        finally:
-            if function.overloads:
-                function.disable_compile(True)
-        loaded = sum(function.stats.cache_hits.values()) > hits
+        hits = sum(sum(f.stats.cache_hits.values()) for f in (item, function))
+        misses = sum(sum(f.stats.cache_misses.values()) for f in (item, function))
+        sig = _item_signature(kind, dt)
+        for compiled, signature in ((item, sig), (function, _signature(kind, dt))):
+            compiled.disable_compile(False)
+            try:
+                with quiet():
+                    compiled.compile(signature)
+            finally:
+                if compiled.overloads:
+                    compiled.disable_compile(True)
+        result = item.overloads[sig]
+        _addresses[(kind, np.dtype(dt).name)] = result.library.get_pointer_to_function(
+            result.fndesc.llvm_func_name)
+        loaded = (sum(sum(f.stats.cache_hits.values()) for f in (item, function)) > hits and
+                  sum(sum(f.stats.cache_misses.values()) for f in (item, function)) == misses)
         _states[(kind, np.dtype(dt).name)] = "loaded" if loaded else "compiled"
     return function
+
+
+def item_address(kind: str, dtype: Any) -> int:
+    """The machine address of the ``kind`` kernel's work-item function for ``dtype``'s
+    computation (compiled by :func:`kernels` or :func:`backward_kernel` first): the
+    kernel's ``counter[2]`` (:func:`.threads.counter`)."""
+    return _addresses[(kind, np.dtype(_wanted(dtype)[0]).name)]
 
 
 def kernels(dtype: Any = None, *, announce: bool = True) -> dict[str, Any]:
@@ -191,7 +223,11 @@ def _kernel_state(kind: str, dt: Any, in_process: bool) -> tuple[str, str]:
         return {"compiled": "compiled in this process",
                 "loaded": "loaded from Numba's cache in this process"}[_states[(kind, name)]], ""
     try:
-        hit, where = _cached(_dispatchers()[kind], _signature(kind, dt))
+        found = _dispatchers()
+        pairs = [_cached(found[ITEMS[kind]], _item_signature(kind, dt)),
+                 _cached(found[kind], _signature(kind, dt))]
+        unknown = [pair for pair in pairs if pair[0] is None]
+        hit, where = unknown[0] if unknown else (all(h for h, _ in pairs), pairs[1][1])
     except Exception as exc:  # Numba's cache internals differ: say so rather than guess
         hit, where = None, type(exc).__name__
     if hit is None:

@@ -66,7 +66,8 @@ def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, mask: A
     items = key_items(call.lengths, hkv, call.block_k, parts)
     if items.size:
         threads.run(compiler.backward_kernel(dt), *call.common(), go, lse3, dd, items,
-                    call.fparams, call.iparams, dq_parts, dk, dv, threads.counter())
+                    call.fparams, call.iparams, dq_parts, dk, dv,
+                    threads.counter(compiler.item_address("backward", dt)))
     dq = dq_parts[0]
     if parts > 1:                                  # in order: the same sum every time
         target = _usable(into, 0, q.shape, dq_full, dt)

@@ -7,11 +7,13 @@ again in the next process.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from polyattn.backends.numba_cpu.tiles import (
@@ -88,6 +90,38 @@ def as_pointer(typingctx: Any, address: Any, like: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(pointer))
 
     return pointer(address, like), codegen
+
+
+@intrinsic
+def call_at(typingctx: Any, address: Any, args: Any) -> Any:
+    """Call the Numba-compiled function at machine address ``address`` (an int64) with the
+    tuple ``args``, by Numba's own calling convention (no return value; an exception it
+    raises is raised here). The parallel kernels call their work items' functions so,
+    rather than by name: Numba would link a named callee's code into the kernel's module
+    and into each of the three modules of its parallel loop, and optimise and compile it
+    anew in each (most of the first call's compile time); through its address it is
+    compiled once, on its own. The caller must pass exactly the argument types the
+    function was compiled for (:func:`item_signature`)."""
+    if address != numba.types.int64 or not isinstance(args, numba.types.BaseTuple):
+        return None
+    dtype = getattr(args.types[0], "dtype", None) if len(args.types) else None
+    if dtype not in (numba.types.float32, numba.types.float64) or tuple(args.types) not in (
+            item_signature("forward", dtype), item_signature("backward", dtype)):
+        raise numba.core.errors.TypingError(
+            f"call_at: arguments {args} match no work item's compiled signature")
+
+    def codegen(context: Any, builder: Any, sig: Any, llargs: Any) -> Any:
+        argtys = tuple(sig.args[1].types)
+        values = cgutils.unpack_tuple(builder, llargs[1], len(argtys))
+        fnty = context.call_conv.get_function_type(numba.types.none, argtys)
+        callee = builder.inttoptr(llargs[0], fnty.as_pointer())
+        status, _ = context.call_conv.call_function(builder, callee, numba.types.none,
+                                                    argtys, values)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return numba.types.none(address, args), codegen
 
 
 # --- products in register tiles, and what every kernel does to one panel of scores -------
@@ -492,18 +526,19 @@ def exponent_bits(bits: Any, exponent: Any, ok: Any) -> None:
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def attend_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                 mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
-                item: Any, fparams: Any, iparams: Any, out: Any, lse: Any) -> None:
-    """One work item: the G heads of key/value head ``hk`` of batch row ``b``, query rows
-    ``[q0, q1)``, keys ``[k_lo, k_hi)``, in panels of W query rows; per block of keys and
-    panel, ``Sᵀ = scale·K·Qᵀ`` for the keys the panel sees, their transform, the online
-    softmax column by column (:func:`softmax_step`), dropout, and ``Oᵀ += Vᵀ·Pᵀ``.
+                items: Any, fparams: Any, iparams: Any, out: Any, lse: Any, t: int) -> None:
+    """Work item ``items[t]``: the G heads of key/value head ``hk`` of batch row ``b``,
+    query rows ``[q0, q1)``, keys ``[k_lo, k_hi)``, in panels of W query rows; per block of
+    keys and panel, ``Sᵀ = scale·K·Qᵀ`` for the keys the panel sees, their transform, the
+    online softmax column by column (:func:`softmax_step`), dropout, and ``Oᵀ += Vᵀ·Pᵀ``.
 
     A row whose query holds a NaN or an inf gives NaN (out and lse), whatever the scores
     made of it: inf times keys all negative makes every score -inf (it would read as
     fully masked: 0, lse -inf), and soft-capping saturates an infinite score to a finite
     one; NaN never disappears (docs/semantics.rst, "Non-finite inputs"), as on the other
     paths."""
-    b, hk, q0, q1, k_lo, k_hi = item[0], item[1], item[2], item[3], item[4], item[5]
+    b, hk, q0, q1, k_lo, k_hi = items[t, 0], items[t, 1], items[t, 2], items[t, 3], \
+        items[t, 4], items[t, 5]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
     bq = q1 - q0
@@ -601,13 +636,14 @@ def forward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
     """The work items, each attended by whichever thread takes it first: ``counter[1]``
     loops (one per thread), each taking the next item from ``counter[0]`` (zero on
     entry) until none is left, so that items of unequal cost balance under any
-    threading layer (:func:`.threads.counter`)."""
+    threading layer (:func:`.threads.counter`); ``counter[2]``: the address of
+    :func:`attend_item` compiled for :func:`item_signature` (:func:`call_at`)."""
     n = items.shape[0]
     for _ in prange(min(counter[1], n)):
         t = next_item(counter)
         while t < n:
-            attend_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                        segments, user, items[t], fparams, iparams, out, lse)
+            call_at(counter[2], (q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets,
+                                 slopes, segments, user, items, fparams, iparams, out, lse, t))
             t = next_item(counter)
 
 
@@ -628,6 +664,21 @@ def signature(dt: Any) -> Any:
                   arr(dt, 4, False),
                   arr(dt, 3, False), arr(t.int64, 1, False))
 
+
+
+def item_signature(kind: str, dt: Any) -> tuple[Any, ...]:
+    """The argument types of the ``kind`` kernel's work-item function (:func:`attend_item`
+    for ``"forward"``, :func:`grad_key_item` for ``"backward"``) in dtype ``dt`` (a NumPy
+    or Numba float type): the kernel's own arguments, its counter replaced by the item's
+    index."""
+    return _item_signature(kind, str(dt) if isinstance(dt, numba.types.Type)
+                           else np.dtype(dt).name)
+
+
+@functools.cache
+def _item_signature(kind: str, name: str) -> tuple[Any, ...]:
+    kernel = signature(name) if kind == "forward" else backward_signature(name)
+    return (*kernel.args[:-1], numba.types.int64)
 
 # --- the backward pass (FlashAttention-2: scores recomputed from q, k and the saved lse) ---
 
@@ -709,17 +760,18 @@ def pack_rows(q: Any, qb: int, go: Any, b: int, hk: int, g_heads: int, c0: int, 
 @njit(nogil=True, fastmath=fastmath, cache=True)
 def grad_key_item(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
                   mmap: Any, lengths: Any, offsets: Any, slopes: Any, segments: Any, user: Any,
-                  go: Any, lse: Any, dd: Any, item: Any, fparams: Any, iparams: Any,
-                  dq: Any, dk: Any, dv: Any) -> None:
-    """Gradients for the blocks of keys ``k0 = start, start + step, …`` (below the batch
-    row's length) of head ``hk``, batch row ``b``: for each block, over every query row of
-    the G heads of its group in panels of KEY_PANELS × W rows, ``Sᵀ`` and ``P``
-    recomputed from the saved ``lse``, ``dPᵀ = V·dOᵀ`` and ``dS`` per W rows; then
-    ``dV += Pdᵀ·dO`` and ``dK += scale·dSᵀ·Q`` over the whole panel (products
-    KEY_PANELS·W deep), written to the block's rows of ``dk`` and ``dv``; and
-    ``dQ += scale·dS·K`` for the panel's rows, added to ``dq[part]`` (the item's own
-    part: no other item adds to it while this one runs)."""
-    b, hk, start, step, part = item[0], item[1], item[2], item[3], item[4]
+                  go: Any, lse: Any, dd: Any, items: Any, fparams: Any, iparams: Any,
+                  dq: Any, dk: Any, dv: Any, t: int) -> None:
+    """Work item ``items[t]``: gradients for the blocks of keys ``k0 = start, start + step,
+    …`` (below the batch row's length) of head ``hk``, batch row ``b``: for each block, over
+    every query row of the G heads of its group in panels of KEY_PANELS × W rows, ``Sᵀ`` and
+    ``P`` recomputed from the saved ``lse``, ``dPᵀ = V·dOᵀ`` and ``dS`` per W rows; then
+    ``dV += Pdᵀ·dO`` and ``dK += scale·dSᵀ·Q`` over the whole panel (products KEY_PANELS·W
+    deep), written to the block's rows of ``dk`` and ``dv``; and ``dQ += scale·dS·K`` for
+    the panel's rows, added to ``dq[part]`` (the item's own part: no other item adds to it
+    while this one runs)."""
+    b, hk, start, step, part = items[t, 0], items[t, 1], items[t, 2], items[t, 3], \
+        items[t, 4]
     e, ev = q.shape[3], v.shape[3]
     g_heads = q.shape[1] // k.shape[1]
     dt = q.dtype
@@ -832,14 +884,16 @@ def backward(q: Any, k: Any, v: Any, qmap: Any, kmap: Any, vmap: Any, mask: Any,
              lse: Any, dd: Any, items: Any, fparams: Any, iparams: Any, dq: Any, dk: Any,
              dv: Any, counter: Any) -> None:
     """dQ, dK and dV over the key items (:func:`grad_key_item`: each writes its own rows
-    of dK and dV, and adds to its own part of dQ), handed out as by :func:`forward`."""
+    of dK and dV, and adds to its own part of dQ), handed out as by :func:`forward`
+    (``counter[2]``: the address of :func:`grad_key_item` compiled for
+    :func:`item_signature`)."""
     n = items.shape[0]
     for _ in prange(min(counter[1], n)):
         t = next_item(counter)
         while t < n:
-            grad_key_item(q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets, slopes,
-                          segments, user, go, lse, dd, items[t], fparams, iparams, dq, dk,
-                          dv)
+            call_at(counter[2], (q, k, v, qmap, kmap, vmap, mask, mmap, lengths, offsets,
+                                 slopes, segments, user, go, lse, dd, items, fparams, iparams,
+                                 dq, dk, dv, t))
             t = next_item(counter)
 
 

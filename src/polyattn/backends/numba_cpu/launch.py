@@ -95,7 +95,8 @@ def attention(q: Any, k: Any, v: Any, /, *, mask: Any, rules: Rules, scale: floa
     items = call.query_items()
     if items.size:
         threads.run(compiler.kernels(call.dtype)["forward"], *call.common(), items,
-                    call.fparams, call.iparams, out, lse, threads.counter())
+                    call.fparams, call.iparams, out, lse,
+                    threads.counter(compiler.item_address("forward", call.dtype)))
     return out.reshape((*call.batch, h, tq, call.ev)), lse.reshape((*call.batch, h, tq))
 
 

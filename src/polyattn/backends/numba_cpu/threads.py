@@ -161,15 +161,18 @@ def run(kernel: Any, *args: Any) -> None:
             _layer.append(str(numba.threading_layer()))
 
 
-def counter() -> Any:
-    """A kernel's last argument: ``[0, threads]``, the index of the next work item (the
-    threads take items by incrementing it, atomically) and how many loops take them (one
-    per Numba thread). The kernel balances its items itself, whatever the threading
-    layer's own scheduling (TBB's is dynamic, OpenMP's static)."""
+def counter(item: int) -> Any:
+    """A kernel's last argument: ``[0, threads, item]``, the index of the next work item
+    (the threads take items by incrementing it, atomically), how many loops take them (one
+    per Numba thread), and the machine address of the kernel's work-item function
+    (:func:`.compiler.item_address`). The kernel balances its items itself, whatever the
+    threading layer's own scheduling (TBB's is dynamic, OpenMP's static)."""
     import numba
     import numpy as np
 
-    return np.array([0, numba.get_num_threads()], dtype=np.int64)
+    if not item:
+        raise ValueError("counter: the work-item function's address is required")
+    return np.array([0, numba.get_num_threads(), item], dtype=np.int64)
 
 
 #: Per compiled kernel and dtype of its first argument: its entry point and what each
