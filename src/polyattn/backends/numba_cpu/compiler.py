@@ -116,8 +116,8 @@ def _cached(function: Any, sig: Any) -> tuple[bool | None, str]:
 #: CPU seconds a compile from an empty cache takes per kernel and dtype, work-item function
 #: included, as the announcements say: on a 2-core AMD EPYC Zen 5, idle, float32 forward
 #: 6.9 s and backward 9.2 s (11.5 s and 15.3 s while each kernel compiled its item's code
-#: into its own modules too); rounded up for slower CPUs (a Zen 4 took 1.2x as long).
-SECONDS = {"forward": 8, "backward": 11}
+#: into its own modules too); a slower CPU takes longer (a Zen 4 took 1.2x as long).
+SECONDS = {"forward": 7, "backward": 9}
 
 
 def _announce_compile(what: str, dtypes: tuple[Any, ...],
@@ -130,8 +130,9 @@ def _announce_compile(what: str, dtypes: tuple[Any, ...],
         seconds = SECONDS[what] * len(dtypes)
         logger.warning(
             "polyattn: compiling the numba_cpu %s kernel (%s), which Numba's cache (%s) "
-            "does not hold yet: this call waits for it (about %d s of CPU time, more under "
-            "load; once per machine); `python -m polyattn warmup` compiles it ahead",
+            "does not hold yet: this call waits for it (about %d s of CPU time, more on a "
+            "slower or loaded machine; once per machine); `python -m polyattn warmup` "
+            "compiles it ahead",
             what, names, where, seconds)
 
 

@@ -46,7 +46,8 @@ work; :mod:`.kernels` and :mod:`.tiles`, the compiled code.
 
 Numba is imported when the kernel is first used; :func:`availability` says whether it
 can run. A call that has to compile the kernel because Numba's cache does not hold it
-says so first, in one line on the logger ``"polyattn"`` (level WARNING, so it reaches
+says so first, in one line on the logger ``"polyattn.numba_cpu"`` (a child of
+``"polyattn"``; level WARNING, so it reaches
 stderr where logging is not configured;
 ``logging.getLogger("polyattn").setLevel(logging.ERROR)`` silences it), naming
 ``python -m polyattn warmup``. The NumPy code around the kernel computes under
